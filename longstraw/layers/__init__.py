@@ -1,0 +1,17 @@
+"""Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
+
+from .base import LayerState, layer_kind, register_layer_kind
+from .full_attention import AttentionBranchLayer, KVState
+from .linear_attention import RecurrentBranchLayer, RecurrentState
+from .sliding_window import SlidingKVState
+
+__all__ = [
+    "AttentionBranchLayer",
+    "KVState",
+    "LayerState",
+    "RecurrentBranchLayer",
+    "RecurrentState",
+    "SlidingKVState",
+    "layer_kind",
+    "register_layer_kind",
+]

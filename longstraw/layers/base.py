@@ -1,0 +1,73 @@
+"""What every layer kind provides: a durable state and a branch view of it.
+
+A `LayerState` holds what later tokens of one decoder layer can still read after the prompt
+(DESIGN.md's table). `branch()` returns a transformers cache layer that a replayed branch runs
+against: it reads the durable state and keeps everything the branch adds to itself, so the durable
+state is never written by a replay. During capture, `commit(branch_layer, n)` folds one prompt chunk's
+branch into the durable state.
+
+Adding a layer kind (MLA, DSA, ...) means one new module with a `LayerState` subclass registered
+under the transformers `layer_types` name it serves (`register_layer_kind`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from transformers import PreTrainedConfig
+
+
+class LayerState(ABC):
+    """Durable prompt state of one decoder layer."""
+
+    #: transformers `config.layer_types` names this kind serves.
+    layer_types: tuple[str, ...] = ()
+
+    def __init__(self, config: PreTrainedConfig, layer_idx: int, capacity: int):
+        """`capacity`: the number of prompt tokens the capture will commit (P − 1)."""
+        self.layer_idx = layer_idx
+        self.capacity = capacity
+        #: prompt tokens committed so far (absolute count, whatever the layer keeps of them).
+        self.length = 0
+
+    @abstractmethod
+    def branch(self):
+        """A fresh transformers cache layer reading this state; the state itself is never written."""
+
+    @abstractmethod
+    def commit(self, branch_layer, n: int) -> None:
+        """Fold the branch layer of a captured chunk of `n` prompt tokens into the durable state."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """The durable tensors (for `.nbytes`, moving and release)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @abstractmethod
+    def release(self) -> None:
+        """Drop the durable tensors."""
+
+
+_KINDS: dict[str, type[LayerState]] = {}
+
+
+def register_layer_kind(cls: type[LayerState]) -> type[LayerState]:
+    """Class decorator: serve `cls.layer_types` with `cls`."""
+    for name in cls.layer_types:
+        _KINDS[name] = cls
+    return cls
+
+
+def layer_kind(layer_type: str) -> type[LayerState]:
+    """The `LayerState` class for a transformers layer type, with a clear error if none serves it."""
+    try:
+        return _KINDS[layer_type]
+    except KeyError:
+        raise NotImplementedError(
+            f"longstraw has no durable state for layer type {layer_type!r}; supported layer types: "
+            f"{sorted(_KINDS)}"
+        ) from None

@@ -1,0 +1,107 @@
+"""Full attention: the durable state is the post-RoPE K and V of every prompt token.
+
+Durable bytes per prompt token: 2 · kv_heads · head_dim · dtype size. The K/V buffers are allocated
+once at their final length (P − 1) and filled chunk by chunk, so capture never concatenates or copies
+what it already holds. A branch keeps its own K/V apart and attention merges the two parts
+(`longstraw.attention.split_attention`), so the prompt K/V is never copied into a branch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .base import LayerState, register_layer_kind
+
+
+class AttentionBranchLayer(CacheLayerMixin):
+    """transformers cache layer of one branch over a read-only prompt K/V.
+
+    `update` appends the branch's new K/V to its own part only and returns that own part
+    `[B, Hkv, R_seen, D]`; the registered longstraw attention reads the prompt part from `prompt_k` /
+    `prompt_v`. Positions: prompt keys start at `prompt_start`, own keys at `prompt_length`.
+    """
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, prompt_k, prompt_v, prompt_length: int, prompt_start: int = 0, window: int | None = None):
+        super().__init__()
+        self.prompt_k, self.prompt_v = prompt_k, prompt_v
+        self.prompt_length = prompt_length
+        self.prompt_start = prompt_start
+        self.window = window
+        self.is_sliding = window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    @property
+    def own_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_seq_length(self) -> int:
+        return self.prompt_length + self.own_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # longstraw attention builds its own masks; these sizes only describe the layout.
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@register_layer_kind
+class KVState(LayerState):
+    """Prompt K/V of a full-attention layer: keys `[1, Hkv, P−1, D]`, values `[1, Hkv, P−1, Dv]`."""
+
+    layer_types = ("full_attention",)
+    window: int | None = None
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        super().__init__(config, layer_idx, capacity)
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def start(self) -> int:
+        """Absolute position of the first stored key."""
+        return 0
+
+    def stored(self):
+        if self.keys is None:
+            return None, None
+        n = self.length - self.start
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def branch(self) -> AttentionBranchLayer:
+        k, v = self.stored()
+        return AttentionBranchLayer(k, v, self.length, self.start, self.window)
+
+    def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
+        k, v = branch_layer.keys, branch_layer.values
+        if k.shape[-2] != n:
+            raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {k.shape[-2]} keys")
+        if self.keys is None:
+            self.keys = k.new_empty((*k.shape[:2], self.capacity, k.shape[3]))
+            self.values = v.new_empty((*v.shape[:2], self.capacity, v.shape[3]))
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
+        self.keys[:, :, self.length : self.length + n] = k
+        self.values[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def release(self) -> None:
+        self.keys = self.values = None

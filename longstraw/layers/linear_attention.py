@@ -1,0 +1,99 @@
+"""Linear attention / SSM (gated DeltaNet, Mamba-style): the durable state is conv + recurrent state.
+
+After the prompt, a linear-attention layer is fully described by its causal-conv window (the last
+`conv_kernel_size` inputs, `[1, conv_dim, K]`) and its recurrent state (gated DeltaNet:
+`[1, v_heads, k_head_dim, v_head_dim]`). Durable bytes are O(1) in P.
+
+transformers' `LinearAttentionLayer` writes both in place (`copy_`), which would corrupt a captured
+state shared by branches and breaks autograd. The branch layer here rebinds instead: it keeps the
+captured tensors untouched and holds the branch's own newer states. It reports `record_past = True`
+(transformers 5.24: `Cache.is_recording_past`), which makes the model take its functional
+conv path (`update_conv_state` + `causal_conv1d_fn`) instead of the in-place single-token update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from .base import LayerState, register_layer_kind
+
+
+class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
+    """transformers linear-attention cache layer of one branch, starting from captured states."""
+
+    def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int):
+        super().__init__(number_of_states=number_of_states)
+        self.record_past = True
+        for i in range(number_of_states):
+            c, r = conv_states.get(i), recurrent_states.get(i)
+            self.conv_states[i], self.recurrent_states[i] = c, r
+            self.is_conv_states_initialized[i] = c is not None
+            self.is_recurrent_states_initialized[i] = r is not None
+            self.has_previous_state[i] = c is not None or r is not None
+            self.conv_kernel_size[i] = None if c is None else c.shape[-1]
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, conv_kernel_size=None):
+        ref = conv_states if conv_states is not None else recurrent_states
+        if ref is not None and self.device is None:
+            self.device, self.dtype = ref.device, ref.dtype
+        if conv_states is not None:
+            self.conv_kernel_size[state_idx] = conv_kernel_size or conv_states.shape[-1]
+            self.is_conv_states_initialized[state_idx] = True
+        if recurrent_states is not None:
+            self.is_recurrent_states_initialized[state_idx] = True
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs):
+        """Return [previous window | new inputs] for the causal conv; keep the last K inputs (rebinding)."""
+        if not self.is_conv_states_initialized[state_idx]:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+        prev = self.conv_states[state_idx] if self.has_previous_state[state_idx] else None
+        full = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
+        k = self.conv_kernel_size[state_idx]
+        window = full[..., -k:]
+        if window.shape[-1] < k:
+            window = F.pad(window, (k - window.shape[-1], 0))
+        self.conv_states[state_idx] = window
+        self.has_previous_state[state_idx] = True
+        return full
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx] = recurrent_states
+        self.has_previous_state[state_idx] = True
+        return recurrent_states
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("longstraw branch layers are not croppable; start a new branch instead")
+
+
+@register_layer_kind
+class RecurrentState(LayerState):
+    """Conv window and recurrent state of a linear-attention layer after the captured prompt."""
+
+    layer_types = ("linear_attention",)
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        super().__init__(config, layer_idx, capacity)
+        self.number_of_states = int(getattr(config, "number_of_conv_states", 1))
+        self.conv_states: dict[int, torch.Tensor] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
+
+    def branch(self) -> RecurrentBranchLayer:
+        return RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states)
+
+    def commit(self, branch_layer: RecurrentBranchLayer, n: int) -> None:
+        for i in range(self.number_of_states):
+            if branch_layer.is_conv_states_initialized[i]:
+                self.conv_states[i] = branch_layer.conv_states[i].detach()
+            if branch_layer.is_recurrent_states_initialized[i]:
+                self.recurrent_states[i] = branch_layer.recurrent_states[i].detach()
+        self.length += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.conv_states.values(), *self.recurrent_states.values()]
+
+    def release(self) -> None:
+        self.conv_states, self.recurrent_states = {}, {}

@@ -1,0 +1,188 @@
+"""Supported architectures, how to reach their parts, and tiny random configs for tests and demos.
+
+longstraw runs the unmodified transformers model code; what it needs from a model is its decoder
+(the stack that returns hidden states), its LM head, and per decoder layer a `config.layer_types`
+name that a longstraw layer kind serves (`longstraw.layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
+
+#: transformers `model_type` (of the text config) → what longstraw keeps per layer.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "dense, full attention (K/V)",
+    "qwen3": "dense, full attention with GQA (K/V)",
+    "gemma3_text": "sliding-window + global attention (last W-1 K/V, full K/V)",
+    "qwen3_next": "hybrid gated DeltaNet + full attention, MoE (conv/recurrent state, K/V)",
+    "qwen3_5_text": "hybrid gated DeltaNet + full attention (conv/recurrent state, K/V)",
+    "qwen3_5_moe_text": "hybrid gated DeltaNet + full attention, MoE (conv/recurrent state, K/V)",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def base_model(model) -> transformers.PreTrainedModel:
+    """The transformers model under an optional PEFT wrapper (adapters stay injected in its modules)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def text_config(model) -> PreTrainedConfig:
+    return base_model(model).config.get_text_config(decoder=True)
+
+
+def check_supported(model) -> PreTrainedConfig:
+    """The text config of `model`, or an error naming the supported architectures."""
+    cfg = text_config(model)
+    if cfg.model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"longstraw does not support model_type {cfg.model_type!r} ({type(base_model(model)).__name__}). "
+            f"Supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
+        )
+    return cfg
+
+
+def layer_types(cfg: PreTrainedConfig) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    return list(types) if types is not None else ["full_attention"] * cfg.num_hidden_layers
+
+
+@dataclass
+class ModelParts:
+    """What capture and replay call: `decoder(input_ids=..., ...)` → hidden `[1, T, hidden]`; `lm_head`."""
+
+    model: torch.nn.Module
+    decoder: torch.nn.Module
+    lm_head: torch.nn.Module
+    config: PreTrainedConfig
+    final_logit_softcapping: float | None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+
+def model_parts(model) -> ModelParts:
+    cfg = check_supported(model)
+    base = base_model(model)
+    return ModelParts(
+        model=base,
+        decoder=base.get_decoder(),
+        lm_head=base.get_output_embeddings(),
+        config=cfg,
+        final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+_TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
+)
+
+_LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(_TINY_COMMON),
+    "qwen3": dict(_TINY_COMMON),
+    "gemma3_text": dict(
+        _TINY_COMMON,
+        num_hidden_layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16,
+    ),
+    "qwen3_next": dict(
+        _TINY_COMMON,
+        **_LINEAR,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+    ),
+    "qwen3_5_text": dict(
+        _TINY_COMMON,
+        **_LINEAR,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
+    "qwen3_5_moe_text": dict(
+        _TINY_COMMON,
+        **_LINEAR,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+}
+
+#: The dense model of the memory benchmark: hidden 128, 4 layers, 2 KV heads of 32.
+BENCH_DENSE = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+#: The hybrid model of the memory benchmark (qwen3_next-like: 3 linear + 1 full attention layers, MoE).
+BENCH_HYBRID = dict(
+    BENCH_DENSE,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    decoder_sparse_step=1,
+)
+
+
+def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
+    """A tiny random-initialisable config of a supported architecture (fp32 unless overridden)."""
+    if arch not in TINY_CONFIGS:
+        raise UnsupportedArchitectureError(f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS)}")
+    fields = {**TINY_CONFIGS[arch], **overrides}
+    return CONFIG_MAPPING[arch](**fields)
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation="sdpa", **overrides):
+    """A tiny random model of `arch` (eval mode, `dtype`), reproducible from `seed`."""
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()

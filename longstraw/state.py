@@ -1,0 +1,169 @@
+"""PromptState: the durable state of one captured prompt, and branch replay against it.
+
+`longstraw.capture(model, prompt_ids)` runs the prompt once, chunk by chunk, under `no_grad`, and
+keeps per decoder layer only what later tokens can read (`longstraw.layers`). The last prompt token
+is not captured: each replay runs `[prompt[-1]] + response[:-1]`, so every response log-prob, the
+first one included, comes out of the replay's autograd graph.
+
+Memory: capture holds the durable state plus one chunk's activations (O(chunk · hidden) and
+O(heads · chunk · block) attention scores); a replay holds the durable state (read, never copied) plus
+one branch's graph, O(R) in the response length and independent of P beyond reading the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import DEFAULT_BLOCK
+from .hf_attention import BranchCache, longstraw_attention_enabled
+from .layers import LayerState, layer_kind
+from .models import ModelParts, layer_types, model_parts
+
+PROMPT_GRAD_MODES = ("detached",)
+
+
+def _as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
+    """Validate token ids: a 1-D (or [1, T]) integer tensor of known tokens → 1-D LongTensor on device."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D or [1, T]; got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"{name} must hold integer token ids; got {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): min {lo}, max {hi}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+@dataclass
+class Replay:
+    """One replayed branch: `logprobs[t]` = log p(response[t] | prompt, response[:t]), shape `[R]`."""
+
+    logprobs: torch.Tensor
+
+
+class PromptState:
+    """Durable state of a captured prompt of P tokens (P − 1 captured, the last one replayed).
+
+    Use `replay(response_ids)` any number of times, in any order: replays never write the state.
+    Free it with `release()` or by using the state as a context manager.
+    """
+
+    def __init__(self, parts: ModelParts, layers: list[LayerState], last_token: torch.Tensor, prompt_length: int,
+                 chunk_size: int, prompt_grad: str, block: int):
+        self._parts = parts
+        self.layers: list[LayerState] | None = layers
+        self.last_token = last_token
+        self.prompt_length = prompt_length
+        self.chunk_size = chunk_size
+        self.prompt_grad = prompt_grad
+        self.block = block
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def nbytes(self) -> int:
+        """Bytes of durable state held (all layers)."""
+        return sum(layer.nbytes for layer in self._live())
+
+    def release(self) -> None:
+        """Free the durable state; later replays raise."""
+        if self.layers is not None:
+            for layer in self.layers:
+                layer.release()
+        self.layers = None
+
+    def __enter__(self) -> "PromptState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        status = "released" if self.layers is None else f"{self.nbytes / 2**20:.2f} MiB"
+        return f"PromptState(prompt_length={self.prompt_length}, prompt_grad={self.prompt_grad!r}, {status})"
+
+    def _live(self) -> list[LayerState]:
+        if self.layers is None:
+            raise RuntimeError("this PromptState was released")
+        return self.layers
+
+    def _cache(self) -> BranchCache:
+        return BranchCache([layer.branch() for layer in self._live()], block=self.block)
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, response_ids) -> Replay:
+        """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
+
+        Differentiable with respect to the trainable parameters through the response positions only
+        (`prompt_grad="detached"`: the durable state is a constant).
+        """
+        parts = self._parts
+        response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+        _check_length(parts.config, self.prompt_length + response.numel())
+        inputs = torch.cat([self.last_token, response[:-1]])
+        start = self.prompt_length - 1
+        positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
+        hidden = run_decoder(parts, inputs, positions, self._cache())
+        logits = parts.logits(hidden[0]).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response[:, None]).squeeze(-1)
+        return Replay(logprobs=logprobs)
+
+
+def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):
+    """Hidden states `[1, T, hidden]` of the unmodified decoder over `input_ids` against `cache`."""
+    with longstraw_attention_enabled(parts.model):
+        out = parts.decoder(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            cache=cache,
+            use_cache=True,
+            longstraw_cache=cache,
+        )
+    return out.last_hidden_state
+
+
+def _check_length(cfg, total: int) -> None:
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"prompt + response is {total} tokens but the model supports max_position_embeddings={limit}; "
+            "use a model (or RoPE scaling) made for this length"
+        )
+
+
+def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
+            block_size: int = DEFAULT_BLOCK) -> PromptState:
+    """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
+
+    `model`: a supported transformers causal LM (`longstraw.models.SUPPORTED_ARCHITECTURES`),
+    optionally wrapped by PEFT. `block_size`: key block of the split attention. Returns a `PromptState`.
+    """
+    if prompt_grad not in PROMPT_GRAD_MODES:
+        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    parts = model_parts(model)
+    device = parts.lm_head.weight.device
+    prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
+    _check_length(parts.config, prompt.numel())
+    captured = prompt.numel() - 1
+    layers = [layer_kind(t)(parts.config, i, captured) for i, t in enumerate(layer_types(parts.config))]
+    state = PromptState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size)
+    with torch.no_grad():
+        for s in range(0, captured, chunk_size):
+            e = min(s + chunk_size, captured)
+            cache = state._cache()
+            run_decoder(parts, prompt[s:e], torch.arange(s, e, device=device), cache)
+            for layer, branch in zip(layers, cache.layers):
+                layer.commit(branch, e - s)
+            del cache
+    return state
