@@ -1,43 +1,57 @@
 """Split attention: response queries over [prompt K/V | own K/V] without concatenating them.
 
-A replayed branch of R tokens attends to the P durable prompt keys and to its own R keys. Concatenating
-the two (what `DynamicLayer.update` does) puts a copy of the whole prompt K/V into every branch's
-autograd graph, and an eager softmax saves an R×P probability matrix for backward. Here each part is
-computed by `BlockAttention`, a custom autograd function that walks the keys in blocks with an online
-softmax, saves only its inputs (references, not copies), its output and the log-sum-exp, and recomputes
-the blocks in backward. The two parts are merged by their log-sum-exps.
+A replayed branch of R tokens attends to the durable prompt keys and to its own R keys.
+Concatenating the two (what `DynamicLayer.update` does) puts a copy of the whole prompt K/V into
+every branch's autograd graph, and an eager softmax saves an R×P probability matrix for backward.
+`SplitAttention` computes each part separately, returning its output and log-sum-exp, merges them by
+log-sum-exp, and saves only its inputs (references, not copies), the merged output and the two
+log-sum-exps. Backward recomputes each part: with w_a the merge weight of part a, the gradient of
+part a is ordinary attention backward with incoming gradient w_a·dO and the *merged* output in the
+softmax-correction term, so each part needs only its own (out, lse) kernel pair.
 
-Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]` with H a multiple of Hkv (GQA is
-handled by grouping query heads, never by repeating K/V). Positions are contiguous: query i sits at
-`q_start + i`, key j at `k_start + j`; a key is visible when it is not in the future and, with a
-sliding window W, when `q_pos - k_pos < W` (W keys including the query's own, as transformers counts).
+Kernels for one part (out, lse) and its backward:
+- `blockwise`: plain PyTorch, any device, any mask (causal, sliding window), softcap. Walks the keys
+  in blocks with an online softmax; transient memory O(heads · R · block).
+- `flash_cpu`: PyTorch's fused CPU flash-attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
+  present in torch 2.11–2.13), used on CPU when the part needs no mask (the prompt part of a
+  full-attention layer) or a square causal mask (the own part), without softcap.
 
-Memory: forward and backward hold O(H·R·block) transient floats; the graph holds O(H·R·(D + 1)) beyond
-the inputs. Compute is in float32 for 16- and 32-bit inputs (float64 for float64).
+Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, H a multiple of Hkv. Positions are
+contiguous: query i sits at `q_start + i`, key j at `k_start + j`; a key is visible when it is not in
+the future and, with a sliding window W, when `q_pos − k_pos < W` (W keys including the query's own,
+as transformers counts).
 
-`reference_attention` is the plain version (materialise all scores, mask, softmax) that the tests hold
-`split_attention` equal to.
+`reference_attention` is the plain version (materialise all scores, mask, softmax) that the tests
+hold both kernels equal to.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 DEFAULT_BLOCK = 1024
+#: Upper bound on the elements of one blockwise score tile (query rows × keys): 8 MiB in float32.
+TILE_ELEMENTS = 1 << 21
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _visible(q_start: int, r: int, k_start: int, n: int, window: int | None, device) -> torch.Tensor | None:
-    """Boolean mask `[R, n]` of visible keys, or None when every key of the block is visible."""
-    q_lo, q_hi = q_start, q_start + r - 1
-    k_lo, k_hi = k_start, k_start + n - 1
-    if k_hi <= q_lo and (window is None or k_lo > q_hi - window):
-        return None
-    qp = torch.arange(q_lo, q_hi + 1, device=device)[:, None]
-    kp = torch.arange(k_lo, k_hi + 1, device=device)[None, :]
-    vis = kp <= qp
-    if window is not None:
-        vis = vis & (kp > qp - window)
-    return vis
+@dataclass(frozen=True)
+class Part:
+    """Where one part's keys sit relative to the queries, and how it is masked."""
+
+    q_start: int
+    k_start: int
+    window: int | None
+    softcap: float | None
+    scale: float
+    block: int
+
+
+# ----------------------------------------------------------------------------------------- blockwise kernel
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -45,120 +59,190 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _scores(q, kb, scale, softcap, mask, groups):
-    """Scores `[B, Hkv, g·R, n]` (float32) and the tanh of the softcap (for backward) or None."""
-    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+def _visible(part: Part, r: int, s0: int, n: int, device) -> torch.Tensor | None:
+    """Boolean mask `[R, n]` of visible keys s0..s0+n of the part, or None when all are visible."""
+    q_lo, q_hi = part.q_start, part.q_start + r - 1
+    k_lo, k_hi = part.k_start + s0, part.k_start + s0 + n - 1
+    w = part.window
+    if k_hi <= q_lo and (w is None or k_lo > q_hi - w):
+        return None
+    qp = torch.arange(q_lo, q_hi + 1, device=device)[:, None]
+    kp = torch.arange(k_lo, k_hi + 1, device=device)[None, :]
+    vis = kp <= qp
+    if w is not None:
+        vis = vis & (kp > qp - w)
+    return vis
+
+
+def _blocks(part: Part, rows: int, r: int, t: int, device):
+    """Yield (s0, n, mask) over the key blocks that hold at least one visible key."""
+    block = min(part.block, max(16, TILE_ELEMENTS // max(rows, 1)))
+    for s0 in range(0, t, block):
+        n = min(block, t - s0)
+        mask = _visible(part, r, s0, n, device)
+        if mask is None or bool(mask.any()):
+            yield s0, n, mask
+
+
+def _scores(qf, kb, part: Part, mask, groups):
+    """Scores `[B, Hkv, g·R, n]` in the accumulation dtype, and tanh of the softcap (or None)."""
+    s = torch.matmul(qf, kb.transpose(-1, -2)) * part.scale
     t = None
-    if softcap is not None:
-        t = torch.tanh(s / softcap)
-        s = t * softcap
+    if part.softcap is not None:
+        t = torch.tanh(s / part.softcap)
+        s = t * part.softcap
     if mask is not None:
         s = s.masked_fill(~mask.repeat(groups, 1), float("-inf"))
     return s, t
 
 
-class BlockAttention(torch.autograd.Function):
-    """softmax(q·kᵀ·scale + mask)·v over the keys of one part, blockwise; returns (out, lse).
+def _grouped(x: torch.Tensor, hkv: int, dtype) -> torch.Tensor:
+    """`[B, H, R, D]` → `[B, Hkv, g·R, D]`: query heads grouped under their key head (no K/V repeat)."""
+    b, h, r, d = x.shape
+    return x.reshape(b, hkv, (h // hkv) * r, d).to(dtype)
 
-    out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` in the accumulation dtype (−inf for a query that sees no key of
-    this part, whose out is then 0). Saves q, k, v (by reference), out and lse; nothing of size R×T.
+
+def blockwise_forward(q, k, v, part: Part):
+    """One part's (out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) by blocks over the keys.
+
+    A query that sees no key of the part gets out 0 and lse −inf.
     """
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_start: int, k_start: int, scale: float, window, softcap, block: int):
-        b, h, r, d = q.shape
-        hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
-        g = h // hkv
-        acc_dtype = _acc_dtype(q)
-        qf = q.reshape(b, hkv, g * r, d).to(acc_dtype)
-        m = torch.full((b, hkv, g * r), float("-inf"), dtype=acc_dtype, device=q.device)
-        l = torch.zeros((b, hkv, g * r), dtype=acc_dtype, device=q.device)
-        acc = torch.zeros((b, hkv, g * r, dv), dtype=acc_dtype, device=q.device)
-        for s0 in range(0, t, block):
-            n = min(block, t - s0)
-            mask = _visible(q_start, r, k_start + s0, n, window, q.device)
-            if mask is not None and not bool(mask.any()):
-                continue
-            s, _ = _scores(qf, k[:, :, s0 : s0 + n].to(acc_dtype), scale, softcap, mask, g)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            alpha = torch.exp(m - m_safe)
-            p = torch.exp(s - m_safe[..., None])
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.matmul(p, v[:, :, s0 : s0 + n].to(acc_dtype))
-            m = m_new
-        empty = l == 0
-        out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
-        lse = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l))
-        out = out.reshape(b, h, r, dv).to(q.dtype)
-        lse = lse.reshape(b, h, r)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (q_start, k_start, scale, window, softcap, block)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        q_start, k_start, scale, window, softcap, block = ctx.args
-        b, h, r, d = q.shape
-        hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
-        g = h // hkv
-        acc_dtype = _acc_dtype(q)
-        qf = q.reshape(b, hkv, g * r, d).to(acc_dtype)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        do = dout.reshape(b, hkv, g * r, dv).to(acc_dtype)
-        delta = (do * out.reshape(b, hkv, g * r, dv).to(acc_dtype)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.reshape(b, hkv, g * r).to(acc_dtype)
-        lse_f = lse.reshape(b, hkv, g * r)
-        lse_safe = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq = torch.zeros_like(qf) if need_q else None
-        dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device) if need_k else None
-        dvv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device) if need_v else None
-        for s0 in range(0, t, block):
-            n = min(block, t - s0)
-            mask = _visible(q_start, r, k_start + s0, n, window, q.device)
-            if mask is not None and not bool(mask.any()):
-                continue
-            kb = k[:, :, s0 : s0 + n].to(acc_dtype)
-            vb = v[:, :, s0 : s0 + n].to(acc_dtype)
-            s, tanh = _scores(qf, kb, scale, softcap, mask, g)
-            p = torch.exp(s - lse_safe[..., None])
-            if dvv is not None:
-                dvv[:, :, s0 : s0 + n] = torch.matmul(p.transpose(-1, -2), do)
-            ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., None])
-            if tanh is not None:
-                ds = ds * (1 - tanh * tanh)
-            if dq is not None:
-                dq += torch.matmul(ds, kb) * scale
-            if dk is not None:
-                dk[:, :, s0 : s0 + n] = torch.matmul(ds.transpose(-1, -2), qf) * scale
-        if dq is not None:
-            dq = dq.reshape(b, h, r, d).to(q.dtype)
-        if dk is not None:
-            dk = dk.to(k.dtype)
-        if dvv is not None:
-            dvv = dvv.to(v.dtype)
-        return dq, dk, dvv, None, None, None, None, None, None
+    b, h, r, _ = q.shape
+    hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
+    acc_dtype = _acc_dtype(q)
+    qf = _grouped(q, hkv, acc_dtype)
+    rows = qf.shape[2]
+    m = torch.full((b, hkv, rows), float("-inf"), dtype=acc_dtype, device=q.device)
+    l = torch.zeros((b, hkv, rows), dtype=acc_dtype, device=q.device)
+    acc = torch.zeros((b, hkv, rows, dv), dtype=acc_dtype, device=q.device)
+    for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
+        s, _ = _scores(qf, k[:, :, s0 : s0 + n].to(acc_dtype), part, mask, h // hkv)
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.matmul(p, v[:, :, s0 : s0 + n].to(acc_dtype))
+        m = m_new
+    empty = l == 0
+    out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
+    lse = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l))
+    return out.reshape(b, h, r, dv).to(q.dtype), lse.reshape(b, h, r)
 
 
-def block_attention(q, k, v, q_start, k_start, scale, window=None, softcap=None, block=DEFAULT_BLOCK):
-    """`BlockAttention` with keyword defaults: returns (out `[B, H, R, Dv]`, lse `[B, H, R]`)."""
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of key heads ({k.shape[1]})")
-    return BlockAttention.apply(q, k, v, int(q_start), int(k_start), float(scale), window, softcap, int(block))
+def blockwise_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+    """Gradients (dq, dk, dv) of one part, given its incoming gradient `g_out` (= w·dO) and the output
+    `out` whose correction term applies (the merged output). dk, dv are None unless `need_kv`."""
+    b, h, r, _ = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    acc_dtype = _acc_dtype(q)
+    qf = _grouped(q, hkv, acc_dtype)
+    do = _grouped(g_out, hkv, acc_dtype)
+    delta = (do * _grouped(out, hkv, acc_dtype)).sum(-1)
+    lse_f = lse.reshape(b, hkv, -1).to(acc_dtype)
+    lse_safe = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device) if need_kv else None
+    dvv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device) if need_kv else None
+    for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
+        kb = k[:, :, s0 : s0 + n].to(acc_dtype)
+        vb = v[:, :, s0 : s0 + n].to(acc_dtype)
+        s, tanh = _scores(qf, kb, part, mask, h // hkv)
+        p = torch.exp(s - lse_safe[..., None])
+        ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., None])
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)
+        dq += torch.matmul(ds, kb) * part.scale
+        if need_kv:
+            dvv[:, :, s0 : s0 + n] = torch.matmul(p.transpose(-1, -2), do)
+            dk[:, :, s0 : s0 + n] = torch.matmul(ds.transpose(-1, -2), qf) * part.scale
+    dq = dq.reshape(q.shape).to(q.dtype)
+    if need_kv:
+        dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)
+    return dq, dk, dvv
+
+
+# ----------------------------------------------------------------------------------------- kernel choice
+
+
+def _flash_mode(q, k, v, part: Part) -> str | None:
+    """'full' / 'causal' when the fused CPU kernel computes this part exactly, else None."""
+    if _flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or q.dtype == torch.float64:
+        return None
+    if q.dtype != k.dtype or v.shape[-1] != q.shape[-1]:
+        return None
+    r, t = q.shape[2], k.shape[2]
+    if part.window is None and part.k_start + t - 1 <= part.q_start:
+        return "full"  # every key precedes every query: no mask
+    if part.window is None and r == t and part.q_start == part.k_start:
+        return "causal"  # own part: square causal mask
+    return None
+
+
+def part_forward(q, k, v, part: Part):
+    mode = _flash_mode(q, k, v, part)
+    if mode is None:
+        return blockwise_forward(q, k, v, part)
+    out, lse = _flash_cpu(q, k, v, 0.0, mode == "causal", scale=part.scale)
+    return out, lse
+
+
+def part_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+    mode = _flash_mode(q, k, v, part)
+    if mode is None or not need_kv:
+        # the fused kernel always materialises dk, dv of the part's full size: skip it when unused
+        return blockwise_backward(g_out, q, k, v, out, lse, part, need_kv)
+    dq, dk, dv = _flash_cpu_backward(g_out.contiguous(), q, k, v, out, lse.contiguous(), 0.0, mode == "causal",
+                                     scale=part.scale)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------- the Function
 
 
 def merge_by_lse(out_a, lse_a, out_b, lse_b):
-    """Combine two softmax-attention parts over disjoint key sets into the attention over their union.
+    """Combine two attention parts over disjoint key sets into the attention over their union.
 
-    out = (e^lse_a·out_a + e^lse_b·out_b) / (e^lse_a + e^lse_b). `lse_b` must be finite (the own part,
-    where every query sees at least itself); `lse_a` may be −inf (no visible key), giving out_b.
+    out = (e^lse_a·out_a + e^lse_b·out_b) / (e^lse_a + e^lse_b); returns (out, w_a) with w_a the
+    weight of part a `[B, H, R]`. `lse_b` must be finite (every query sees itself in the own part);
+    `lse_a` may be −inf (no visible key), giving out_b.
     """
-    w = torch.sigmoid(lse_a - lse_b)[..., None].to(out_a.dtype)
-    return out_b + w * (out_a - out_b)
+    w_a = torch.sigmoid(lse_a - lse_b)
+    out = out_b + w_a[..., None].to(out_b.dtype) * (out_a - out_b)
+    return out, w_a
+
+
+class SplitAttention(torch.autograd.Function):
+    """Attention of q over [prompt part | own part]; saves inputs by reference, the merged output and
+    the two log-sum-exps: nothing of size R×T and no copy of the prompt K/V."""
+
+    @staticmethod
+    def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own: Part, prompt: Part | None):
+        out_o, lse_o = part_forward(q, own_k, own_v, own)
+        if prompt is None:
+            out, lse_p = out_o, None
+        else:
+            out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
+            out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+        ctx.save_for_backward(q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p)
+        ctx.parts = (own, prompt)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p = ctx.saved_tensors
+        own, prompt = ctx.parts
+        need = ctx.needs_input_grad
+        if prompt is None:
+            dq, dk, dv = part_backward(dout, q, own_k, own_v, out, lse_o, own, need_kv=True)
+            return dq, dk, dv, None, None, None, None
+        w_p = torch.sigmoid(lse_p - lse_o)[..., None]
+        g_p = (dout.to(w_p.dtype) * w_p).to(dout.dtype)
+        g_o = (dout.to(w_p.dtype) * (1 - w_p)).to(dout.dtype)
+        dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
+        need_prompt = need[3] or need[4]
+        dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt)
+        return dq_o + dq_p, dk, dv, dkp, dvp, None, None
 
 
 def split_attention(
@@ -176,26 +260,34 @@ def split_attention(
     softcap: float | None = None,
     block: int = DEFAULT_BLOCK,
 ):
-    """Attention of q over [prompt | own] keys: out `[B, H, R, Dv]`.
+    """Attention of q `[B, H, R, D]` over [prompt | own] keys: out `[B, H, R, Dv]`.
 
-    The prompt part holds only references to `prompt_k` / `prompt_v`; gradients reach them only if
-    they require grad (exact mode), never a copy.
+    Gradients reach `prompt_k` / `prompt_v` only if they require grad (exact mode).
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = block_attention(q, own_k, own_v, q_start, own_start, scale, window, softcap, block)
-    if prompt_k is None or prompt_k.shape[-2] == 0:
-        return out
-    out_p, lse_p = block_attention(q, prompt_k, prompt_v, q_start, prompt_start, scale, window, softcap, block)
-    return merge_by_lse(out_p, lse_p, out, lse)
+    for k in (own_k, prompt_k):
+        if k is not None and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+            raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of key heads ({k.shape[1]})")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+    prompt = None
+    if prompt_k is not None and prompt_k.shape[-2] > 0:
+        prompt = Part(int(q_start), int(prompt_start), window, softcap, scale, int(block))
+        # a sliding window may leave no prompt key visible to any query
+        if window is not None and prompt_start + prompt_k.shape[-2] - 1 <= q_start - window:
+            prompt = None
+    if prompt is None:
+        prompt_k = prompt_v = None
+    return SplitAttention.apply(q, own_k, own_v, prompt_k, prompt_v, own, prompt)
 
 
 def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, softcap=None):
     """Plain masked softmax attention (all scores materialised, K/V repeated per query head)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = _acc_dtype(q)
     g = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(g, dim=1).to(acc_dtype)
-    v = v.repeat_interleave(g, dim=1).to(acc_dtype)
-    s = torch.matmul(q.to(acc_dtype), k.transpose(-1, -2)) * scale
+    k = k.repeat_interleave(g, dim=1).to(dtype)
+    v = v.repeat_interleave(g, dim=1).to(dtype)
+    s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     r, t = q.shape[2], k.shape[2]
@@ -206,4 +298,3 @@ def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, soft
         vis = vis & (kp > qp - window)
     s = s.masked_fill(~vis, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), v).to(q.dtype)
-

@@ -1,0 +1,47 @@
+"""Plain references that longstraw's optimized paths are held equal to (tests) and compared with (bench).
+
+All run the unmodified transformers model: no longstraw attention, no longstraw cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .models import base_model
+
+
+def _response_logprobs(logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, response[:, None]).squeeze(-1)
+
+
+def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, logits_to_keep: bool = False):
+    """log p(response | prompt) `[R]` from one forward of `[prompt + response]` (with grad).
+
+    `logits_to_keep=True` has the model compute logits of the last R + 1 positions only (as TRL does).
+    """
+    p, r = prompt.numel(), response.numel()
+    kwargs = {"logits_to_keep": r + 1} if logits_to_keep else {}
+    logits = model(input_ids=torch.cat([prompt, response])[None], **kwargs).logits[0]
+    return _response_logprobs(logits[-r - 1 : -1], response)
+
+
+def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad`, then
+    `[prompt[-1]] + response[:-1]` with grad. log-probs `[R]`.
+
+    transformers' linear-attention cache writes its recurrent state in place after reading it
+    (5.24, `LinearAttentionLayer.update_recurrent_state`), which autograd rejects: run the forward
+    and the backward of hybrid models inside `torch.autograd.graph.allow_mutation_on_saved_tensors()`,
+    under which torch clones a saved tensor before it is mutated.
+    """
+    cfg = base_model(model).config
+    cache = DynamicCache(config=cfg)
+    p = prompt.numel()
+    if p > 1:
+        with torch.no_grad():
+            model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+    inputs = torch.cat([prompt[-1:], response[:-1]])
+    positions = torch.arange(p - 1, p - 1 + inputs.numel(), device=inputs.device)
+    logits = model(input_ids=inputs[None], position_ids=positions[None], cache=cache, use_cache=True).logits[0]
+    return _response_logprobs(logits, response)
