@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from longstraw.models import TINY_CONFIGS, tiny_model
+
+ARCHS = list(TINY_CONFIGS)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+
+def lora(model, seed: int = 0):
+    """Wrap in a PEFT LoRA adapter with non-zero B (so adapter gradients are informative)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+
+
+def make_model(arch: str, use_lora: bool = False):
+    model = tiny_model(arch)
+    return lora(model) if use_lora else model
+
+
+def tokens(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

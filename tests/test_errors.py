@@ -1,0 +1,81 @@
+"""Bad input gets a clear error."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import longstraw
+from longstraw.models import UnsupportedArchitectureError, tiny_model
+
+from .conftest import tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        longstraw.capture(gpt2, tokens(5, 0, 64))
+    for name in longstraw.SUPPORTED_ARCHITECTURES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "prompt,exc,match",
+    [
+        pytest.param(torch.zeros(2, 5, dtype=torch.long), ValueError, "1-D", id="batch-of-2"),
+        pytest.param(torch.zeros(5), TypeError, "integer", id="float-ids"),
+        pytest.param(torch.zeros(0, dtype=torch.long), ValueError, "empty", id="empty"),
+        pytest.param(torch.tensor([1, 2, 256]), ValueError, "outside", id="out-of-vocab"),
+        pytest.param(torch.tensor([1, -1]), ValueError, "outside", id="negative"),
+    ],
+)
+def test_bad_prompt_ids(model, prompt, exc, match):
+    with pytest.raises(exc, match=match):
+        longstraw.capture(model, prompt)
+
+
+def test_bad_response_ids(model):
+    state = longstraw.capture(model, tokens(5, 0))
+    with pytest.raises(ValueError, match="empty"):
+        state.replay(torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside"):
+        state.replay(torch.tensor([300]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        pytest.param({"prompt_grad": "sometimes"}, "prompt_grad", id="prompt-grad"),
+        pytest.param({"chunk_size": 0}, "chunk_size", id="chunk-0"),
+        pytest.param({"chunk_size": 2.5}, "chunk_size", id="chunk-float"),
+        pytest.param({"block_size": -1}, "block_size", id="block"),
+    ],
+)
+def test_bad_options(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        longstraw.capture(model, tokens(5, 0), **kwargs)
+
+
+def test_prompt_longer_than_the_model_supports():
+    short = tiny_model("qwen3", max_position_embeddings=16)
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        longstraw.capture(short, tokens(17, 0))
+    state = longstraw.capture(short, tokens(12, 0))
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        state.replay(tokens(5, 1))
+
+
+def test_attention_dropout_is_refused_in_training():
+    m = tiny_model("llama", attention_dropout=0.1).train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        longstraw.capture(m, tokens(5, 0)).replay(tokens(3, 1))
+
+
+def test_model_attention_restored_after_error(model):
+    with pytest.raises(ValueError):
+        longstraw.capture(model, tokens(5, 0)).replay(torch.tensor([999]))
+    assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,34 @@
+"""Real loading code: `from_pretrained` on a local folder (saved first), plain and with a PEFT adapter."""
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import longstraw
+from longstraw.reference import full_sequence_logprobs
+
+from .conftest import make_model, tokens
+
+
+def test_from_pretrained_local_folder(tmp_path):
+    model = make_model("qwen3_next")
+    model.save_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    prompt, response = tokens(21, 1), tokens(5, 2)
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        out = longstraw.capture(loaded, prompt, chunk_size=8).replay(response).logprobs
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_peft_adapter_round_trip(tmp_path):
+    model = make_model("llama", use_lora=True)
+    model.save_pretrained(tmp_path / "adapter")
+    make_model("llama").save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    prompt, response = tokens(15, 3), tokens(4, 4)
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        out = longstraw.capture(loaded, prompt, chunk_size=4).replay(response).logprobs
+    assert (out - ref).abs().max().item() <= 1e-4
