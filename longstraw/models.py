@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3_5_text": "hybrid gated DeltaNet + full attention (conv/recurrent state, K/V)",
     "qwen3_5_moe_text": "hybrid gated DeltaNet + full attention, MoE (conv/recurrent state, K/V)",
 }
+# The multimodal wrappers (`gemma3`, `qwen3_5`, `qwen3_5_moe`) are supported through their text model:
+# the check below reads the text config, whose model_type is one of the above.
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -145,6 +147,18 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+#: Multimodal wrappers: their text model is what longstraw runs; a minimal vision tower completes the config.
+TINY_MULTIMODAL: dict[str, tuple[str, dict]] = {
+    "gemma3": ("gemma3_text", dict(
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4,
+    )),
+    "qwen3_5": ("qwen3_5_text", dict(
+        vision_config=dict(hidden_size=16, intermediate_size=32, depth=1, num_heads=2, out_hidden_size=64),
+    )),
+}
+
 #: The dense model of the memory benchmark: hidden 128, 4 layers, 2 KV heads of 32.
 BENCH_DENSE = dict(
     vocab_size=512,
@@ -174,8 +188,12 @@ BENCH_HYBRID = dict(
 
 def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
     """A tiny random-initialisable config of a supported architecture (fp32 unless overridden)."""
+    if arch in TINY_MULTIMODAL:
+        text_arch, fields = TINY_MULTIMODAL[arch]
+        return CONFIG_MAPPING[arch](text_config={**TINY_CONFIGS[text_arch], **overrides}, **fields)
     if arch not in TINY_CONFIGS:
-        raise UnsupportedArchitectureError(f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS)}")
+        raise UnsupportedArchitectureError(
+            f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS) + sorted(TINY_MULTIMODAL)}")
     fields = {**TINY_CONFIGS[arch], **overrides}
     return CONFIG_MAPPING[arch](**fields)
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from longstraw.models import TINY_CONFIGS, tiny_model
+from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 
-ARCHS = list(TINY_CONFIGS)
+ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 
 
 @pytest.fixture(autouse=True)

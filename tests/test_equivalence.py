@@ -71,7 +71,7 @@ def test_state_is_read_only_across_replays(arch):
 
 
 def _expected_nbytes(model, captured: int) -> int:
-    cfg = model.config
+    cfg = model.config.get_text_config()
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     total = 0
     for kind in getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers:
