@@ -12,7 +12,8 @@ from .models import base_model
 
 
 def _response_logprobs(logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, response[:, None]).squeeze(-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits, dim=-1).gather(-1, response[:, None]).squeeze(-1)
 
 
 def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, logits_to_keep: bool = False):

@@ -19,6 +19,7 @@ import torch
 from .attention import DEFAULT_BLOCK
 from .hf_attention import BranchCache, longstraw_attention_enabled
 from .layers import LayerState, layer_kind
+from .logprobs import chunked_logprobs
 from .models import ModelParts, layer_types, model_parts
 
 PROMPT_GRAD_MODES = ("detached",)
@@ -44,9 +45,14 @@ def _as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
 
 @dataclass
 class Replay:
-    """One replayed branch: `logprobs[t]` = log p(response[t] | prompt, response[:t]), shape `[R]`."""
+    """One replayed branch, float32, with grad.
+
+    `logprobs[t]` = log p(response[t] | prompt, response[:t]) `[R]` under the logits divided by the
+    temperature; `entropy[t]` the entropy of that next-token distribution `[R]`.
+    """
 
     logprobs: torch.Tensor
+    entropy: torch.Tensor
 
 
 class PromptState:
@@ -98,11 +104,12 @@ class PromptState:
         return BranchCache([layer.branch() for layer in self._live()], block=self.block)
 
     # ------------------------------------------------------------------ replay
-    def replay(self, response_ids) -> Replay:
+    def replay(self, response_ids, temperature: float = 1.0) -> Replay:
         """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
 
         Differentiable with respect to the trainable parameters through the response positions only
-        (`prompt_grad="detached"`: the durable state is a constant).
+        (`prompt_grad="detached"`: the durable state is a constant). The LM head runs in chunks
+        (`longstraw.logprobs`): no `[R, vocab]` tensor is saved.
         """
         parts = self._parts
         response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
@@ -111,9 +118,9 @@ class PromptState:
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
         hidden = run_decoder(parts, inputs, positions, self._cache())
-        logits = parts.logits(hidden[0]).float()
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response[:, None]).squeeze(-1)
-        return Replay(logprobs=logprobs)
+        logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
+                                             softcap=parts.final_logit_softcapping)
+        return Replay(logprobs=logprobs, entropy=entropy)
 
 
 def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):

@@ -32,26 +32,40 @@ def test_forward_equals_full_sequence(arch, use_lora, p, r, chunk):
     assert (out - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_detached_gradients_equal_cache_reference(arch, use_lora):
-    model = make_model(arch, use_lora)
+def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
+    """Every parameter gradient within 1e-4 relative (fp32) of the reference; within 1e-9 in fp64
+    (1e-6 for hybrids, see below).
+
+    In fp32 a parameter whose gradient is tiny next to the others (e.g. 4e-5 against O(1), from
+    cancellation) only carries rounding noise: those below 1e-3 of the largest gradient norm are held
+    to 1e-4 of that norm instead, and the concatenated gradient to 1e-4 relative.
+    """
+    if dtype == torch.float64 and arch in ("qwen3_next", "qwen3_5_moe_text"):
+        pytest.skip("transformers' grouped_mm MoE experts have no float64 kernel")
+    model = make_model(arch, use_lora).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     prompt, response = tokens(19, 3), tokens(7, 4)
-    adv = torch.linspace(-1.0, 1.5, 7)
+    adv = torch.linspace(-1.0, 1.5, 7, dtype=dtype)
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         ref = cache_reference_logprobs(model, prompt, response)
         g_ref = torch.autograd.grad((adv * ref).sum(), params, allow_unused=True)
     state = longstraw.capture(model, prompt, chunk_size=5, block_size=4)
     out = state.replay(response).logprobs
     g_out = torch.autograd.grad((adv * out).sum(), params, allow_unused=True)
-    checked = 0
-    for param, a, b in zip(params, g_out, g_ref):
-        assert (a is None) == (b is None)
-        if b is not None and b.abs().max() > 0:
-            assert rel_err(a, b) <= 1e-4, param.shape
-            checked += 1
-    assert checked >= len(params) // 2
+    pairs = [(a, b) for a, b in zip(g_out, g_ref) if b is not None]
+    assert all(a is not None for a, _ in pairs) and len(pairs) >= len(params) // 2
+    # fp64: transformers computes the gated-DeltaNet decay in float32 whatever the model dtype (5.24,
+    # `g = -A_log.float().exp() * softplus(a.float() + dt_bias)`), and the reference runs the prompt
+    # in one piece where capture runs it in chunks, so hybrids agree to float32 rounding of the decay.
+    hybrid = "linear_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or [])
+    tol = 1e-4 if dtype == torch.float32 else (1e-6 if hybrid else 1e-9)
+    scale = max(b.norm().item() for _, b in pairs)
+    for a, b in pairs:
+        assert (a - b).norm().item() <= tol * max(b.norm().item(), 1e-3 * scale if dtype == torch.float32 else 0.0)
+    assert rel_err(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs])) <= tol
 
 
 @pytest.mark.parametrize("arch", ARCHS)

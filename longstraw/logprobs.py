@@ -1,0 +1,170 @@
+"""Token log-probs (and entropies) through the LM head in chunks: never a `[T, vocab]` tensor for all T.
+
+`chunked_logprobs(hidden, lm_head, targets)` returns log p(target_t) `[T]` of the distribution
+softmax(z_t), z_t = softcap(lm_head(h_t)) / temperature (temperature as in TRL: the logits are
+divided by it; the optional tanh softcap is the model's `final_logit_softcapping`, applied first).
+
+For an `nn.Linear` head `ChunkedLogprobs` walks token chunks and, within each, vocabulary chunks
+with an online log-sum-exp; it saves only its inputs (references), the log-sum-exp and the entropy,
+and recomputes the logits chunk by chunk in backward. Memory: O(token_chunk · vocab_chunk) floats
+transient, O(T) saved, instead of O(T · V) saved by `log_softmax(logits)`. Any other head module
+(e.g. a PEFT-wrapped one) goes through activation checkpointing per token chunk: O(token_chunk · V)
+transient.
+
+Gradients: with z the logits of one token, ∂logp_y/∂z_k = 1[k=y] − p_k and
+∂H/∂z_k = −p_k (log p_k + H), where H = −Σ p log p is the token entropy.
+
+`reference_logprobs` is the plain version the tests hold this equal to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_TOKEN_CHUNK = 1024
+DEFAULT_VOCAB_CHUNK = 32768
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 inputs (gradient checks), float32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _logits(h, w, b, temperature, softcap):
+    """Logits of one tile in the accumulation dtype, and tanh of the softcap (for backward) or None."""
+    acc = _acc(h)
+    u = F.linear(h.to(acc), w.to(acc), None if b is None else b.to(acc))
+    t = None
+    if softcap is not None:
+        t = torch.tanh(u / softcap)
+        u = t * softcap
+    return u / temperature, t
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """(logp `[T]`, entropy `[T]`) for an `nn.Linear` head (weight `[V, H]`, bias `[V]`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk):
+        t_total, v_total = hidden.shape[0], weight.shape[0]
+        f = dict(device=hidden.device, dtype=_acc(hidden))
+        logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
+        for t0 in range(0, t_total, token_chunk):
+            h = hidden[t0 : t0 + token_chunk]
+            y = targets[t0 : t0 + token_chunk]
+            n = h.shape[0]
+            m = torch.full((n,), float("-inf"), **f)
+            l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
+            s = torch.zeros(n, **f)  # Σ e^{z−m} z, for the entropy
+            for v0 in range(0, v_total, vocab_chunk):
+                z, _ = _logits(h, weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk],
+                               temperature, softcap)
+                m_new = torch.maximum(m, z.amax(-1))
+                alpha = torch.exp(m - m_new)
+                e = torch.exp(z - m_new[:, None])
+                l = l * alpha + e.sum(-1)
+                s = s * alpha + (e * z).sum(-1)
+                m = m_new
+                inside = (y >= v0) & (y < v0 + z.shape[1])
+                idx = (y - v0).clamp(0, z.shape[1] - 1)
+                zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
+            lse_c = m + torch.log(l)
+            lse[t0 : t0 + n] = lse_c
+            logp[t0 : t0 + n] = zy - lse_c
+            ent[t0 : t0 + n] = lse_c - s / l
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.args = (temperature, softcap, token_chunk, vocab_chunk)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        temperature, softcap, token_chunk, vocab_chunk = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        t_total, v_total = hidden.shape[0], weight.shape[0]
+        f = dict(device=hidden.device, dtype=_acc(hidden))
+        dh = torch.zeros(hidden.shape, **f) if need_h else None
+        dw = torch.zeros(weight.shape, **f) if need_w else None
+        db = torch.zeros(v_total, **f) if need_b else None
+        for t0 in range(0, t_total, token_chunk):
+            sl = slice(t0, t0 + token_chunk)
+            h, y = hidden[sl], targets[sl]
+            glp = g_logp[sl].to(f["dtype"]) if g_logp is not None else None
+            gen = g_ent[sl].to(f["dtype"]) if g_ent is not None else None
+            for v0 in range(0, v_total, vocab_chunk):
+                w = weight[v0 : v0 + vocab_chunk]
+                b = None if bias is None else bias[v0 : v0 + vocab_chunk]
+                z, tanh = _logits(h, w, b, temperature, softcap)
+                logp_tile = z - lse[sl, None]
+                p = torch.exp(logp_tile)
+                dz = torch.zeros_like(z)
+                if glp is not None:
+                    dz -= glp[:, None] * p
+                    inside = (y >= v0) & (y < v0 + z.shape[1])
+                    rows = inside.nonzero().squeeze(1)
+                    dz[rows, y[rows] - v0] += glp[rows]
+                if gen is not None:
+                    dz -= gen[:, None] * p * (logp_tile + ent[sl, None])
+                du = dz / temperature
+                if tanh is not None:
+                    du = du * (1 - tanh * tanh)
+                if need_h:
+                    dh[sl] += du @ w.to(du.dtype)
+                if need_w:
+                    dw[v0 : v0 + vocab_chunk] += du.t() @ h.to(du.dtype)
+                if need_b:
+                    db[v0 : v0 + vocab_chunk] += du.sum(0)
+        return (
+            None if dh is None else dh.to(hidden.dtype),
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None, None, None, None, None,
+        )
+
+
+def _module_chunk(lm_head, h, y, temperature, softcap):
+    u = lm_head(h)
+    u = u.to(_acc(u))
+    if softcap is not None:
+        u = torch.tanh(u / softcap) * softcap
+    logp_all = torch.log_softmax(u / temperature, dim=-1)
+    logp = logp_all.gather(-1, y[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    token_chunk: int = DEFAULT_TOKEN_CHUNK,
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets) `[T]`, token entropy `[T]`), differentiable w.r.t. hidden and the head.
+
+    float32 (float64 for float64 inputs) whatever the input dtype.
+
+    hidden `[T, H]`, targets `[T]` (int64). Memory O(token_chunk · vocab_chunk) transient for an
+    `nn.Linear` head, O(token_chunk · V) for any other module (checkpointed per token chunk).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs; got {temperature}")
+    if token_chunk < 1 or vocab_chunk < 1:
+        raise ValueError("token_chunk and vocab_chunk must be >= 1")
+    if type(lm_head) is torch.nn.Linear:
+        return ChunkedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, float(temperature), softcap,
+                                     int(token_chunk), int(vocab_chunk))
+    parts = [checkpoint(_module_chunk, lm_head, hidden[t0 : t0 + token_chunk], targets[t0 : t0 + token_chunk],
+                        temperature, softcap, use_reentrant=False)
+             for t0 in range(0, hidden.shape[0], token_chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def reference_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, softcap: float | None = None):
+    """Plain version: the whole `[T, V]` log-softmax at once. Returns (logp, entropy)."""
+    return _module_chunk(lm_head, hidden, targets, temperature, softcap)
