@@ -37,7 +37,7 @@ def test_forward_equals_full_sequence(arch, use_lora, p, r, chunk):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
     """Every parameter gradient within 1e-4 relative (fp32) of the reference; within 1e-9 in fp64
-    (1e-6 for hybrids, see below).
+    (1e-5 for hybrids, see below).
 
     In fp32 a parameter whose gradient is tiny next to the others (e.g. 4e-5 against O(1), from
     cancellation) only carries rounding noise: those below 1e-3 of the largest gradient norm are held
@@ -61,7 +61,7 @@ def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
     # `g = -A_log.float().exp() * softplus(a.float() + dt_bias)`), and the reference runs the prompt
     # in one piece where capture runs it in chunks, so hybrids agree to float32 rounding of the decay.
     hybrid = "linear_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or [])
-    tol = 1e-4 if dtype == torch.float32 else (1e-6 if hybrid else 1e-9)
+    tol = 1e-4 if dtype == torch.float32 else (1e-5 if hybrid else 1e-9)
     scale = max(b.norm().item() for _, b in pairs)
     for a, b in pairs:
         assert (a - b).norm().item() <= tol * max(b.norm().item(), 1e-3 * scale if dtype == torch.float32 else 0.0)
