@@ -49,6 +49,16 @@ class Part:
     softcap: float | None
     scale: float
     block: int
+    #: query positions repeat every `q_period` rows (queries of several sequences folded into one
+    #: batch row, see `SplitAttention`); None: all rows are consecutive positions.
+    q_period: int | None = None
+
+    def q_positions(self, r: int, device) -> torch.Tensor:
+        idx = torch.arange(r, device=device)
+        return self.q_start + (idx if self.q_period is None else idx % self.q_period)
+
+    def q_last(self, r: int) -> int:
+        return self.q_start + min(r, self.q_period or r) - 1
 
 
 # ----------------------------------------------------------------------------------------- blockwise kernel
@@ -61,12 +71,12 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _visible(part: Part, r: int, s0: int, n: int, device) -> torch.Tensor | None:
     """Boolean mask `[R, n]` of visible keys s0..s0+n of the part, or None when all are visible."""
-    q_lo, q_hi = part.q_start, part.q_start + r - 1
+    q_lo, q_hi = part.q_start, part.q_last(r)
     k_lo, k_hi = part.k_start + s0, part.k_start + s0 + n - 1
     w = part.window
     if k_hi <= q_lo and (w is None or k_lo > q_hi - w):
         return None
-    qp = torch.arange(q_lo, q_hi + 1, device=device)[:, None]
+    qp = part.q_positions(r, device)[:, None]
     kp = torch.arange(k_lo, k_hi + 1, device=device)[None, :]
     vis = kp <= qp
     if w is not None:
@@ -174,7 +184,7 @@ def _flash_mode(q, k, v, part: Part) -> str | None:
     r, t = q.shape[2], k.shape[2]
     if part.window is None and part.k_start + t - 1 <= part.q_start:
         return "full"  # every key precedes every query: no mask
-    if part.window is None and r == t and part.q_start == part.k_start:
+    if part.window is None and r == t and part.q_start == part.k_start and part.q_period is None:
         return "causal"  # own part: square causal mask
     return None
 
@@ -212,9 +222,22 @@ def merge_by_lse(out_a, lse_a, out_b, lse_b):
     return out, w_a
 
 
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """`[B, H, R, ...]` → `[1, H, B·R, ...]`: B sequences' queries as rows against one shared prompt."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Inverse of `_fold` for a batch of `b`."""
+    return x.reshape(x.shape[1], b, x.shape[2] // b, *x.shape[3:]).transpose(0, 1)
+
+
 class SplitAttention(torch.autograd.Function):
     """Attention of q over [prompt part | own part]; saves inputs by reference, the merged output and
-    the two log-sum-exps: nothing of size R×T and no copy of the prompt K/V."""
+    the two log-sum-exps: nothing of size R×T and no copy of the prompt K/V.
+
+    A prompt part of batch 1 serves queries of batch B (G sequences sampled from one prompt): their
+    rows are folded into one batch row, so the prompt K/V is read once and never repeated."""
 
     @staticmethod
     def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own: Part, prompt: Part | None):
@@ -222,7 +245,12 @@ class SplitAttention(torch.autograd.Function):
         if prompt is None:
             out, lse_p = out_o, None
         else:
-            out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
+            b = q.shape[0]
+            if b > 1 and prompt_k.shape[0] == 1:
+                out_p, lse_p = part_forward(_fold(q), prompt_k, prompt_v, prompt)
+                out_p, lse_p = _unfold(out_p, b), _unfold(lse_p, b)
+            else:
+                out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
         ctx.save_for_backward(q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p)
         ctx.parts = (own, prompt)
@@ -241,7 +269,13 @@ class SplitAttention(torch.autograd.Function):
         g_o = (dout.to(w_p.dtype) * (1 - w_p)).to(dout.dtype)
         dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
         need_prompt = need[3] or need[4]
-        dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt)
+        b = q.shape[0]
+        if b > 1 and prompt_k.shape[0] == 1:
+            dq_p, dkp, dvp = part_backward(_fold(g_p), _fold(q), prompt_k, prompt_v, _fold(out), _fold(lse_p), prompt,
+                                           need_kv=need_prompt)
+            dq_p = _unfold(dq_p, b)
+        else:
+            dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt)
         return dq_o + dq_p, dk, dv, dkp, dvp, None, None
 
 
@@ -262,6 +296,7 @@ def split_attention(
 ):
     """Attention of q `[B, H, R, D]` over [prompt | own] keys: out `[B, H, R, Dv]`.
 
+    own K/V have batch B; the prompt K/V batch B or 1 (shared by all B sequences).
     Gradients reach `prompt_k` / `prompt_v` only if they require grad (exact mode).
     """
     for k in (own_k, prompt_k):
@@ -271,7 +306,10 @@ def split_attention(
     own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
     prompt = None
     if prompt_k is not None and prompt_k.shape[-2] > 0:
-        prompt = Part(int(q_start), int(prompt_start), window, softcap, scale, int(block))
+        if prompt_k.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"prompt batch {prompt_k.shape[0]} must be 1 or the query batch {q.shape[0]}")
+        period = q.shape[2] if prompt_k.shape[0] == 1 and q.shape[0] > 1 else None
+        prompt = Part(int(q_start), int(prompt_start), window, softcap, scale, int(block), period)
         # a sliding window may leave no prompt key visible to any query
         if window is not None and prompt_start + prompt_k.shape[-2] - 1 <= q_start - window:
             prompt = None

@@ -34,6 +34,11 @@ class BranchCache(Cache):
         super().__init__(layers=layers)
         self.block = block
 
+    def batch_select_indices(self, indices) -> None:
+        """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
 
 def longstraw_attention(
     module,

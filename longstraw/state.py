@@ -100,8 +100,8 @@ class PromptState:
             raise RuntimeError("this PromptState was released")
         return self.layers
 
-    def _cache(self) -> BranchCache:
-        return BranchCache([layer.branch() for layer in self._live()], block=self.block)
+    def _cache(self, batch: int = 1) -> BranchCache:
+        return BranchCache([layer.branch(batch) for layer in self._live()], block=self.block)
 
     # ------------------------------------------------------------------ replay
     def replay(self, response_ids, temperature: float = 1.0) -> Replay:
@@ -117,17 +117,26 @@ class PromptState:
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        hidden = run_decoder(parts, inputs, positions, self._cache())
+        hidden = run_decoder(parts, inputs[None], positions, self._cache())
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
                                              softcap=parts.final_logit_softcapping)
         return Replay(logprobs=logprobs, entropy=entropy)
 
+    def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               stop_token_ids=(), generator: torch.Generator | None = None):
+        """Decode `num` responses together from this one state (`longstraw.sampler.sample`)."""
+        from .sampler import sample
+
+        return sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                      stop_token_ids=stop_token_ids, generator=generator)
+
 
 def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):
-    """Hidden states `[1, T, hidden]` of the unmodified decoder over `input_ids` against `cache`."""
+    """Hidden states `[B, T, hidden]` of the unmodified decoder over `input_ids` `[B, T]` (positions
+    `[T]`, shared by the B rows) against `cache`."""
     with longstraw_attention_enabled(parts.model):
         out = parts.decoder(
-            input_ids=input_ids[None],
+            input_ids=input_ids,
             position_ids=positions[None],
             cache=cache,
             use_cache=True,
@@ -169,7 +178,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         for s in range(0, captured, chunk_size):
             e = min(s + chunk_size, captured)
             cache = state._cache()
-            run_decoder(parts, prompt[s:e], torch.arange(s, e, device=device), cache)
+            run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
             for layer, branch in zip(layers, cache.layers):
                 layer.commit(branch, e - s)
             del cache

@@ -85,3 +85,23 @@ def test_graph_holds_no_prompt_sized_tensor_but_the_prompt_itself():
     assert any(t.data_ptr() in prompt_ptrs for t in saved)
     out.sum().backward()
     assert q.grad is not None and kp.grad is None
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window"])
+def test_shared_prompt_serves_a_batch(window):
+    """Queries of B sequences against one batch-1 prompt K/V equal B separate computations."""
+    g = torch.Generator().manual_seed(5)
+    b, h, hkv, r, p, d = 3, 4, 2, 2, 30, 8
+    q = torch.randn(b, h, r, d, generator=g, requires_grad=True)
+    ko, vo = torch.randn(b, hkv, r, d, generator=g), torch.randn(b, hkv, r, d, generator=g)
+    kp = torch.randn(1, hkv, p, d, generator=g, requires_grad=True)
+    vp = torch.randn(1, hkv, p, d, generator=g, requires_grad=True)
+    out = split_attention(q, ko, vo, kp, vp, q_start=p, own_start=p, window=window, block=8)
+    ref = torch.cat([reference_attention(q[i : i + 1], torch.cat([kp, ko[i : i + 1]], 2),
+                                         torch.cat([vp, vo[i : i + 1]], 2), p, 0, window=window) for i in range(b)])
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    w = torch.randn(ref.shape, generator=g)
+    ga = torch.autograd.grad((out * w).sum(), [q, kp, vp])
+    gb = torch.autograd.grad((ref * w).sum(), [q, kp, vp])
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)

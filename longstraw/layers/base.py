@@ -32,8 +32,9 @@ class LayerState(ABC):
         self.length = 0
 
     @abstractmethod
-    def branch(self):
-        """A fresh transformers cache layer reading this state; the state itself is never written."""
+    def branch(self, batch: int = 1):
+        """A fresh transformers cache layer reading this state, for `batch` sequences that share it;
+        the state itself is never written."""
 
     @abstractmethod
     def commit(self, branch_layer, n: int) -> None:

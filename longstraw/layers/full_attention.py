@@ -45,6 +45,11 @@ class AttentionBranchLayer(CacheLayerMixin):
             self.values = torch.cat([self.values, value_states], dim=-2)
         return self.keys, self.values
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[indices], self.values[indices]
+
     @property
     def own_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
@@ -83,8 +88,8 @@ class KVState(LayerState):
         n = self.length - self.start
         return self.keys[:, :, :n], self.values[:, :, :n]
 
-    def branch(self) -> AttentionBranchLayer:
-        k, v = self.stored()
+    def branch(self, batch: int = 1) -> AttentionBranchLayer:
+        k, v = self.stored()  # batch 1, shared by all `batch` sequences (split attention folds them)
         return AttentionBranchLayer(k, v, self.length, self.start, self.window)
 
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:

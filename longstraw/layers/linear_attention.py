@@ -65,6 +65,21 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
         self.has_previous_state[state_idx] = True
         return recurrent_states
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the branch rows `indices`; states still of batch 1 (shared, expanded) stay as they are."""
+        for states in (self.conv_states, self.recurrent_states):
+            for i, t in states.items():
+                if t is not None and t.shape[0] > 1:
+                    states[i] = t[indices]
+
+    def expand(self, batch: int) -> "RecurrentBranchLayer":
+        """View the captured states for `batch` sequences (no copy: branches never write them)."""
+        for states in (self.conv_states, self.recurrent_states):
+            for i, t in states.items():
+                if t is not None:
+                    states[i] = t.expand(batch, *t.shape[1:])
+        return self
+
     def crop(self, tokens_to_remove: int):
         raise NotImplementedError("longstraw branch layers are not croppable; start a new branch instead")
 
@@ -81,8 +96,9 @@ class RecurrentState(LayerState):
         self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
 
-    def branch(self) -> RecurrentBranchLayer:
-        return RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states)
+    def branch(self, batch: int = 1) -> RecurrentBranchLayer:
+        layer = RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states)
+        return layer.expand(batch) if batch > 1 else layer
 
     def commit(self, branch_layer: RecurrentBranchLayer, n: int) -> None:
         for i in range(self.number_of_states):

@@ -1,0 +1,111 @@
+"""Shared-prefix sampling: G responses decoded together from ONE captured prompt state.
+
+All G sequences read the same durable prompt state: full-attention layers fold the G queries into
+one row block against the single prompt K/V (never copied G times), linear-attention layers start
+from the captured conv/recurrent state viewed G times (`expand`, no copy). Each sequence keeps only
+its own new K/V or states, and leaves the batch when it emits a stop token.
+
+Log-probs returned are the "old" scores of GRPO: log softmax(logits / temperature) of each chosen
+token over the whole vocabulary (as TRL computes them), whatever top-k / top-p filtering restricted
+sampling to; `temperature=0` is greedy decoding with log-probs at temperature 1.
+
+Memory: durable state + G · (own K/V per layer of up to max_new_tokens tokens) + one step's
+activations for the active rows; O(G · V) for one step's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .state import PromptState, run_decoder
+
+
+@dataclass
+class Samples:
+    """G sampled responses: `tokens[i]` 1-D LongTensor (its stop token included, no padding),
+    `logprobs[i]` 1-D float32 old log-probs of those tokens, `truncated` bool `[G]` (no stop token
+    within `max_new_tokens`)."""
+
+    tokens: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    truncated: torch.Tensor
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of logits `[B, V]` (removed entries set to −inf), as
+    transformers' logits processors do; at least one token always stays."""
+    if top_k > 0 and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # drop a token when the tokens before it already cover top_p
+        drop = (probs.cumsum(-1) - probs) > top_p
+        drop[..., 0] = False
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return z
+
+
+def _check(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
+    if num < 1:
+        raise ValueError(f"num must be >= 1; got {num}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
+    if top_k < 0 or top_k > vocab:
+        raise ValueError(f"top_k must be in [0, vocab size {vocab}]; got {top_k}")
+
+
+@torch.no_grad()
+def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
+           top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None) -> Samples:
+    """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc)."""
+    parts = state._parts
+    vocab = parts.config.vocab_size
+    _check(num, max_new_tokens, temperature, top_p, top_k, vocab)
+    device = state.last_token.device
+    stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
+    cache = state._cache(num)
+    active = torch.arange(num, device=device)  # original row of each row still decoding
+    tokens = torch.zeros(num, max_new_tokens, dtype=torch.long, device=device)
+    logps = torch.zeros(num, max_new_tokens, device=device)
+    lengths = torch.full((num,), max_new_tokens, dtype=torch.long, device=device)
+    truncated = torch.ones(num, dtype=torch.bool, device=device)
+    step_input = state.last_token.expand(num)[:, None]
+    start = state.prompt_length - 1
+    for t in range(max_new_tokens):
+        positions = torch.tensor([start + t], device=device)
+        hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
+        logits = parts.logits(hidden).float()
+        if temperature == 0:
+            chosen = logits.argmax(-1)
+            scored = torch.log_softmax(logits, -1)
+        else:
+            z = logits / temperature
+            scored = torch.log_softmax(z, -1)
+            probs = torch.softmax(filter_logits(z, top_k, top_p), -1)
+            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens[active, t] = chosen
+        logps[active, t] = scored.gather(-1, chosen[:, None]).squeeze(-1)
+        done = torch.isin(chosen, stop) if stop.numel() else torch.zeros_like(chosen, dtype=torch.bool)
+        if done.any():
+            finished = active[done]
+            lengths[finished] = t + 1
+            truncated[finished] = False
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            active, chosen = active[keep], chosen[keep]
+            cache.batch_select_indices(keep)
+        step_input = chosen[:, None]
+    return Samples(
+        tokens=[tokens[i, : lengths[i]].clone() for i in range(num)],
+        logprobs=[logps[i, : lengths[i]].clone() for i in range(num)],
+        truncated=truncated.cpu(),
+    )

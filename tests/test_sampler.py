@@ -1,0 +1,91 @@
+"""Shared-prefix sampler: log-probs equal replay, greedy equals transformers' generate, seeds reproduce."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+import longstraw
+from longstraw.sampler import filter_logits
+
+from .conftest import ARCHS, make_model, tokens
+
+STOPS = list(range(0, 256, 5))  # ~20% of the vocabulary: sequences stop at different steps
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampled_logprobs_equal_replay(arch):
+    model = make_model(arch)
+    state = longstraw.capture(model, tokens(21, 1), chunk_size=6)
+    out = state.sample(5, 9, temperature=0.9, top_p=0.95, top_k=100, stop_token_ids=STOPS,
+                       generator=torch.Generator().manual_seed(3))
+    assert len(out.tokens) == len(out.logprobs) == 5 and out.truncated.shape == (5,)
+    for tok, lp, trunc in zip(out.tokens, out.logprobs, out.truncated):
+        assert tok.shape == lp.shape and 1 <= tok.numel() <= 9
+        assert bool(trunc) == (int(tok[-1]) not in STOPS)
+        assert not any(int(t) in STOPS for t in tok[:-1])
+        with torch.no_grad():
+            ref = state.replay(tok, temperature=0.9).logprobs
+        assert (ref - lp).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate(arch):
+    model = make_model(arch)
+    prompt = tokens(19, 4)
+    with torch.no_grad():
+        ref = model.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = ref[0, prompt.numel():]
+    state = longstraw.capture(model, prompt, chunk_size=7)
+    out = state.sample(3, 12, temperature=0)
+    for tok in out.tokens:
+        assert torch.equal(tok, ref)
+    assert out.truncated.all()
+    # stop at the greedy token of step 5 (or its first occurrence)
+    stop = int(ref[5])
+    first = int((ref == stop).nonzero()[0])
+    out = state.sample(2, 12, temperature=0, stop_token_ids=[stop])
+    assert torch.equal(out.tokens[0], ref[: first + 1]) and not out.truncated[0]
+    # greedy log-probs are at temperature 1
+    with torch.no_grad():
+        assert (state.replay(out.tokens[0]).logprobs - out.logprobs[0]).abs().max() <= 1e-4
+
+
+def test_reproducible_from_a_seed():
+    state = longstraw.capture(make_model("qwen3_next"), tokens(15, 5))
+    a = state.sample(4, 8, generator=torch.Generator().manual_seed(11))
+    b = state.sample(4, 8, generator=torch.Generator().manual_seed(11))
+    c = state.sample(4, 8, generator=torch.Generator().manual_seed(12))
+    assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
+    assert not all(torch.equal(x, y) for x, y in zip(a.tokens, c.tokens))
+
+
+def test_sampling_leaves_the_state_untouched():
+    model = make_model("qwen3_5_text")
+    state = longstraw.capture(model, tokens(15, 6), chunk_size=4)
+    before = [t.clone() for layer in state.layers for t in layer.tensors()]
+    state.sample(3, 6, stop_token_ids=STOPS, generator=torch.Generator().manual_seed(0))
+    after = [t for layer in state.layers for t in layer.tensors()]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (5, 1.0), (10, 0.5), (0, 1.0)])
+def test_filters_match_transformers_warpers(top_k, top_p):
+    z = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    ref = z.clone()
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    assert torch.equal(torch.isinf(filter_logits(z, top_k, top_p)), torch.isinf(ref))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(num=0), "num"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+     (dict(top_p=0.0), "top_p"), (dict(top_k=1000), "top_k")],
+)
+def test_bad_sampling_options(kwargs, match):
+    state = longstraw.capture(make_model("llama"), tokens(5, 0))
+    args = dict(num=2, max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError, match=match):
+        state.sample(**args)
