@@ -95,13 +95,78 @@ def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int =
     )
 
 
+SAMPLERS = ("hf_generate", "longstraw")
+
+
+def sampling_step(method: str, model, prompt, num: int, new_tokens: int, chunk_size: int = 4096) -> dict:
+    """Sample `num` responses of exactly `new_tokens` tokens (no stop token) at temperature 1."""
+    import longstraw
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if method == "hf_generate":
+            torch.manual_seed(0)
+            out = model.generate(prompt[None], do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 num_return_sequences=num, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            return {"generated": int(out.shape[0] * (out.shape[1] - prompt.numel()))}
+        if method == "longstraw":
+            with longstraw.capture(model, prompt, chunk_size=chunk_size) as state:
+                out = state.sample(num, new_tokens, generator=g)
+                return {"generated": sum(t.numel() for t in out.tokens), "durable_mb": state.nbytes / 2**20}
+    raise ValueError(f"method must be one of {SAMPLERS}; got {method!r}")
+
+
+def measure_sampling(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
+                     chunk_size: int = 4096) -> dict:
+    """Memory and time of sampling G responses of R tokens from a P-token prompt, in this process."""
+    from .memory import peak_rss_mb, reset_peak, rss_mb
+
+    torch.set_num_threads(threads)
+    model = bench_model(model_name).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (P,), generator=torch.Generator().manual_seed(1))
+    sampling_step(method, model, prompt[:64], 2, 4, chunk_size)  # warm-up
+    before = rss_mb()
+    reset_peak()
+    t0 = time.perf_counter()
+    info = sampling_step(method, model, prompt, G, R, chunk_size)
+    wall = time.perf_counter() - t0
+    peak = peak_rss_mb()
+    return dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(),
+                baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
+                wall_s=round(wall, 3), durable_mb=round(info["durable_mb"], 2) if "durable_mb" in info else None,
+                generated=info["generated"], torch=torch.__version__)
+
+
+def _limit_address_space(gb: float):
+    """preexec_fn: cap the child's address space so that a run too big fails with an allocation
+    error instead of waking the kernel's OOM killer on a shared machine."""
+
+    def apply():
+        import resource
+
+        limit = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
 def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
-                             chunk_size: int = 4096) -> dict:
+                             chunk_size: int = 4096, task: str = "step", limit_gb: float | None = None) -> dict:
+    """`measure` (task "step") or `measure_sampling` (task "sample") in a fresh Python process.
+
+    `limit_gb`: address-space cap of the child (torch reserves a few GB of address space beyond what
+    it touches: leave room). A run that hits it is reported with `exceeded_gb`."""
     cmd = [sys.executable, "-m", "longstraw.compare", model_name, method, str(P), str(G), str(R),
-           "--threads", str(threads), "--chunk-size", str(chunk_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+           "--threads", str(threads), "--chunk-size", str(chunk_size), "--task", task]
+    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         preexec_fn=None if limit_gb is None else _limit_address_space(limit_gb))
     if out.returncode != 0:
-        return dict(model=model_name, method=method, P=P, G=G, R=R, error=out.stderr.strip()[-2000:])
+        err = out.stderr.strip()[-2000:]
+        row = dict(model=model_name, method=method, P=P, G=G, R=R, error=err)
+        if limit_gb is not None and any(s in err for s in ("DefaultCPUAllocator", "MemoryError", "out of memory")):
+            row = dict(model=model_name, method=method, P=P, G=G, R=R, exceeded_gb=limit_gb)
+        return row
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,6 +177,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         if "skipped" in r:
             mem, t = f"skipped: {r['skipped']}", "–"
+        elif "exceeded_gb" in r:
+            mem, t = f"> {r['exceeded_gb']:.0f} GB address space (allocation failed)", "–"
         elif "error" in r:
             mem, t = "error: " + r["error"].splitlines()[-1][:60], "–"
         else:
@@ -123,16 +190,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Measure one GRPO step in this process; prints one JSON line.")
+    ap = argparse.ArgumentParser(description="Measure one GRPO step or one sampling call in this process; "
+                                             "prints one JSON line.")
     ap.add_argument("model", choices=MODELS)
-    ap.add_argument("method", choices=METHODS)
+    ap.add_argument("method", choices=METHODS + SAMPLERS)
     ap.add_argument("P", type=int)
     ap.add_argument("G", type=int)
     ap.add_argument("R", type=int)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--task", choices=["step", "sample"], default="step")
     a = ap.parse_args(argv)
-    print(json.dumps(measure(a.model, a.method, a.P, a.G, a.R, a.threads, a.chunk_size)))
+    fn = measure if a.task == "step" else measure_sampling
+    print(json.dumps(fn(a.model, a.method, a.P, a.G, a.R, a.threads, a.chunk_size)))
 
 
 if __name__ == "__main__":

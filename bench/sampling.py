@@ -1,0 +1,75 @@
+"""Memory and time of sampling G responses from one long prompt: longstraw vs transformers' generate.
+
+longstraw: capture the prompt once, then `state.sample(num=G, ...)` (all G read the one prompt state).
+transformers: `model.generate(num_return_sequences=G)`, which prefills G copies of the prompt and
+keeps G KV caches. Both sample exactly R tokens per response at temperature 1 (no stop token), on
+the benchmark's tiny dense and hybrid models, one torch thread, each configuration in a fresh process
+whose address space is capped at `--limit-gb` (a run over it fails its allocation and is reported so).
+
+    python bench/sampling.py      # → bench/results/sampling.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from longstraw.compare import SAMPLERS, format_table, measure_in_fresh_process
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
+    for model, style in (("dense", "-"), ("hybrid", "--")):
+        for method, marker in (("hf_generate", "s"), ("longstraw", "^")):
+            pts = sorted((r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows
+                         if r["model"] == model and r["method"] == method and "step_mem_mb" in r)
+            if pts:
+                p, m, t = zip(*pts)
+                axes[0].plot(p, m, style + marker, label=f"{model} {method}")
+                axes[1].plot(p, t, style + marker, label=f"{model} {method}")
+    for ax, label in zip(axes, ("memory while sampling (MiB, peak RSS − before)", "time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length P (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"sampling G={rows[0]['G']} responses of {rows[0]['R']} tokens, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["dense", "hybrid"])
+    ap.add_argument("--P", nargs="+", type=int, default=[4096, 16384, 32768])
+    ap.add_argument("--G", type=int, default=32)
+    ap.add_argument("--R", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--limit-gb", type=float, default=20.0)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampling"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in args.models:
+        for P in args.P:
+            for method in SAMPLERS:
+                row = measure_in_fresh_process(model, method, P, args.G, args.R, args.threads, task="sample",
+                                               limit_gb=args.limit_gb)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(format_table(rows) + "\n")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
