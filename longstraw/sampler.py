@@ -64,12 +64,24 @@ def _check(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
 
 @torch.no_grad()
 def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-           top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None) -> Samples:
-    """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc)."""
+           top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,
+           allowed_token_ids=None) -> Samples:
+    """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc).
+
+    `allowed_token_ids`: restrict the choice (sampling or greedy) to these tokens; the returned
+    log-probs stay those of the unrestricted distribution (the policy being trained).
+    """
     parts = state._parts
     vocab = parts.config.vocab_size
     _check(num, max_new_tokens, temperature, top_p, top_k, vocab)
     device = state.last_token.device
+    banned = None
+    if allowed_token_ids is not None:
+        allowed = torch.as_tensor(list(allowed_token_ids), dtype=torch.long, device=device)
+        if allowed.numel() == 0 or int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
+            raise ValueError(f"allowed_token_ids must be non-empty token ids in [0, {vocab})")
+        banned = torch.ones(vocab, dtype=torch.bool, device=device)
+        banned[allowed] = False
     stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
     cache = state._cache(num)
     active = torch.arange(num, device=device)  # original row of each row still decoding
@@ -84,11 +96,13 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
         logits = parts.logits(hidden).float()
         if temperature == 0:
-            chosen = logits.argmax(-1)
             scored = torch.log_softmax(logits, -1)
+            chosen = (logits if banned is None else logits.masked_fill(banned, float("-inf"))).argmax(-1)
         else:
             z = logits / temperature
             scored = torch.log_softmax(z, -1)
+            if banned is not None:
+                z = z.masked_fill(banned, float("-inf"))
             probs = torch.softmax(filter_logits(z, top_k, top_p), -1)
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         tokens[active, t] = chosen

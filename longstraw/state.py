@@ -123,12 +123,12 @@ class PromptState:
         return Replay(logprobs=logprobs, entropy=entropy)
 
     def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               stop_token_ids=(), generator: torch.Generator | None = None):
+               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
         """Decode `num` responses together from this one state (`longstraw.sampler.sample`)."""
         from .sampler import sample
 
         return sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                      stop_token_ids=stop_token_ids, generator=generator)
+                      stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
 
 
 def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):

@@ -1,0 +1,149 @@
+"""Typed training configuration, validated at construction, documented once (field `help`).
+
+`longstraw train CONFIG.yaml --field value` reads these fields; `--help` prints every field with its
+help and default. Names follow TRL's `GRPOConfig` where TRL has the concept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .losses import LOSS_TYPES, SCALE_REWARDS
+from .losses.base import IMPORTANCE_SAMPLING_LEVELS
+from .tasks import REWARD_FUNCTIONS, TASKS
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    # ------------------------------------------------------------------ model
+    model: str = _f("llama", "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, ...) "
+                             "or a local folder with a transformers model and its tokenizer")
+    model_overrides: dict = _f({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+                               "config fields of a built-in tiny model (vocab_size comes from the task tokenizer)")
+    lora: bool = _f(True, "train a PEFT LoRA adapter (False: full fine-tuning)")
+    lora_r: int = _f(16, "LoRA rank")
+    lora_alpha: int = _f(32, "LoRA alpha")
+    lora_target_modules: str = _f("all-linear", "PEFT target_modules")
+    train_embeddings: bool = _f(True, "with LoRA, also train the embeddings and LM head (`modules_to_save`); a "
+                                      "random-initialised tiny model needs them to learn anything")
+    # ------------------------------------------------------------------ data
+    task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
+    task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")
+    dataset: str | None = _f(None, "JSONL file of {\"prompt\", \"answer\"} rows (user data)")
+    prompt_length: int = _f(256, "prompt length in tokens of built-in task examples (the last curriculum stage)")
+    curriculum: list = _f([], "prompt lengths to grow through, e.g. [64, 256, 1024]: stage i lasts "
+                              "curriculum_steps[i] steps; the last stage runs to the end")
+    curriculum_steps: list = _f([], "steps per curriculum stage (one entry per stage but the last)")
+    # ------------------------------------------------------------------ GRPO
+    num_steps: int = _f(100, "optimizer steps")
+    prompts_per_step: int = _f(1, "prompts per optimizer step (each with num_generations responses)")
+    num_generations: int = _f(8, "G: responses per prompt")
+    max_completion_length: int = _f(4, "longest response in tokens (stop token included)")
+    temperature: float = _f(1.0, "sampling temperature (log-probs use logits / temperature, as in TRL)")
+    top_p: float = _f(1.0, "nucleus sampling")
+    top_k: int = _f(0, "top-k sampling (0: off)")
+    restrict_to_answer_tokens: bool = _f(False, "sample only the task's answer tokens and the stop token")
+    loss_type: str = _f("dapo", f"one of {sorted(LOSS_TYPES)}")
+    epsilon: float = _f(0.2, "lower clip of the importance ratio")
+    epsilon_high: float | None = _f(None, "upper clip (None: epsilon)")
+    beta: float = _f(0.0, "KL coefficient against the reference policy (adapters disabled); 0 skips it")
+    importance_sampling_level: str = _f("token", f"one of {IMPORTANCE_SAMPLING_LEVELS}")
+    scale_rewards: str = _f("group", f"one of {SCALE_REWARDS}")
+    mask_truncated_completions: bool = _f(False, "exclude responses without a stop token from the loss")
+    reward_funcs: list = _f([], f"reward functions by name ({sorted(REWARD_FUNCTIONS)}); empty: the task's own")
+    reward_weights: list = _f([], "weight per reward function (empty: all 1)")
+    entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
+    sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
+    sft_full_sequence: bool = _f(True, "supervised steps back-propagate through the whole [prompt + answer] "
+                                       "(False: capture the prompt, replay the answer, detached like GRPO)")
+    prompt_grad: str = _f("detached", "gradient through the prompt state: 'detached' (LongStraw as published)")
+    chunk_size: int = _f(1024, "capture chunk size in tokens")
+    # ------------------------------------------------------------------ optimizer
+    learning_rate: float = _f(3e-3, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list = _f([0.9, 0.99], "AdamW betas")
+    lr_scheduler: str = _f("constant", "constant, linear or cosine (decay to 0 after warmup)")
+    warmup_steps: int = _f(0, "linear learning-rate warmup steps")
+    max_grad_norm: float = _f(1.0, "gradient clipping (0: off)")
+    seed: int = _f(0, "seed of the model initialisation, the data and the sampler")
+    # ------------------------------------------------------------------ output
+    output_dir: str = _f("runs/longstraw", "where metrics, checkpoints, the adapter and plots go")
+    save_every: int = _f(1, "checkpoint every N steps (the last step is always saved)")
+    eval_every: int = _f(0, "held-out evaluation every N steps (0: only at the end)")
+    eval_lengths: list = _f([], "prompt lengths of the held-out evaluation (empty: prompt_length)")
+    eval_examples: int = _f(64, "held-out examples per length")
+    threads: int = _f(0, "torch threads (0: leave torch's default)")
+    progress: bool = _f(True, "show a progress bar")
+
+    def __post_init__(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"config: {msg}")
+
+        need(self.num_steps >= 1, "num_steps must be >= 1")
+        need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
+        need(self.num_generations >= 2, "num_generations must be >= 2 (GRPO compares responses within a group)")
+        need(self.max_completion_length >= 1, "max_completion_length must be >= 1")
+        need(self.temperature > 0, "temperature must be > 0 for GRPO sampling")
+        need(self.loss_type in LOSS_TYPES, f"loss_type must be one of {sorted(LOSS_TYPES)}")
+        need(self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}")
+        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+             f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+        need(self.dataset is not None or self.task in TASKS, f"task must be one of {sorted(TASKS)}")
+        need(all(r in REWARD_FUNCTIONS for r in self.reward_funcs),
+             f"reward_funcs must be among {sorted(REWARD_FUNCTIONS)}")
+        need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
+             "reward_weights needs one weight per reward function")
+        need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")
+        need(self.prompt_grad == "detached", "prompt_grad must be 'detached'")
+        need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
+             "curriculum_steps needs one entry per curriculum stage but the last")
+        need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")
+        need(self.chunk_size >= 1 and self.save_every >= 1 and self.eval_examples >= 1, "sizes must be >= 1")
+        need(self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
+             "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0")
+
+    # ------------------------------------------------------------------ io
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"config: unknown field(s) {unknown}; valid fields: {', '.join(cls.field_names())}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        import yaml
+
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a config file must hold a mapping of field: value")
+        return cls.from_dict({**values, **(overrides or {})})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def stage_length(self, step: int) -> int:
+        """Prompt length at optimizer step `step` (0-based) under the curriculum."""
+        if not self.curriculum:
+            return self.prompt_length
+        end = 0
+        for length, steps in zip(self.curriculum, self.curriculum_steps):
+            end += steps
+            if step < end:
+                return int(length)
+        return int(self.curriculum[-1])

@@ -1,0 +1,116 @@
+"""Built-in long-context tasks with verifiable answers, at a configurable prompt length.
+
+- `kv_retrieval`: K key/value pairs scattered in filler text; "? k =" asks one key's value.
+- `multi_kv_retrieval`: the same, asking Q keys at once ("? k_a k_b ="), answer their Q values.
+- `aggregation`: count how many pairs hold a given value ("count v ="): needs the whole context.
+
+`length` is the prompt length in tokens (the tokenizer is word-level); filler words are spread
+between the pairs to reach it. Baselines a model gets without real retrieval: context-blind 1/V for
+V values, positional shortcut (always copy the value at one place) 1/K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Example, rng_for
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """Common shape of the synthetic tasks."""
+
+    num_pairs: int = 16
+    num_keys: int = 64
+    num_values: int = 16
+    num_filler: int = 32
+    reward: str = "exact_match"
+
+    def __post_init__(self):
+        if not 1 <= self.num_pairs <= self.num_keys:
+            raise ValueError(f"num_pairs must be in [1, num_keys={self.num_keys}]; got {self.num_pairs}")
+        if self.num_values < 2:
+            raise ValueError("num_values must be >= 2")
+
+    def min_length(self) -> int:
+        """Shortest prompt: the pairs and a three-word question, no filler."""
+        return 2 * self.num_pairs + 3
+
+    def answer_words(self) -> list[str]:
+        """Words an answer can use (for sampling restricted to answer tokens)."""
+        return [f"v{i}" for i in range(self.num_values)]
+
+    def max_answer_words(self) -> int:
+        return 1
+
+    def _layout(self, rng, pairs: list[tuple[str, str]], question: list[str], length: int) -> str:
+        """Pairs in order with filler words spread between them to reach `length` tokens."""
+        body = 2 * len(pairs) + len(question)
+        if length < body:
+            raise ValueError(f"length {length} is shorter than the {body} tokens this task needs")
+        filler = length - body
+        cuts = sorted(rng.randint(0, filler) for _ in range(len(pairs)))
+        gaps = [b - a for a, b in zip([0] + cuts, cuts + [filler])]
+        words: list[str] = []
+        for (k, v), gap in zip(pairs, gaps):
+            words += [f"f{rng.randrange(self.num_filler)}" for _ in range(gap)] + [k, v]
+        words += [f"f{rng.randrange(self.num_filler)}" for _ in range(gaps[-1])]
+        return " ".join(words + question)
+
+    def _pairs(self, rng):
+        keys = rng.sample(range(self.num_keys), self.num_pairs)
+        return [(f"k{k}", f"v{rng.randrange(self.num_values)}") for k in keys]
+
+    def example(self, seed: int, index: int, length: int) -> Example:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class KVRetrieval(SyntheticTask):
+    def example(self, seed: int, index: int, length: int) -> Example:
+        rng = rng_for(seed, index)
+        pairs = self._pairs(rng)
+        k, v = pairs[rng.randrange(len(pairs))]
+        return Example(self._layout(rng, pairs, ["?", k, "="], length), v)
+
+
+@dataclass(frozen=True)
+class MultiKVRetrieval(SyntheticTask):
+    num_queries: int = 2
+    reward: str = "fraction_correct"
+
+    def max_answer_words(self) -> int:
+        return self.num_queries
+
+    def min_length(self) -> int:
+        return 2 * self.num_pairs + self.num_queries + 2
+
+    def example(self, seed: int, index: int, length: int) -> Example:
+        if self.num_queries > self.num_pairs:
+            raise ValueError("num_queries must be <= num_pairs")
+        rng = rng_for(seed, index)
+        pairs = self._pairs(rng)
+        asked = rng.sample(pairs, self.num_queries)
+        question = ["?", *[k for k, _ in asked], "="]
+        return Example(self._layout(rng, pairs, question, length), " ".join(v for _, v in asked))
+
+
+@dataclass(frozen=True)
+class Aggregation(SyntheticTask):
+    """How many pairs hold value v? The answer is the count in decimal digits, one token each."""
+
+    def answer_words(self) -> list[str]:
+        return [str(d) for d in range(10)]
+
+    def max_answer_words(self) -> int:
+        return len(str(self.num_pairs))
+
+    def example(self, seed: int, index: int, length: int) -> Example:
+        rng = rng_for(seed, index)
+        pairs = self._pairs(rng)
+        v = pairs[rng.randrange(len(pairs))][1]
+        count = sum(val == v for _, val in pairs)
+        return Example(self._layout(rng, pairs, ["count", v, "="], length), " ".join(str(count)))
+
+
+TASKS = {"kv_retrieval": KVRetrieval, "multi_kv_retrieval": MultiKVRetrieval, "aggregation": Aggregation}

@@ -1,0 +1,166 @@
+"""The trainer: one optimizer step per batch, exact resume, clear errors that lose nothing."""
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from longstraw.config import TrainConfig
+from longstraw.trainer import RewardFunctionError, Trainer
+
+DETERMINISTIC = ("loss", "reward", "reward_std", "entropy", "clip_ratio", "grad_norm", "lr", "step", "prompt_length",
+                 "completion_length", "kl", "durable_bytes", "rewards/exact_match/mean")
+
+
+def _cfg(tmp_path, name="run", **kw):
+    base = dict(model="llama", output_dir=str(tmp_path / name), prompt_length=24,
+                task_options={"num_pairs": 4, "num_values": 8}, num_steps=4, num_generations=4,
+                max_completion_length=2, prompts_per_step=2, eval_examples=4, progress=False, threads=1,
+                learning_rate=1e-2, beta=0.05, lora=True, sft_warmup_steps=1, lr_scheduler="cosine")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+
+
+def _metrics(path):
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(rows_a, rows_b):
+    assert len(rows_a) == len(rows_b)
+    for a, b in zip(rows_a, rows_b):
+        for k in DETERMINISTIC:
+            if k in a or k in b:
+                assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-6), (k, a[k], b[k])
+
+
+def test_one_optimizer_step_per_batch(tmp_path):
+    trainer = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0))
+    calls = []
+    orig = trainer.opt.step
+    trainer.opt.step = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    rows = trainer.train()
+    assert len(calls) == 2 and [r["step"] for r in rows] == [1, 2]
+    assert all(r["phase"] == "grpo" and r["durable_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("prompts_per_step", [1, 2], ids=["state-reused", "recaptured"])
+def test_resume_after_step_2_equals_uninterrupted(tmp_path, prompts_per_step):
+    full = Trainer(_cfg(tmp_path, "full", prompts_per_step=prompts_per_step))
+    full.train()
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(m):
+        if m["step"] == 2:
+            raise Stop
+
+    part = Trainer(_cfg(tmp_path, "part", prompts_per_step=prompts_per_step))
+    with pytest.raises(Stop):
+        part.train(on_step=stop_after_2)
+    resumed = Trainer(_cfg(tmp_path, "part", prompts_per_step=prompts_per_step))
+    resumed.train()
+    assert resumed.step == 4
+    _same(_metrics(tmp_path / "full"), _metrics(tmp_path / "part"))
+    wa, wb = _weights(full), _weights(resumed)
+    assert all((wa[k] - wb[k]).abs().max().item() <= 1e-6 for k in wa)
+
+
+def test_sigint_in_the_middle_of_step_3_then_resume(tmp_path):
+    from longstraw.tasks import exact_match
+
+    calls = {"n": 0}
+
+    def reward(prompts, completions, answer, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:  # steps 2 and 3 score 2 prompts each; the 2nd prompt of step 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return exact_match(prompts, completions, answer)
+
+    reward.__name__ = "exact_match"  # same metric names as the uninterrupted run
+    full = Trainer(_cfg(tmp_path, "full"), reward_funcs=[exact_match])
+    full.train()
+    part = Trainer(_cfg(tmp_path, "part"), reward_funcs=[reward])
+    with pytest.raises(KeyboardInterrupt):
+        part.train()
+    assert part.step == 2
+    assert (tmp_path / "part" / "checkpoints" / "latest").read_text() == "step-2"
+    resumed = Trainer(_cfg(tmp_path, "part"), reward_funcs=[exact_match])
+    resumed.train()
+    _same(_metrics(tmp_path / "full"), _metrics(tmp_path / "part"))
+    wa, wb = _weights(full), _weights(resumed)
+    assert all((wa[k] - wb[k]).abs().max().item() <= 1e-6 for k in wa)
+
+
+def test_reward_function_error_is_named_and_checkpoint_intact(tmp_path):
+    def flaky(prompts, completions, **kw):
+        if flaky.n >= 2:
+            raise KeyError("no such field")
+        flaky.n += 1
+        return [0.0] * len(completions)
+
+    flaky.n = 0
+    trainer = Trainer(_cfg(tmp_path, prompts_per_step=1, sft_warmup_steps=0, beta=0.0), reward_funcs=[flaky])
+    with pytest.raises(RewardFunctionError, match="'flaky' raised KeyError"):
+        trainer.train()
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step-2"
+    assert (ckpt / "step-2" / "weights" / "adapter_model.safetensors").exists()
+    assert not list(ckpt.glob(".*tmp"))
+
+
+def test_non_finite_loss_skips_the_update(tmp_path):
+    def inf_reward(prompts, completions, **kw):
+        return [float("inf")] * len(completions)
+
+    trainer = Trainer(_cfg(tmp_path, num_steps=1, sft_warmup_steps=0, beta=0.0), reward_funcs=[inf_reward])
+    before = _weights(trainer)
+    (row,) = trainer.train()
+    assert "skipped" in row
+    after = _weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        pytest.param(dict(prompt_length=40, model_overrides={"max_position_embeddings": 32, "hidden_size": 32,
+                                                              "num_hidden_layers": 1}),
+                     ValueError, "max_position_embeddings", id="prompt-too-long"),
+        pytest.param(dict(model="gpt2"), ValueError, "neither a built-in", id="unsupported-arch"),
+        pytest.param(dict(prompt_length=5), ValueError, "shorter than", id="prompt-too-short-for-task"),
+    ],
+)
+def test_bad_runs_fail_clearly(tmp_path, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        Trainer(_cfg(tmp_path, **kw)).train()
+
+
+def test_unknown_config_field_and_empty_dataset(tmp_path):
+    with pytest.raises(ValueError, match="unknown field.*num_stepz"):
+        TrainConfig.from_dict({"num_stepz": 3})
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        Trainer(_cfg(tmp_path, dataset=str(empty)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "k1 v1 ? k1 ="}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        Trainer(_cfg(tmp_path, dataset=str(bad)))
+
+
+def test_user_jsonl_data_trains(tmp_path):
+    rows = [{"prompt": f"k{i} v{i % 8} k{i + 1} v{(i + 3) % 8} ? k{i} =", "answer": f"v{i % 8}"} for i in range(6)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = Trainer(_cfg(tmp_path, dataset=str(path), num_steps=2))
+    out = trainer.train()
+    assert len(out) == 2 and out[-1]["phase"] == "grpo"
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
