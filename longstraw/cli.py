@@ -53,9 +53,9 @@ def _parse_value(field: dataclasses.Field, text: str):
         return int(text)
     if kind.startswith("float"):
         return float(text)
-    if kind.startswith(("list", "dict")):
+    if kind.startswith(("list", "dict")) or ("list" in kind and text.lstrip().startswith("[")):
         value = yaml.safe_load(text)
-        expected = list if kind.startswith("list") else dict
+        expected = dict if kind.startswith("dict") else list
         if not isinstance(value, expected):
             raise ValueError(f"--{field.name}: expected a YAML {expected.__name__}, got {text!r}")
         return value

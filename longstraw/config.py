@@ -33,7 +33,7 @@ class TrainConfig:
     lora: bool = _f(True, "train a PEFT LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha")
-    lora_target_modules: str = _f("all-linear", "PEFT target_modules")
+    lora_target_modules: str | list = _f("all-linear", "PEFT target_modules (a name pattern or a list)")
     train_embeddings: bool = _f(True, "with LoRA, also train the embeddings and LM head (`modules_to_save`); a "
                                       "random-initialised tiny model needs them to learn anything")
     # ------------------------------------------------------------------ data
@@ -53,6 +53,8 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     restrict_to_answer_tokens: bool = _f(False, "sample only the task's answer tokens and the stop token")
+    ignore_eos: bool = _f(False, "always sample max_completion_length tokens (benchmarks): the stop token "
+                                 "does not end a response")
     loss_type: str = _f("dapo", f"one of {sorted(LOSS_TYPES)}")
     epsilon: float = _f(0.2, "lower clip of the importance ratio")
     epsilon_high: float | None = _f(None, "upper clip (None: epsilon)")

@@ -249,7 +249,8 @@ class Trainer:
             durable = max(durable, state.nbytes)
             t = time.perf_counter()
             s = state.sample(G, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, stop_token_ids=[self.eos], generator=_generator(cfg.seed, step, b),
+                             top_k=cfg.top_k, stop_token_ids=[] if cfg.ignore_eos else [self.eos],
+                             generator=_generator(cfg.seed, step, b),
                              allowed_token_ids=self.allowed)
             times["time_sample"] += time.perf_counter() - t
             texts = self.tok.batch_decode(s.tokens, skip_special_tokens=False)

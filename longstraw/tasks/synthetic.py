@@ -1,6 +1,7 @@
 """Built-in long-context tasks with verifiable answers, at a configurable prompt length.
 
-- `kv_retrieval`: K key/value pairs scattered in filler text; "? k =" asks one key's value.
+- `kv_retrieval`: K key/value pairs scattered in filler text; "? k" asks one key's value (the
+  answer follows the key, as it does in the pairs: the pattern an induction head completes).
 - `multi_kv_retrieval`: the same, asking Q keys at once ("? k_a k_b ="), answer their Q values.
 - `aggregation`: count how many pairs hold a given value ("count v ="): needs the whole context.
 
@@ -33,8 +34,8 @@ class SyntheticTask:
             raise ValueError("num_values must be >= 2")
 
     def min_length(self) -> int:
-        """Shortest prompt: the pairs and a three-word question, no filler."""
-        return 2 * self.num_pairs + 3
+        """Shortest prompt: the pairs and the question, no filler."""
+        return 2 * self.num_pairs + 2
 
     def answer_words(self) -> list[str]:
         """Words an answer can use (for sampling restricted to answer tokens)."""
@@ -71,7 +72,7 @@ class KVRetrieval(SyntheticTask):
         rng = rng_for(seed, index)
         pairs = self._pairs(rng)
         k, v = pairs[rng.randrange(len(pairs))]
-        return Example(self._layout(rng, pairs, ["?", k, "="], length), v)
+        return Example(self._layout(rng, pairs, ["?", k], length), v)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class Aggregation(SyntheticTask):
 
     def max_answer_words(self) -> int:
         return len(str(self.num_pairs))
+
+    def min_length(self) -> int:
+        return 2 * self.num_pairs + 3
 
     def example(self, seed: int, index: int, length: int) -> Example:
         rng = rng_for(seed, index)
