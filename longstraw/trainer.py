@@ -85,9 +85,11 @@ class Data:
     rows: list[Example] | None
     seed: int
 
-    def example(self, index: int, length: int) -> Example:
+    def example(self, index: int, length: int, sft: bool = False) -> Example:
         if self.rows is not None:
             return self.rows[index % len(self.rows)]
+        if sft:
+            return self.task.sft_example(self.seed, index, length)
         return self.task.example(self.seed, index, length)
 
 
@@ -189,9 +191,10 @@ class Trainer:
             cols.append(torch.tensor([float("nan") if x is None else float(x) for x in r]))
         return torch.stack(cols, dim=1)
 
-    def examples(self, step: int) -> list[Example]:
+    def examples(self, step: int, sft: bool = False) -> list[Example]:
         length = self.cfg.stage_length(step)
-        return [self.data.example(step * self.cfg.prompts_per_step + b, length) for b in range(self.cfg.prompts_per_step)]
+        return [self.data.example(step * self.cfg.prompts_per_step + b, length, sft=sft)
+                for b in range(self.cfg.prompts_per_step)]
 
     # ------------------------------------------------------------------ steps
     def sft_step(self, step: int) -> dict:
@@ -202,19 +205,23 @@ class Trainer:
         in one batch. Otherwise each prompt is captured and its answer replayed (detached, like GRPO).
         """
         t0, cap_t, rep_t = time.perf_counter(), 0.0, 0.0
-        pairs = [(self.encode(ex.prompt), self.answer_ids(ex.answer)) for ex in self.examples(step)]
-        n_tok = sum(a.numel() for _, a in pairs)
+        exs = self.examples(step, sft=True)
+        pairs = [(self.encode(ex.prompt), self.answer_ids(ex.answer)) for ex in exs]
+        n_tok = sum(a.numel() + len(ex.supervised) for (_, a), ex in zip(pairs, exs))
         tokens = sum(p.numel() + a.numel() for p, a in pairs)
         loss_total, durable = 0.0, 0
         if self.cfg.sft_full_sequence:
-            by_shape: dict[tuple[int, int], list] = {}
-            for p, a in pairs:
-                by_shape.setdefault((p.numel(), a.numel()), []).append((p, a))
-            for (plen, alen), group in by_shape.items():
+            by_shape: dict[tuple[int, int, int], list] = {}
+            for (p, a), ex in zip(pairs, exs):
+                by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append((p, a, ex.supervised))
+            for (plen, alen, nsup), group in by_shape.items():
                 t = time.perf_counter()
-                seqs = torch.stack([torch.cat([p, a]) for p, a in group])
-                targets = seqs[:, plen:]
-                hidden = self._parts.decoder(input_ids=seqs).last_hidden_state[:, plen - 1 : plen - 1 + alen]
+                seqs = torch.stack([torch.cat([p, a]) for p, a, _ in group])
+                # positions whose token is a target: the supervised prompt positions, then the answer
+                pos = torch.tensor([list(sup) + list(range(plen, plen + alen)) for _, _, sup in group])
+                targets = seqs.gather(1, pos)
+                hidden = self._parts.decoder(input_ids=seqs).last_hidden_state
+                hidden = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
                 lp, _ = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self._parts.lm_head, targets.reshape(-1),
                                          softcap=self._parts.final_logit_softcapping)
                 loss = -lp.sum() / n_tok

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Example:
+    """A prompt and its answer. `supervised`: prompt token positions that a supervised warm-up also
+    trains on (each predicted from the position before it), e.g. rehearsed answers inside the prompt."""
+
     prompt: str
     answer: str
+    supervised: tuple[int, ...] = ()
 
 
 def _words(text: str) -> list[str]:

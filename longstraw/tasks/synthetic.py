@@ -63,7 +63,11 @@ class SyntheticTask:
         return [(f"k{k}", f"v{rng.randrange(self.num_values)}") for k in keys]
 
     def example(self, seed: int, index: int, length: int) -> Example:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define example()")
+
+    def sft_example(self, seed: int, index: int, length: int) -> Example:
+        """The example a supervised warm-up trains on (by default the same as `example`)."""
+        return self.example(seed, index, length)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,19 @@ class KVRetrieval(SyntheticTask):
         pairs = self._pairs(rng)
         k, v = pairs[rng.randrange(len(pairs))]
         return Example(self._layout(rng, pairs, ["?", k], length), v)
+
+    def sft_example(self, seed: int, index: int, length: int) -> Example:
+        """Every pair rehearsed once in random order ("? k v" each) before the final "? k": K
+        supervised answers per prompt instead of one, the same lookup each time."""
+        rng = rng_for(seed, index)
+        pairs = self._pairs(rng)
+        order = rng.sample(pairs, len(pairs))
+        rehearsal = [w for k, v in order for w in ("?", k, v)]
+        k, v = pairs[rng.randrange(len(pairs))]
+        body = self._layout(rng, pairs, [], max(length - len(rehearsal) - 2, 2 * len(pairs))).split()
+        words = body + rehearsal + ["?", k]
+        supervised = tuple(len(body) + 3 * i + 2 for i in range(len(order)))
+        return Example(" ".join(words), v, supervised)
 
 
 @dataclass(frozen=True)
