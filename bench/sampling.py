@@ -4,7 +4,8 @@ longstraw: capture the prompt once, then `state.sample(num=G, ...)` (all G read 
 transformers: `model.generate(num_return_sequences=G)`, which prefills G copies of the prompt and
 keeps G KV caches. Both sample exactly R tokens per response at temperature 1 (no stop token), on
 the benchmark's tiny dense and hybrid models, one torch thread, each configuration in a fresh process
-whose address space is capped at `--limit-gb` (a run over it fails its allocation and is reported so).
+whose address space is capped at `--limit-gb` (a run over it fails its allocation and is reported so;
+the cap counts address space, which torch reserves somewhat beyond the memory it touches).
 
     python bench/sampling.py      # → bench/results/sampling.{json,md,png}
 """
@@ -48,7 +49,7 @@ def plot(rows, path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dense", "hybrid"])
-    ap.add_argument("--P", nargs="+", type=int, default=[4096, 16384, 32768])
+    ap.add_argument("--P", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
     ap.add_argument("--G", type=int, default=32)
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)

@@ -15,23 +15,32 @@ import sys
 import warnings
 from pathlib import Path
 
-#: The built-in demo: a 2-layer llama-style model learns key-value retrieval, first supervised on short
-#: prompts, then with GRPO while the prompts grow to 1,024 tokens of filler-separated pairs.
+#: The built-in demo: a 2-layer llama-style model learns key-value retrieval, first supervised (full
+#: sequence, with the pairs rehearsed in the prompt) while prompts grow from 24 to 256 tokens, then with
+#: GRPO on prompts of 1,024 tokens of filler-separated pairs. The larger initialisation scale (0.05
+#: instead of transformers' 0.02) made the retrieval circuit form sooner in our trials.
 DEMO_CONFIG = dict(
     model="llama",
+    model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 4, "head_dim": 16, "initializer_range": 0.05},
     output_dir="runs/demo",
     task="kv_retrieval",
-    task_options={"num_pairs": 16, "num_values": 16},
+    task_options={"num_pairs": 4, "num_values": 16, "num_keys": 32},
     lora=False,
-    num_steps=0,  # set below from the stages
+    curriculum=[24, 64, 256, 1024],
+    curriculum_steps=[1000, 600, 400],
+    sft_warmup_steps=2000,
+    num_steps=2100,
     prompts_per_step=32,
     num_generations=8,
     max_completion_length=2,
     restrict_to_answer_tokens=True,
     entropy_coef=0.0,
-    learning_rate=1e-3,
+    learning_rate=2e-3,
+    eval_every=500,
     eval_lengths=[64, 256, 1024],
     eval_examples=64,
+    save_every=100,
     threads=2,
 )
 
@@ -131,7 +140,6 @@ def demo_config(overrides: dict | None = None):
     from .config import TrainConfig
 
     values = dict(DEMO_CONFIG)
-    values.update(curriculum=[64, 256, 1024], curriculum_steps=[150, 60], sft_warmup_steps=150, num_steps=250)
     values.update(overrides or {})
     return TrainConfig.from_dict(values)
 

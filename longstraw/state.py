@@ -22,7 +22,7 @@ from .layers import LayerState, layer_kind
 from .logprobs import chunked_logprobs
 from .models import ModelParts, layer_types, model_parts
 
-PROMPT_GRAD_MODES = ("detached",)
+PROMPT_GRAD_MODES = ("detached", "exact")
 
 
 def _as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
@@ -71,6 +71,9 @@ class PromptState:
         self.chunk_size = chunk_size
         self.prompt_grad = prompt_grad
         self.block = block
+        self._chunks: list[tuple[int, int]] = []  # exact mode: captured chunk bounds
+        self._prompt: torch.Tensor | None = None  # exact mode: the captured tokens
+        self._backward_done = False
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -102,6 +105,42 @@ class PromptState:
 
     def _cache(self, batch: int = 1) -> BranchCache:
         return BranchCache([layer.branch(batch) for layer in self._live()], block=self.block)
+
+    # ------------------------------------------------------------------ exact mode
+    def backward(self) -> None:
+        """Exact mode: push the gradient the replays accumulated on the durable state into the parameters.
+
+        The prompt is recomputed chunk by chunk in reverse order with autograd. Chunk c reads the
+        earlier positions' K/V from the state (leaves: what flows there is accumulated) and starts its
+        linear-attention layers from the stored boundary states (leaves too); it back-propagates the
+        accumulated gradient of what it produced (its own K/V, the states at its right boundary) and
+        frees its graph before chunk c − 1. Memory: state + its gradient + one chunk's graph.
+        Call it once, after the last replay's backward. In detached mode it does nothing.
+        """
+        if self.prompt_grad != "exact":
+            return
+        layers = self._live()
+        if self._backward_done:
+            raise RuntimeError("PromptState.backward() was already called for this state")
+        parts = self._parts
+        device = self.last_token.device
+        bounds = self._chunks
+        for c in range(len(bounds) - 1, -1, -1):
+            s, e = bounds[c]
+            branches = [layer.reverse_branch(c, s) for layer in layers]
+            cache = BranchCache(branches, block=self.block)
+            with torch.enable_grad():
+                run_decoder(parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+            outputs, grads = [], []
+            for layer, branch in zip(layers, cache.layers):
+                for t, g in layer.chunk_outputs(c, s, e, branch):
+                    if t.requires_grad:
+                        outputs.append(t)
+                        grads.append(g.to(t.dtype))
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            del cache, branches, outputs, grads
+        self._backward_done = True
 
     # ------------------------------------------------------------------ replay
     def replay(self, response_ids, temperature: float = 1.0) -> Replay:
@@ -168,18 +207,31 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     parts = model_parts(model)
-    device = parts.lm_head.weight.device
+    device = next(parts.model.parameters()).device
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     captured = prompt.numel() - 1
     layers = [layer_kind(t)(parts.config, i, captured) for i, t in enumerate(layer_types(parts.config))]
+    exact = prompt_grad == "exact"
+    if exact:
+        unsupported = sorted({type(layer).__name__ for layer in layers if not layer.supports_exact})
+        if unsupported:
+            raise NotImplementedError(f"prompt_grad='exact' is not supported yet for layer kinds {unsupported}")
     state = PromptState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size)
     with torch.no_grad():
         for s in range(0, captured, chunk_size):
             e = min(s + chunk_size, captured)
+            if exact:
+                for layer in layers:
+                    layer.mark_boundary()
+                state._chunks.append((s, e))
             cache = state._cache()
             run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
             for layer, branch in zip(layers, cache.layers):
                 layer.commit(branch, e - s)
             del cache
+    if exact:
+        state._prompt = prompt[:captured]
+        for layer in layers:
+            layer.require_grad()
     return state

@@ -52,6 +52,28 @@ class LayerState(ABC):
     def release(self) -> None:
         """Drop the durable tensors."""
 
+    # ------------------------------------------------------------------ exact mode
+    #: whether this kind supports `prompt_grad="exact"`
+    supports_exact: bool = False
+
+    def mark_boundary(self) -> None:
+        """Exact mode, during capture, before each chunk: keep what the reverse pass of that chunk
+        will start from beyond the durable state itself (e.g. the recurrent state at the boundary)."""
+
+    def require_grad(self) -> None:
+        """Exact mode, after capture: make the durable tensors leaves that accumulate the gradient
+        of every replay (one buffer the size of the state)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prompt_grad='exact'")
+
+    def reverse_branch(self, chunk: int, start: int):
+        """Exact mode: a branch layer that recomputes chunk `chunk` (first token at `start`) with grad,
+        reading everything before `start` from leaves that collect the gradients flowing there."""
+        raise NotImplementedError
+
+    def chunk_outputs(self, chunk: int, start: int, end: int, branch_layer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Exact mode: (tensor the recomputed chunk produced, accumulated gradient of it) pairs."""
+        raise NotImplementedError
+
 
 _KINDS: dict[str, type[LayerState]] = {}
 

@@ -110,3 +110,24 @@ class KVState(LayerState):
 
     def release(self) -> None:
         self.keys = self.values = None
+
+    # ------------------------------------------------------------------ exact mode
+    supports_exact = True
+
+    def require_grad(self) -> None:
+        if self.keys is not None:
+            self.keys.requires_grad_(True)
+            self.values.requires_grad_(True)
+
+    def reverse_branch(self, chunk: int, start: int) -> AttentionBranchLayer:
+        # positions before `start` as views of the leaves: their gradient lands in keys.grad / values.grad
+        k = None if self.keys is None else self.keys[:, :, :start]
+        v = None if self.values is None else self.values[:, :, :start]
+        return AttentionBranchLayer(k, v, start, 0, self.window)
+
+    def chunk_outputs(self, chunk, start, end, branch_layer):
+        out = []
+        for own, leaf in ((branch_layer.keys, self.keys), (branch_layer.values, self.values)):
+            if leaf.grad is not None:
+                out.append((own, leaf.grad[:, :, start:end]))
+        return out

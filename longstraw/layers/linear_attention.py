@@ -95,6 +95,8 @@ class RecurrentState(LayerState):
         self.number_of_states = int(getattr(config, "number_of_conv_states", 1))
         self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
+        #: exact mode: (conv_states, recurrent_states) before each captured chunk, O(P / chunk) small states
+        self.boundaries: list[tuple[dict, dict]] = []
 
     def branch(self, batch: int = 1) -> RecurrentBranchLayer:
         layer = RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states)
@@ -113,3 +115,30 @@ class RecurrentState(LayerState):
 
     def release(self) -> None:
         self.conv_states, self.recurrent_states = {}, {}
+        self.boundaries = []
+
+    # ------------------------------------------------------------------ exact mode
+    supports_exact = True
+
+    def mark_boundary(self) -> None:
+        self.boundaries.append((dict(self.conv_states), dict(self.recurrent_states)))
+
+    def require_grad(self) -> None:
+        """The final states and every boundary state become leaves collecting their gradient."""
+        for states in (self.conv_states, self.recurrent_states, *[d for b in self.boundaries for d in b]):
+            for i, t in states.items():
+                states[i] = t.detach().requires_grad_(True)
+
+    def reverse_branch(self, chunk: int, start: int) -> RecurrentBranchLayer:
+        conv, rec = self.boundaries[chunk]
+        return RecurrentBranchLayer(conv, rec, self.number_of_states)
+
+    def chunk_outputs(self, chunk, start, end, branch_layer):
+        # the states this chunk ends in are what the next chunk (or the replays) started from
+        nxt = self.boundaries[chunk + 1] if chunk + 1 < len(self.boundaries) else (self.conv_states, self.recurrent_states)
+        out = []
+        for produced, leaves in ((branch_layer.conv_states, nxt[0]), (branch_layer.recurrent_states, nxt[1])):
+            for i, leaf in leaves.items():
+                if leaf.grad is not None and produced.get(i) is not None:
+                    out.append((produced[i], leaf.grad))
+        return out

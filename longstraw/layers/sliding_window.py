@@ -18,6 +18,9 @@ class SlidingKVState(KVState):
     """Last `window − 1` prompt K/V of a sliding-window layer, with their absolute start position."""
 
     layer_types = ("sliding_attention",)
+    # exact mode would also need the window before every chunk boundary (the earlier positions are
+    # dropped here): not implemented yet
+    supports_exact = False
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
