@@ -11,6 +11,8 @@ per-sequence cost is that of the smaller G).
 
     python bench/memory_step.py                       # → bench/results/memory_step.{json,md,png}
     python bench/memory_step.py --models dense --P 4096 --G 2 8 --out /tmp/quick
+    python bench/memory_step.py --methods naive_serial longstraw longstraw_exact --P 4096 16384 \
+        --max-naive-tokens 200000 --out bench/results/exact_step      # exact vs detached vs naive
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def plot(rows, path: Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
-    styles = {"naive_batched": "s--", "naive_serial": "o-.", "longstraw": "^-"}
+    styles = {"naive_batched": "s--", "naive_serial": "o-.", "longstraw": "^-", "longstraw_exact": "v:"}
     for ax, m in zip(axes[0], models):
         for method in METHODS:
             for G in sorted({r["G"] for r in rows}):
@@ -52,7 +54,7 @@ def plot(rows, path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dense", "hybrid"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["naive_batched", "naive_serial", "longstraw"])
     ap.add_argument("--P", nargs="+", type=int, default=[4096, 16384, 32768])
     ap.add_argument("--G", nargs="+", type=int, default=[2, 8, 32])
     ap.add_argument("--R", type=int, default=64)
@@ -68,12 +70,12 @@ def main(argv=None) -> None:
     for model in args.models:
         for P in args.P:
             serial_mb = None  # naive serial step memory at this P (does not depend on G)
-            for method in ("naive_serial", "longstraw", "naive_batched"):
+            for method in ("naive_serial", "longstraw", "longstraw_exact", "naive_batched"):
                 if method not in args.methods:
                     continue
                 for G in args.G:
                     base = dict(model=model, method=method, P=P, G=G, R=args.R)
-                    if method != "longstraw" and G * (P + args.R) > args.max_naive_tokens:
+                    if method.startswith("naive") and G * (P + args.R) > args.max_naive_tokens:
                         row = dict(base, skipped=f"time budget, G·(P+R) = {G * (P + args.R)} tokens")
                     elif method == "naive_batched" and serial_mb and G * serial_mb > args.limit_gb * 1024:
                         row = dict(base, skipped=f"estimated {G * serial_mb / 1024:.0f} GB > {args.limit_gb:.0f} GB")

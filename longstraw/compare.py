@@ -5,7 +5,9 @@ of R tokens that share a prompt of P tokens, with a LoRA adapter trainable:
 - `naive_batched`: G full sequences `[prompt + response_g]` in one batch (memory ∝ G·(P+R));
 - `naive_serial`: one full sequence at a time, gradients accumulated (memory ∝ P+R, time ∝ G·(P+R));
 - `longstraw`: capture the prompt once, replay the G responses serially (memory ≈ durable state + one
-  response graph, time ≈ one prompt pass + G·R).
+  response graph, time ≈ one prompt pass + G·R), detached prompt gradients;
+- `longstraw_exact`: the same with `prompt_grad="exact"` and the reverse chunked prompt backward
+  (memory ≈ durable state + its gradient + one chunk's graph).
 
 Step memory = peak RSS during the step − RSS just before it, with the peak reset after a warm-up
 step on a short prompt (`longstraw.memory`). Used by `longstraw demo` and `bench/memory_step.py`.
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-METHODS = ("naive_batched", "naive_serial", "longstraw")
+METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact")
 #: benchmark model name → (architecture, config fields)
 MODELS = ("dense", "hybrid")
 
@@ -57,12 +59,14 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
         for a, resp in zip(advantages, responses):
             lp = full_sequence_logprobs(model, prompt, resp, logits_to_keep=True)
             (-(a * lp).sum()).backward()
-    elif method == "longstraw":
-        with longstraw.capture(model, prompt, chunk_size=chunk_size) as state:
+    elif method in ("longstraw", "longstraw_exact"):
+        mode = "exact" if method == "longstraw_exact" else "detached"
+        with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
             for a, resp in zip(advantages, responses):
                 lp = state.replay(resp).logprobs
                 (-(a * lp).sum()).backward()
+            state.backward()
     else:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     return info

@@ -68,7 +68,8 @@ class TrainConfig:
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
     sft_full_sequence: bool = _f(True, "supervised steps back-propagate through the whole [prompt + answer] "
                                        "(False: capture the prompt, replay the answer, detached like GRPO)")
-    prompt_grad: str = _f("detached", "gradient through the prompt state: 'detached' (LongStraw as published)")
+    prompt_grad: str = _f("detached", "gradient through the prompt: 'detached' (LongStraw as published: the "
+                                      "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)")
     chunk_size: int = _f(1024, "capture chunk size in tokens")
     # ------------------------------------------------------------------ optimizer
     learning_rate: float = _f(3e-3, "AdamW learning rate")
@@ -107,7 +108,7 @@ class TrainConfig:
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
              "reward_weights needs one weight per reward function")
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")
-        need(self.prompt_grad == "detached", "prompt_grad must be 'detached'")
+        need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
         need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
              "curriculum_steps needs one entry per curriculum stage but the last")
         need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")

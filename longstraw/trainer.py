@@ -251,7 +251,8 @@ class Trainer:
         for b, ex in enumerate(self.examples(step)):
             prompt = self.encode(ex.prompt)
             t = time.perf_counter()
-            state = capture(self.model, prompt, chunk_size=cfg.chunk_size)
+            mode = cfg.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
+            state = capture(self.model, prompt, chunk_size=cfg.chunk_size, prompt_grad=mode)
             times["time_capture"] += time.perf_counter() - t
             durable = max(durable, state.nbytes)
             t = time.perf_counter()
@@ -287,7 +288,7 @@ class Trainer:
             state = g["state"]
             t = time.perf_counter()
             if state is None:
-                state = capture(self.model, g["prompt"], chunk_size=cfg.chunk_size)
+                state = capture(self.model, g["prompt"], chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad)
                 times["time_capture"] += time.perf_counter() - t
                 t = time.perf_counter()
             for j, (tok, old) in enumerate(zip(g["samples"].tokens, g["samples"].logprobs)):
@@ -307,6 +308,7 @@ class Trainer:
                 if st.kl is not None and n:
                     stats["kl"] += float(st.kl.sum())
                 i += 1
+            state.backward()  # exact mode: the prompt's share of the gradient (nothing when detached)
             state.release()
             times["time_replay"] += time.perf_counter() - t
         n = max(stats["tokens"], 1)

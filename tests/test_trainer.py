@@ -40,8 +40,9 @@ def _same(rows_a, rows_b):
                 assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-6), (k, a[k], b[k])
 
 
-def test_one_optimizer_step_per_batch(tmp_path):
-    trainer = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0))
+@pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
+def test_one_optimizer_step_per_batch(tmp_path, prompt_grad):
+    trainer = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, prompt_grad=prompt_grad))
     calls = []
     orig = trainer.opt.step
     trainer.opt.step = lambda *a, **k: calls.append(1) or orig(*a, **k)
