@@ -39,9 +39,12 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
         ax2 = ax.twinx()
         ax2.plot([r["step"] for r in sft], [r["loss"] for r in sft], "-", color="gray", alpha=0.6, label="warm-up loss")
         ax2.set_ylabel("supervised warm-up loss (nats/token)")
+        ax2.legend(loc="upper right", fontsize=8)
+        ax.set_zorder(ax2.get_zorder() + 1)  # rewards drawn over the warm-up curve
+        ax.patch.set_visible(False)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
-    ax.set_title("GRPO reward")
+    ax.set_title("GRPO reward (after the supervised warm-up)" if sft else "GRPO reward")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(run / "reward.png", dpi=100)
