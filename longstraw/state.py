@@ -232,6 +232,26 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
             del cache
     if exact:
         state._prompt = prompt[:captured]
-        for layer in layers:
+        first = _first_trainable_layer(parts)
+        for layer in layers[first:]:
             layer.require_grad()
     return state
+
+
+def _first_trainable_layer(parts: ModelParts) -> int:
+    """Index of the first decoder layer whose durable state depends on a trainable parameter.
+
+    The state of layer l is a function of the embeddings and layers ≤ l only: where none of those
+    trains (e.g. LoRA on the attention projections of a hybrid whose first layers are linear
+    attention), the state is a constant and gets no gradient buffer, and the reverse pass keeps no
+    graph for those layers.
+    """
+    decoder = parts.decoder
+    embed = getattr(decoder, "embed_tokens", None)
+    blocks = getattr(decoder, "layers", None)
+    if blocks is None or (embed is not None and any(p.requires_grad for p in embed.parameters())):
+        return 0
+    for i, block in enumerate(blocks):
+        if any(p.requires_grad for p in block.parameters()):
+            return i
+    return len(blocks)

@@ -73,3 +73,29 @@ def test_exact_mode_replays_are_unchanged_and_state_grad_is_state_sized():
 def test_exact_mode_not_yet_for_sliding_window_layers():
     with pytest.raises(NotImplementedError, match="SlidingKVState"):
         longstraw.capture(make_model("gemma3_text"), tokens(9, 0), prompt_grad="exact")
+
+
+def test_constant_early_layers_get_no_gradient_buffer():
+    """LoRA on the full-attention layer only: the linear layers before it hold constant states."""
+    from peft import LoraConfig, get_peft_model
+
+    from longstraw.models import tiny_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("qwen3_next"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                init_lora_weights=False))
+    prompt, responses = tokens(21, 7), [tokens(4, 8), tokens(6, 9)]
+
+    def naive():
+        for r in responses:
+            full_sequence_logprobs(model, prompt, r).sum().backward()
+
+    def exact():
+        with longstraw.capture(model, prompt, chunk_size=4, prompt_grad="exact") as state:
+            assert not any(t.requires_grad for t in state.layers[0].tensors())  # linear layer 0: constant
+            assert all(t.requires_grad for t in state.layers[1].tensors())  # the LoRA-adapted attention
+            for r in responses:
+                state.replay(r).logprobs.sum().backward()
+            state.backward()
+
+    assert_grads_close(_grads(model, exact), _grads(model, naive), tol=1e-4)
