@@ -74,8 +74,6 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
 
 def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096) -> dict:
     """Measure one step in this process (call it in a fresh one: see `measure_in_fresh_process`)."""
-    from .memory import peak_rss_mb, reset_peak, rss_mb
-
     torch.set_num_threads(threads)
     model = bench_model(model_name)
     vocab = model.config.vocab_size
@@ -85,18 +83,25 @@ def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int =
     advantages = torch.randn(G, generator=g)
     grpo_step(method, model, prompt[:64], responses[:2], advantages[:2], chunk_size)  # warm-up
     model.zero_grad(set_to_none=False)
+    row = dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(), chunk_size=chunk_size)
+    return _measured(row, lambda: grpo_step(method, model, prompt, responses, advantages, chunk_size))
+
+
+def _measured(row: dict, fn) -> dict:
+    """`row` plus the step memory (peak RSS − RSS before, peak reset first) and wall time of `fn()`,
+    and what `fn` reports (durable state in MiB, ...)."""
+    from .memory import peak_rss_mb, reset_peak, rss_mb
+
     before = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
-    info = grpo_step(method, model, prompt, responses, advantages, chunk_size)
+    info = fn()
     wall = time.perf_counter() - t0
     peak = peak_rss_mb()
-    return dict(
-        model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(), chunk_size=chunk_size,
-        baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
-        wall_s=round(wall, 3), durable_mb=round(info["durable_mb"], 2) if "durable_mb" in info else None,
-        torch=torch.__version__,
-    )
+    durable = info.pop("durable_mb", None)
+    return dict(row, baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
+                wall_s=round(wall, 3), durable_mb=None if durable is None else round(durable, 2), **info,
+                torch=torch.__version__)
 
 
 SAMPLERS = ("hf_generate", "longstraw")
@@ -124,22 +129,12 @@ def sampling_step(method: str, model, prompt, num: int, new_tokens: int, chunk_s
 def measure_sampling(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
                      chunk_size: int = 4096) -> dict:
     """Memory and time of sampling G responses of R tokens from a P-token prompt, in this process."""
-    from .memory import peak_rss_mb, reset_peak, rss_mb
-
     torch.set_num_threads(threads)
     model = bench_model(model_name).eval()
     prompt = torch.randint(0, model.config.vocab_size, (P,), generator=torch.Generator().manual_seed(1))
     sampling_step(method, model, prompt[:64], 2, 4, chunk_size)  # warm-up
-    before = rss_mb()
-    reset_peak()
-    t0 = time.perf_counter()
-    info = sampling_step(method, model, prompt, G, R, chunk_size)
-    wall = time.perf_counter() - t0
-    peak = peak_rss_mb()
-    return dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(),
-                baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
-                wall_s=round(wall, 3), durable_mb=round(info["durable_mb"], 2) if "durable_mb" in info else None,
-                generated=info["generated"], torch=torch.__version__)
+    row = dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads())
+    return _measured(row, lambda: sampling_step(method, model, prompt, G, R, chunk_size))
 
 
 def _limit_address_space(gb: float):
