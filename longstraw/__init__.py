@@ -2,9 +2,14 @@
 
 Public surface (DESIGN.md):
 
-    state = longstraw.capture(model, prompt_ids, chunk_size=4096, prompt_grad="detached")
-    out = state.replay(response_ids)   # out.logprobs: [R], differentiable
+    state = longstraw.capture(model, prompt_ids, chunk_size=4096, prompt_grad="detached")  # or "exact"
+    samples = state.sample(num=8, max_new_tokens=256)  # G responses from the one state
+    out = state.replay(response_ids)   # out.logprobs, out.entropy: [R], differentiable
+    state.backward()                   # exact mode: the prompt's share of the gradient
     state.nbytes; state.release()      # or: with longstraw.capture(...) as state: ...
+
+Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` with
+`longstraw.config.TrainConfig`, the `longstraw` command line.
 """
 
 from .models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError

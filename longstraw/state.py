@@ -146,9 +146,10 @@ class PromptState:
     def replay(self, response_ids, temperature: float = 1.0) -> Replay:
         """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
 
-        Differentiable with respect to the trainable parameters through the response positions only
-        (`prompt_grad="detached"`: the durable state is a constant). The LM head runs in chunks
-        (`longstraw.logprobs`): no `[R, vocab]` tensor is saved.
+        Differentiable with respect to the trainable parameters through the response positions; with
+        `prompt_grad="exact"` the backward also accumulates the gradient of the durable state, which
+        `backward()` later pushes through the prompt (detached: the state is a constant). The LM head
+        runs in chunks (`longstraw.logprobs`): no `[R, vocab]` tensor is saved.
         """
         parts = self._parts
         response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
@@ -198,7 +199,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
     `model`: a supported transformers causal LM (`longstraw.models.SUPPORTED_ARCHITECTURES`),
-    optionally wrapped by PEFT. `block_size`: key block of the split attention. Returns a `PromptState`.
+    optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
+    gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
+    states at each chunk boundary). `block_size`: key block of the split attention.
     """
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
