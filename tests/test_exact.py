@@ -8,7 +8,7 @@ from longstraw.reference import full_sequence_logprobs
 
 from .conftest import assert_grads_close, make_model, tokens
 
-EXACT_ARCHS = ["llama", "qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5"]
+EXACT_ARCHS = ["llama", "qwen3", "gemma3_text", "gemma3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5"]
 
 
 def _grads(model, fn):
@@ -70,9 +70,23 @@ def test_exact_mode_replays_are_unchanged_and_state_grad_is_state_sized():
     assert grads and sum(g.numel() * g.element_size() for g in grads) <= state.nbytes
 
 
-def test_exact_mode_not_yet_for_sliding_window_layers():
-    with pytest.raises(NotImplementedError, match="SlidingKVState"):
-        longstraw.capture(make_model("gemma3_text"), tokens(9, 0), prompt_grad="exact")
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64], ids=lambda c: f"C{c}")
+def test_exact_sliding_window_with_chunks_smaller_and_larger_than_the_window(chunk):
+    """gemma3's sliding window is 5: chunks shorter than it read windows spanning several chunks."""
+    model = make_model("gemma3_text")
+    prompt, responses = tokens(17, 2), [tokens(3, 3), tokens(7, 4)]
+
+    def naive():
+        for r in responses:
+            full_sequence_logprobs(model, prompt, r).sum().backward()
+
+    def exact():
+        with longstraw.capture(model, prompt, chunk_size=chunk, prompt_grad="exact", block_size=4) as state:
+            for r in responses:
+                state.replay(r).logprobs.sum().backward()
+            state.backward()
+
+    assert_grads_close(_grads(model, exact), _grads(model, naive), tol=1e-4)
 
 
 def test_constant_early_layers_get_no_gradient_buffer():

@@ -1,5 +1,7 @@
 """Sliding-window attention: the durable state is the K/V of the last W − 1 prompt tokens.
 
+Exact mode also keeps the window each captured chunk read (O(P / chunk · W)).
+
 A query at position p sees keys at positions > p − W (W keys with its own, as transformers counts),
 so no later token reads further back than the last W − 1 prompt tokens. Durable bytes do not grow
 with P beyond W: 2 · kv_heads · head_dim · dtype size · min(P − 1, W − 1).
@@ -18,15 +20,14 @@ class SlidingKVState(KVState):
     """Last `window − 1` prompt K/V of a sliding-window layer, with their absolute start position."""
 
     layer_types = ("sliding_attention",)
-    # exact mode would also need the window before every chunk boundary (the earlier positions are
-    # dropped here): not implemented yet
-    supports_exact = False
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
         self.window = int(config.sliding_window)
         if self.window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.window}")
+        #: exact mode: (keys, values, start) of the window each captured chunk read, O(P / chunk · W)
+        self.boundaries: list[tuple[torch.Tensor | None, torch.Tensor | None, int]] = []
 
     @property
     def start(self) -> int:
@@ -45,3 +46,47 @@ class SlidingKVState(KVState):
         # clone: a slice would keep the whole concatenation alive
         self.keys = k[:, :, k.shape[-2] - min(keep, k.shape[-2]) :].clone()
         self.values = v[:, :, v.shape[-2] - min(keep, v.shape[-2]) :].clone()
+
+    def release(self) -> None:
+        super().release()
+        self.boundaries = []
+
+    # ------------------------------------------------------------------ exact mode
+    # The positions a window drops are gone from the durable state, so the reverse pass of chunk c
+    # reads the window kept at its boundary; the gradient of a chunk's own K/V is the sum, over every
+    # later window holding those positions (and the final one the replays read), of that window's
+    # gradient there.
+    supports_exact = True
+
+    def mark_boundary(self) -> None:
+        self.boundaries.append((self.keys, self.values, self.start))
+
+    def require_grad(self) -> None:
+        def leaf(t):
+            return None if t is None else t.detach().requires_grad_(True)
+
+        self.boundaries = [(leaf(k), leaf(v), start) for k, v, start in self.boundaries]
+        self.keys, self.values = leaf(self.keys), leaf(self.values)
+
+    def reverse_branch(self, chunk: int, start: int) -> AttentionBranchLayer:
+        k, v, k_start = self.boundaries[chunk]
+        return AttentionBranchLayer(k, v, start, k_start, self.window)
+
+    def chunk_outputs(self, chunk, start, end, branch_layer):
+        later = [*self.boundaries[chunk + 1 :], (self.keys, self.values, self.start)]
+        out = []
+        for which, own in ((0, branch_layer.keys), (1, branch_layer.values)):
+            grad = None
+            for window in later:
+                leaf, w_start = window[which], window[2]
+                if leaf is None or leaf.grad is None:
+                    continue
+                lo, hi = max(start, w_start), min(end, w_start + leaf.shape[-2])
+                if lo >= hi:
+                    continue
+                if grad is None:
+                    grad = torch.zeros_like(own, dtype=leaf.grad.dtype)
+                grad[:, :, lo - start : hi - start] += leaf.grad[:, :, lo - w_start : hi - w_start]
+            if grad is not None:
+                out.append((own, grad))
+        return out
