@@ -480,7 +480,7 @@ class Trainer:
                     post = {"loss": f"{m['loss']:.3f}", "len": m["prompt_length"]}
                     if "reward" in m:
                         post["reward"] = f"{m['reward']:.2f}"
-                    bar.set_postfix(post)
+                    bar.set_postfix(post, refresh=False)
                 if on_step is not None:
                     on_step(m)
         finally:
