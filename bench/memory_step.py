@@ -11,8 +11,9 @@ per-sequence cost is that of the smaller G).
 
     python bench/memory_step.py                       # → bench/results/memory_step.{json,md,png}
     python bench/memory_step.py --models dense --P 4096 --G 2 8 --out /tmp/quick
-    python bench/memory_step.py --methods naive_serial longstraw longstraw_exact --P 4096 16384 \
-        --max-naive-tokens 200000 --out bench/results/exact_step      # exact vs detached vs naive
+    python bench/memory_step.py --methods naive_serial naive_batched longstraw longstraw_exact \
+        --P 4096 16384 32768 --chunk-size 2048 --max-naive-tokens 200000 \
+        --out bench/results/exact_step                                 # exact vs detached vs naive
 """
 
 from __future__ import annotations
