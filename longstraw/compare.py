@@ -24,7 +24,7 @@ import time
 import torch
 
 METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact")
-#: benchmark model name → (architecture, config fields)
+#: the benchmark's tiny models (see `bench_model`)
 MODELS = ("dense", "hybrid")
 
 

@@ -16,21 +16,12 @@ def _response_logprobs(logits: torch.Tensor, response: torch.Tensor) -> torch.Te
     return torch.log_softmax(logits, dim=-1).gather(-1, response[:, None]).squeeze(-1)
 
 
-def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, logits_to_keep: bool = False,
-                           chunked: bool = False):
+def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, logits_to_keep: bool = False):
     """log p(response | prompt) `[R]` from one forward of `[prompt + response]` (with grad).
 
-    `logits_to_keep=True` has the model compute logits of the last R + 1 positions only (as TRL does);
-    `chunked=True` runs the decoder and then longstraw's chunked LM head on the response positions.
+    `logits_to_keep=True` has the model compute logits of the last R + 1 positions only (as TRL does).
     """
-    p, r = prompt.numel(), response.numel()
-    if chunked:
-        from .logprobs import chunked_logprobs
-        from .models import model_parts
-
-        parts = model_parts(model)
-        hidden = parts.decoder(input_ids=torch.cat([prompt, response])[None]).last_hidden_state[0, p - 1 : p - 1 + r]
-        return chunked_logprobs(hidden, parts.lm_head, response, softcap=parts.final_logit_softcapping)[0]
+    r = response.numel()
     kwargs = {"logits_to_keep": r + 1} if logits_to_keep else {}
     logits = model(input_ids=torch.cat([prompt, response])[None], **kwargs).logits[0]
     return _response_logprobs(logits[-r - 1 : -1], response)
