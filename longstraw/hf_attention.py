@@ -34,6 +34,13 @@ class BranchCache(Cache):
         super().__init__(layers=layers)
         self.block = block
 
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        """Always None, so that linear-attention layers take their functional conv path
+        (`update_conv_state` returns [previous window | new inputs]; the branch layer keeps its window).
+        Given a conv state, single-token steps update it in place (Kimi's KDA does regardless of
+        `is_recording_past`, transformers 5.24), which would write the shared captured state."""
+        return None
+
     def batch_select_indices(self, indices) -> None:
         """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
         for layer in self.layers:
@@ -91,6 +98,27 @@ def no_mask(*args, **kwargs):
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, longstraw_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
+
+
+@contextmanager
+def attention_overrides(decoder, cache: BranchCache):
+    """Swap in the attention module a branch layer asks for (`attention_module`, e.g. latent attention for
+    MLA layers, whose transformers module would expand the prompt per head) for the block; the model's
+    own module is the stand-in's child, so its parameters and adapters are the ones used."""
+    blocks = getattr(decoder, "layers", None)
+    swapped = []
+    try:
+        for i, layer in enumerate(cache.layers):
+            cls = getattr(layer, "attention_module", None)
+            if cls is not None:
+                block = blocks[i]
+                inner = block.self_attn
+                block.self_attn = cls(inner)
+                swapped.append((block, inner))
+        yield
+    finally:
+        for block, inner in swapped:
+            block.self_attn = inner
 
 
 @contextmanager

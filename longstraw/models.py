@@ -21,6 +21,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3_next": "hybrid gated DeltaNet + full attention, MoE (conv/recurrent state, K/V)",
     "qwen3_5_text": "hybrid gated DeltaNet + full attention (conv/recurrent state, K/V)",
     "qwen3_5_moe_text": "hybrid gated DeltaNet + full attention, MoE (conv/recurrent state, K/V)",
+    "deepseek_v3": "multi-head latent attention (MLA), MoE (compressed latent + rotary key)",
+    "deepseek_v32": "MLA with DeepSeek sparse attention (DSA), MoE (latent + rotary key + indexer key)",
+    "glm_moe_dsa": "MLA with DSA and shared-index layers, MoE (latent + rotary key [+ indexer key])",
+    "kimi_linear": "hybrid Kimi delta attention + NoPE MLA, MoE (conv/recurrent state, latent)",
+}
+
+#: model_type → {transformers layer type → longstraw layer kind} where the name alone does not say what
+#: the layer keeps: these models' "full_attention" layers are MLA (latents, `longstraw.layers.latent_attention`).
+_LAYER_KINDS: dict[str, dict[str, str]] = {
+    "deepseek_v3": {"full_attention": "latent_attention"},
+    "kimi_linear": {"full_attention": "latent_attention"},
 }
 # The multimodal wrappers (`gemma3`, `qwen3_5`, `qwen3_5_moe`) are supported through their text model:
 # the check below reads the text config, whose model_type is one of the above.
@@ -52,8 +63,11 @@ def check_supported(model) -> PreTrainedConfig:
 
 
 def layer_types(cfg: PreTrainedConfig) -> list[str]:
+    """The longstraw layer kind of each decoder layer (`longstraw.layers.layer_kind`)."""
     types = getattr(cfg, "layer_types", None)
-    return list(types) if types is not None else ["full_attention"] * cfg.num_hidden_layers
+    types = list(types) if types is not None else ["full_attention"] * cfg.num_hidden_layers
+    kinds = _LAYER_KINDS.get(cfg.model_type, {})
+    return [kinds.get(t, t) for t in types]
 
 
 @dataclass
@@ -108,6 +122,26 @@ _LINEAR = dict(
     linear_conv_kernel_dim=4,
 )
 
+#: MLA: latent 32 + rotary 8 per token; heads of 16 (nope) + 8 (rope) for q·k, 16 for values; MoE of 4 experts.
+_MLA = dict(
+    _TINY_COMMON,
+    num_key_value_heads=4,
+    head_dim=8,  # the rotary width (= qk_rope_head_dim), as in these models' own configs
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    rope_interleave=True,
+)
+#: DSA indexer: 16 heads of 16, top-8 keys (smaller than the tests' prompts, so selection is sparse).
+_DSA = dict(index_n_heads=16, index_head_dim=16, index_topk=8)
+
 TINY_CONFIGS: dict[str, dict] = {
     "llama": dict(_TINY_COMMON),
     "qwen3": dict(_TINY_COMMON),
@@ -144,6 +178,27 @@ TINY_CONFIGS: dict[str, dict] = {
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
+    ),
+    "deepseek_v3": dict(_MLA, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "deepseek_v32": dict(_MLA, **_DSA, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "glm_moe_dsa": dict(_MLA, **_DSA, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                        indexer_types=["full", "shared", "full"], n_group=1, topk_group=1),
+    "kimi_linear": dict(
+        _MLA,
+        q_lora_rank=None,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        num_expert_group=1,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
 }
 

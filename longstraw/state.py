@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
-from .hf_attention import BranchCache, longstraw_attention_enabled
+from .hf_attention import BranchCache, attention_overrides, longstraw_attention_enabled
 from .layers import LayerState, layer_kind
 from .logprobs import chunked_logprobs
 from .models import ModelParts, layer_types, model_parts
@@ -174,7 +174,7 @@ class PromptState:
 def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):
     """Hidden states `[B, T, hidden]` of the unmodified decoder over `input_ids` `[B, T]` (positions
     `[T]`, shared by the B rows) against `cache`."""
-    with longstraw_attention_enabled(parts.model):
+    with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache):
         out = parts.decoder(
             input_ids=input_ids,
             position_ids=positions[None],

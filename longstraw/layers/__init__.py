@@ -2,12 +2,17 @@
 
 from .base import LayerState, layer_kind, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
+from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
 from .sliding_window import SlidingKVState
 
 __all__ = [
     "AttentionBranchLayer",
+    "IndexedLatentState",
     "KVState",
+    "LatentAttention",
+    "LatentBranchLayer",
+    "LatentState",
     "LayerState",
     "RecurrentBranchLayer",
     "RecurrentState",

@@ -1,0 +1,278 @@
+"""Multi-head latent attention (MLA) and DeepSeek sparse attention (DSA): the durable state is the latent.
+
+Per prompt token an MLA layer keeps what transformers itself caches: the normalised compressed latent
+`c` (`kv_lora_rank`) and the rotary key `k_rot` (`qk_rope_head_dim`), stored as one row
+`[c | k_rot]`. A DSA layer (`indexed_attention`) also keeps its indexer key (`index_head_dim`);
+layers that reuse an earlier layer's selection (`config.indexer_types[i] == "shared"`, GLM-5) keep
+none. Durable bytes per prompt token and layer: (kv_lora_rank + qk_rope_head_dim [+ index_head_dim]) ·
+dtype size — never the expanded per-head K/V.
+
+transformers' MLA modules expand the cached latents per head (`expand_kv`) before attention, which
+would materialise heads × P × head_dim for the prompt. During capture and replay `LatentAttention`
+stands in for the layer's attention module (swapped in by `longstraw.hf_attention.attention_overrides`
+and swapped back after): it calls the module's own projections, norms and rotary function, and
+attends in latent space (`longstraw.latent_attention`: absorbed up-projections, blockwise split
+attention; DSA: blockwise indexer top-k, gathered sparse attention).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin
+
+from ..latent_attention import (
+    absorb_query,
+    absorbed_weights,
+    expand_output,
+    latent_attention,
+    select_topk,
+    sparse_latent_attention,
+)
+from .base import LayerState, register_layer_kind
+
+#: model_type → (rotary function of the attention, of the indexer), named in the model's modeling module
+#: (transformers 5.24). None: no rotation (Kimi's MLA is NoPE).
+_ROTARY = {
+    "deepseek_v3": lambda cfg: ("apply_rotary_pos_emb_interleave" if cfg.rope_interleave else "apply_rotary_pos_emb",
+                                None),
+    "deepseek_v32": lambda cfg: ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb"),
+    "glm_moe_dsa": lambda cfg: ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb_interleave"),
+    "kimi_linear": lambda cfg: (None, None),
+}
+
+
+def _rotary(module, which: int):
+    cfg = module.config
+    if cfg.model_type not in _ROTARY:
+        raise NotImplementedError(f"latent attention of model_type {cfg.model_type!r} is not supported")
+    name = _ROTARY[cfg.model_type](cfg)[which]
+    return None if name is None else getattr(sys.modules[type(module).__module__], name)
+
+
+class LatentBranchLayer(CacheLayerMixin):
+    """transformers cache layer of one branch over a read-only prompt latent (and indexer keys).
+
+    `prompt` `[1, 1, P, r + dr]` (or None), `prompt_index` `[1, P, Di]` (DSA, or None); the branch's own
+    latents `[B, 1, T, r + dr]` and indexer keys `[B, T, Di]` are appended by `append` / `append_index`.
+    """
+
+    is_sliding = False
+    is_croppable = False
+    window = None
+
+    def __init__(self, prompt, prompt_index, prompt_length: int):
+        super().__init__()
+        self.prompt, self.prompt_index = prompt, prompt_index
+        self.prompt_length = prompt_length
+        self.index_keys = None
+        self.is_initialized = True
+
+    @property
+    def attention_module(self):
+        return LatentAttention
+
+    def lazy_initialization(self, *args) -> None:
+        pass
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("latent-attention layers run through longstraw's LatentAttention, not cache.update")
+
+    def append(self, latent: torch.Tensor) -> torch.Tensor:
+        self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
+        return self.keys
+
+    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=-2)
+        return self.index_keys
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[indices]
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[indices]
+
+    @property
+    def own_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_seq_length(self) -> int:
+        return self.prompt_length + self.own_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class LatentAttention(nn.Module):
+    """Stands in for a transformers MLA attention module (`inner`) inside longstraw capture / replay.
+
+    Same inputs and outputs as `inner.forward` (DSA modules of GLM-5 also return their selection, which
+    the next `"shared"` layer receives as `prev_topk_indices`); the math runs in latent space against the
+    branch layer `longstraw_cache.layers[inner.layer_idx]`. Memory beyond the module's own projections:
+    O(B · H · S · (r + dr)) for the latent queries, the split attention's O(H · S · block) tiles, and for
+    DSA O(B · S · top-k) indices plus one block of gathered latents.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.rotary = _rotary(inner, 0)
+        indexer = getattr(inner, "indexer", None)
+        self.index_rotary = _rotary(inner, 1) if indexer is not None else None
+        self.returns_selection = "prev_topk_indices" in inspect.signature(inner.forward).parameters
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                position_ids=None, prev_topk_indices=None, longstraw_cache=None, **kwargs):
+        m = self.inner
+        if longstraw_cache is None:
+            raise RuntimeError("LatentAttention only runs inside longstraw.capture / PromptState.replay")
+        layer: LatentBranchLayer = longstraw_cache.layers[m.layer_idx]
+        b, s, _ = hidden_states.shape
+        h, dn, dr, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        if m.q_lora_rank is None:
+            q_resid, q = None, m.q_proj(hidden_states)
+        else:
+            q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
+            q = m.q_b_proj(q_resid)
+        q = q.view(b, s, h, dn + dr).transpose(1, 2)
+        q_nope, q_rot = q[..., :dn], q[..., dn:]
+        c, k_rot = torch.split(m.kv_a_proj_with_mqa(hidden_states), [r, dr], dim=-1)
+        c = m.kv_a_layernorm(c).view(b, 1, s, r)
+        k_rot = k_rot.view(b, 1, s, dr)
+        if self.rotary is not None:
+            cos, sin = position_embeddings
+            q_rot, k_rot = self.rotary(q_rot, k_rot, cos, sin)
+        own = layer.append(torch.cat([c, k_rot], dim=-1))
+        own_start = layer.prompt_length
+        q_start = own_start + own.shape[-2] - s
+
+        w_k, w_v = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
+        query = absorb_query(q_nope, q_rot, w_k)
+        kw = dict(q_start=q_start, own_start=own_start, scale=m.scaling, block=longstraw_cache.block)
+        indexer = getattr(m, "indexer", None)
+        selection = prev_topk_indices
+        if indexer is not None:
+            selection = self._select(indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start,
+                                     longstraw_cache.block)
+        elif getattr(m, "skip_topk", False) and selection is None:
+            raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
+        if selection is None:
+            out = latent_attention(query, own, layer.prompt, r, **kw)
+        else:
+            out = sparse_latent_attention(query, own, layer.prompt, selection, r, **kw)
+        out = m.o_proj(expand_output(out, w_v))
+        return (out, None, selection) if self.returns_selection else (out, None)
+
+    @torch.no_grad()
+    def _select(self, idx, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block):
+        """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
+        b, s, _ = hidden_states.shape
+        q = idx.wq_b(q_resid).view(b, s, idx.n_heads, idx.head_dim)
+        k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
+        dr = idx.qk_rope_head_dim
+        q_rot, q_pass = q[..., :dr], q[..., dr:]
+        k_rot, k_pass = k[..., :dr], k[..., dr:]
+        if self.index_rotary is not None:
+            cos, sin = position_embeddings
+            q_rot, k_rot = self.index_rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        own_keys = layer.append_index(torch.cat([k_rot, k_pass], dim=-1).squeeze(2))
+        weights = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float() * (idx.n_heads ** -0.5)
+        return select_topk(q, weights, idx.softmax_scale, layer.prompt_index, own_keys, idx.index_topk,
+                           q_start=q_start, own_start=own_start, block=block)
+
+
+@register_layer_kind
+class LatentState(LayerState):
+    """Prompt latents of an MLA layer: `[1, 1, P−1, kv_lora_rank + qk_rope_head_dim]`."""
+
+    layer_types = ("latent_attention",)
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        super().__init__(config, layer_idx, capacity)
+        self.latent: torch.Tensor | None = None
+
+    def _prompt(self, n: int):
+        return None if self.latent is None else self.latent[:, :, :n]
+
+    def branch(self, batch: int = 1) -> LatentBranchLayer:
+        return LatentBranchLayer(self._prompt(self.length), None, self.length)
+
+    def commit(self, branch_layer: LatentBranchLayer, n: int) -> None:
+        own = branch_layer.keys
+        if own.shape[-2] != n:
+            raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {own.shape[-2]} latents")
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
+        if self.latent is None:
+            self.latent = own.new_empty((1, 1, self.capacity, own.shape[-1]))
+        self.latent[:, :, self.length : self.length + n] = own
+        self.length += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.latent is None else [self.latent]
+
+    def release(self) -> None:
+        self.latent = None
+
+    # ------------------------------------------------------------------ exact mode
+    supports_exact = True
+
+    def require_grad(self) -> None:
+        if self.latent is not None:
+            self.latent.requires_grad_(True)
+
+    def reverse_branch(self, chunk: int, start: int) -> LatentBranchLayer:
+        return LatentBranchLayer(self._prompt(start), None, start)
+
+    def chunk_outputs(self, chunk, start, end, branch_layer):
+        if self.latent is None or self.latent.grad is None:
+            return []
+        return [(branch_layer.keys, self.latent.grad[:, :, start:end])]
+
+
+@register_layer_kind
+class IndexedLatentState(LatentState):
+    """MLA latents plus the DSA indexer keys `[1, P−1, index_head_dim]` (none on `"shared"` GLM-5 layers,
+    which reuse the selection of the layer before)."""
+
+    layer_types = ("indexed_attention",)
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        super().__init__(config, layer_idx, capacity)
+        types = getattr(config, "indexer_types", None)
+        self.has_indexer = types is None or types[layer_idx] != "shared"
+        self.index_keys: torch.Tensor | None = None
+
+    def _index(self, n: int):
+        return None if self.index_keys is None else self.index_keys[:, :n]
+
+    def branch(self, batch: int = 1) -> LatentBranchLayer:
+        return LatentBranchLayer(self._prompt(self.length), self._index(self.length), self.length)
+
+    def commit(self, branch_layer: LatentBranchLayer, n: int) -> None:
+        start = self.length
+        super().commit(branch_layer, n)
+        keys = branch_layer.index_keys
+        if self.has_indexer:
+            if keys is None or keys.shape[-2] != n:
+                raise RuntimeError(f"layer {self.layer_idx}: the indexer produced no keys for a chunk of {n} tokens")
+            if self.index_keys is None:
+                self.index_keys = keys.new_empty((1, self.capacity, keys.shape[-1]))
+            self.index_keys[:, start : start + n] = keys
+
+    def tensors(self) -> list[torch.Tensor]:
+        return super().tensors() + ([] if self.index_keys is None else [self.index_keys])
+
+    def release(self) -> None:
+        super().release()
+        self.index_keys = None
+
+    def reverse_branch(self, chunk: int, start: int) -> LatentBranchLayer:
+        return LatentBranchLayer(self._prompt(start), self._index(start), start)
