@@ -64,6 +64,11 @@ def latent_attention(query, own, prompt, rank: int, *, q_start: int, own_start: 
     )
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: float32, or float64 for float64 inputs."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 # ------------------------------------------------------------------------------------------------- DSA
 
 
@@ -128,10 +133,10 @@ def _sparse_block(query, prompt, own, idx, valid, prompt_length: int, rank: int,
     keys = _gather(own, (idx - prompt_length).clamp(min=0))
     if prompt is not None and prompt_length:
         keys = torch.where((idx < prompt_length)[..., None], _gather(prompt, idx.clamp(max=prompt_length - 1)), keys)
-    scores = torch.einsum("bhnd,bnkd->bhnk", query.float(), keys.float()) * scale
+    scores = torch.einsum("bhnd,bnkd->bhnk", _acc(query), _acc(keys)) * scale
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhnk,bnkr->bhnr", probs, keys[..., :rank].float()).to(query.dtype)
+    return torch.einsum("bhnk,bnkr->bhnr", probs, _acc(keys[..., :rank])).to(query.dtype)
 
 
 def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int, *, q_start: int, own_start: int,
@@ -173,14 +178,14 @@ def reference_latent_attention(q_nope, q_rot, latents, kv_b_proj, heads: int, no
     v = kv[..., nope_dim:]
     q = torch.cat([q_nope, q_rot], dim=-1)
     s = q.shape[2]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     qpos = torch.arange(q_start, q_start + s, device=q.device)
     mask = torch.arange(t, device=q.device)[None, :] <= qpos[:, None]
     mask = mask[None].expand(b, s, t)
     if allowed is not None:
         mask = mask & allowed
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    out = torch.matmul(torch.softmax(scores, dim=-1), _acc(v)).to(q.dtype)
     return out.transpose(1, 2).reshape(b, s, -1)
 
 

@@ -170,22 +170,29 @@ class LatentAttention(nn.Module):
         return (out, None, selection) if self.returns_selection else (out, None)
 
     @torch.no_grad()
-    def _select(self, idx, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block):
+    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block):
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
-        b, s, _ = hidden_states.shape
-        q = idx.wq_b(q_resid).view(b, s, idx.n_heads, idx.head_dim)
-        k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
-        dr = idx.qk_rope_head_dim
-        q_rot, q_pass = q[..., :dr], q[..., dr:]
-        k_rot, k_pass = k[..., :dr], k[..., dr:]
-        if self.index_rotary is not None:
-            cos, sin = position_embeddings
-            q_rot, k_rot = self.index_rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)
-        own_keys = layer.append_index(torch.cat([k_rot, k_pass], dim=-1).squeeze(2))
-        weights = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float() * (idx.n_heads ** -0.5)
-        return select_topk(q, weights, idx.softmax_scale, layer.prompt_index, own_keys, idx.index_topk,
+        q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, self.index_rotary)
+        own_keys = layer.append_index(k)
+        return select_topk(q, weights, indexer.softmax_scale, layer.prompt_index, own_keys, indexer.index_topk,
                            q_start=q_start, own_start=own_start, block=block)
+
+
+def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary):
+    """(queries `[B, S, Hi, Di]`, keys `[B, S, Di]`, head weights `[B, S, Hi]`) of a transformers DSA indexer
+    (`GlmMoeDsaIndexer` / `DeepseekV32Indexer`, 5.24), computed as its forward does; `rotary` its RoPE function."""
+    b, s, _ = hidden_states.shape
+    q = indexer.wq_b(q_resid).view(b, s, indexer.n_heads, indexer.head_dim)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    dr = indexer.qk_rope_head_dim
+    q_rot, q_pass = q[..., :dr], q[..., dr:]
+    k_rot, k_pass = k[..., :dr], k[..., dr:]
+    if rotary is not None:
+        cos, sin = position_embeddings
+        q_rot, k_rot = rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return (torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2),
+            weights * indexer.n_heads ** -0.5)
 
 
 @register_layer_kind
