@@ -25,21 +25,24 @@ import torch
 
 METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact")
 #: the benchmark's tiny models (see `bench_model`)
-MODELS = ("dense", "hybrid")
+MODELS = ("dense", "hybrid", "dsa")
 
 
 def bench_model(name: str, seed: int = 0):
-    """The benchmark's tiny model (`dense`: qwen3, `hybrid`: qwen3_next-like) with a LoRA adapter, train mode."""
+    """The benchmark's tiny model (`dense`: qwen3, `hybrid`: qwen3_next-like, `dsa`: glm_moe_dsa) with a LoRA
+    adapter on the attention projections, train mode."""
     from peft import LoraConfig, get_peft_model
 
-    from .models import BENCH_DENSE, BENCH_HYBRID, tiny_model
+    from .models import BENCH_DENSE, BENCH_DSA, BENCH_HYBRID, tiny_model
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")
-    arch, fields = {"dense": ("qwen3", BENCH_DENSE), "hybrid": ("qwen3_next", BENCH_HYBRID)}[name]
+    arch, fields = {"dense": ("qwen3", BENCH_DENSE), "hybrid": ("qwen3_next", BENCH_HYBRID),
+                    "dsa": ("glm_moe_dsa", BENCH_DSA)}[name]
     model = tiny_model(arch, seed=seed, **fields)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      init_lora_weights=False)
+    targets = (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if name == "dsa"
+               else ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     return get_peft_model(model, lora).train()
 
 
@@ -61,8 +64,11 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
             (-(a * lp).sum()).backward()
     elif method in ("longstraw", "longstraw_exact"):
         mode = "exact" if method == "longstraw_exact" else "detached"
+        from .memory import peak_rss_mb
+
         with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
+            info["capture_peak_rss_mb"] = round(peak_rss_mb(), 1)
             for a, resp in zip(advantages, responses):
                 lp = state.replay(resp).logprobs
                 (-(a * lp).sum()).backward()
@@ -99,6 +105,9 @@ def _measured(row: dict, fn) -> dict:
     wall = time.perf_counter() - t0
     peak = peak_rss_mb()
     durable = info.pop("durable_mb", None)
+    capture_peak = info.pop("capture_peak_rss_mb", None)
+    if capture_peak is not None:  # peak RSS during capture alone, relative to the same baseline
+        info["capture_mem_mb"] = round(capture_peak - before, 1)
     return dict(row, baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
                 wall_s=round(wall, 3), durable_mb=None if durable is None else round(durable, 2), **info,
                 torch=torch.__version__)
@@ -171,8 +180,10 @@ def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: in
 
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of measured (or skipped) rows."""
-    lines = ["| model | P | G | method | step memory (MiB) | durable state (MiB) | step time (s) |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+    capture = any("capture_mem_mb" in r for r in rows)
+    lines = ["| model | P | G | method | step memory (MiB) | durable state (MiB) | step time (s) |"
+             + (" capture memory (MiB) |" if capture else ""),
+             "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if capture else "")]
     for r in rows:
         if "skipped" in r:
             mem, t = f"skipped: {r['skipped']}", "–"
@@ -184,7 +195,10 @@ def format_table(rows: list[dict]) -> str:
             mem, t = f"{r['step_mem_mb']:.1f}", f"{r['wall_s']:.2f}"
         dur = r.get("durable_mb")
         dur = f"{dur:.2f}" if isinstance(dur, (int, float)) and dur == dur else "–"
-        lines.append(f"| {r['model']} | {r['P']} | {r['G']} | {r['method']} | {mem} | {dur} | {t} |")
+        line = f"| {r['model']} | {r['P']} | {r['G']} | {r['method']} | {mem} | {dur} | {t} |"
+        if capture:
+            line += f" {r['capture_mem_mb']:.1f} |" if "capture_mem_mb" in r else " – |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -86,16 +86,17 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     """DSA indexer scores `[B, S, T]` = Σ_h weights[h] · relu(scale · q[h] · k), in float32, computed with the
     same operations as transformers 5.24 (`GlmMoeDsaIndexer` / `DeepseekV32Indexer`) so that the selection
     agrees with a full-sequence forward. q `[B, S, Hi, Di]`, weights `[B, S, Hi]`, keys `[B|1, T, Di]`."""
-    s = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * scale
-    s = torch.relu(s)
+    s = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+    s = s.mul_(scale).relu_()  # in place: one [B, S, Hi, T] tile alive, same values as `relu(s * scale)`
     return torch.matmul(weights.float().unsqueeze(-2), s).squeeze(-2)
 
 
 def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q_start: int, own_start: int,
                 block: int) -> Selection:
     """Each query's `topk` best keys over [prompt keys `[1, P, Di]` | own keys `[B, T, Di]`] (own key j is
-    visible to query i when `own_start + j ≤ q_start + i`). Prompt keys are scored `block` at a time with a
-    running top-k: no `[S, P]` score tensor exists. Where `topk` covers all keys, returns `indices=None`."""
+    visible to query i when `own_start + j ≤ q_start + i`). Keys are scored `block` at a time (fewer where
+    S · heads · block would pass `TILE_ELEMENTS`) with a running top-k: no `[S, P]` or `[S, T]` score tensor
+    exists; memory O(B · S · (top-k + block)). Where `topk` covers all keys, returns `indices=None`."""
     b, s = q.shape[:2]
     p = 0 if prompt_keys is None else prompt_keys.shape[-2]
     t = own_keys.shape[-2]
@@ -103,17 +104,19 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     if k >= p + t:
         return Selection(None, None, p)
     qpos = torch.arange(q_start, q_start + s, device=q.device)
-    kpos = torch.arange(own_start, own_start + t, device=q.device)
-    own = index_scores(q, weights, own_keys, scale)
-    own = own.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
-    vals, idx = own.topk(min(k, t), dim=-1)
-    idx = idx + p
     block = max(1, min(block, TILE_ELEMENTS // max(1, b * s * q.shape[2])))
-    for s0 in range(0, p, block):
-        n = min(block, p - s0)
-        sc = index_scores(q, weights, prompt_keys[:, s0 : s0 + n], scale)
+    vals = q.new_empty((b, s, 0), dtype=torch.float32)
+    idx = torch.empty((b, s, 0), dtype=torch.long, device=q.device)
+    # key blocks: the prompt's (all visible), then the own keys' (causal), as indices into [prompt | own]
+    spans = [(prompt_keys, s0, min(block, p - s0), s0, None) for s0 in range(0, p, block)]
+    spans += [(own_keys, s0, min(block, t - s0), p + s0, own_start + s0) for s0 in range(0, t, block)]
+    for keys, s0, n, first, pos in spans:
+        sc = index_scores(q, weights, keys[:, s0 : s0 + n], scale)
+        if pos is not None:
+            kpos = torch.arange(pos, pos + n, device=q.device)
+            sc = sc.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         cand_vals = torch.cat([vals, sc], dim=-1)
-        cand_idx = torch.cat([idx, torch.arange(s0, s0 + n, device=q.device).expand(b, s, n)], dim=-1)
+        cand_idx = torch.cat([idx, torch.arange(first, first + n, device=q.device).expand(b, s, n)], dim=-1)
         vals, pick = cand_vals.topk(min(k, cand_vals.shape[-1]), dim=-1)
         idx = cand_idx.gather(-1, pick)
     return Selection(idx, vals > float("-inf"), p)
@@ -144,7 +147,7 @@ def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int,
     """MLA of latent queries `[B, H, S, r + dr]` over the keys `selection` picked from [prompt latents
     `[1|B, 1, P, r + dr]` | own latents `[B, 1, T, r + dr]`]: out `[B, H, S, r]`.
 
-    Queries run in blocks whose gathered keys fit `TILE_ELEMENTS`; with grad, each block is checkpointed
+    Queries run in blocks whose gathered keys fit a quarter of `TILE_ELEMENTS`; with grad, each block is checkpointed
     (saves its query rows and indices, recomputes the gather in backward). Where `selection.indices` is
     None (top-k covers every key) this is ordinary dense latent attention."""
     if selection.indices is None:
@@ -152,7 +155,8 @@ def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int,
                                 block=block)
     b, h, s, d = query.shape
     kk = selection.indices.shape[-1]
-    rows = max(1, min(s, TILE_ELEMENTS // max(1, b * kk * max(d, h))))
+    # a block gathers rows × K latents three times (own, prompt, merged): a quarter tile each
+    rows = max(1, min(s, TILE_ELEMENTS // max(1, 4 * b * kk * max(d, h))))
     outs = []
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, own, prompt))

@@ -240,6 +240,37 @@ BENCH_HYBRID = dict(
     decoder_sparse_step=1,
 )
 
+#: The compressed-attention model of the memory benchmark (glm_moe_dsa): 4 layers of MLA (16 heads, latent 64 +
+#: rotary 16) with DSA (8 indexer heads of 32, top-256; layers 2 and 4 share the selection of the layer before),
+#: MoE from layer 2. Per token and layer it keeps 112 values where the expanded K/V would take 16 × (48 + 32) = 1280.
+BENCH_DSA = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=16,
+    kv_lora_rank=64,
+    q_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    index_n_heads=8,
+    index_head_dim=32,
+    index_topk=256,
+    indexer_types=["full", "shared", "full", "shared"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=64,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
+)
+
 
 def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
     """A tiny random-initialisable config of a supported architecture (fp32 unless overridden)."""
