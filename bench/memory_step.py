@@ -33,7 +33,8 @@ def plot(rows, path: Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
-    styles = {"naive_batched": "s--", "naive_serial": "o-.", "longstraw": "^-", "longstraw_exact": "v:"}
+    styles = {"naive_batched": "s--", "naive_serial": "o-.", "longstraw": "^-", "longstraw_exact": "v:",
+              "longstraw_ckpt": "d-"}
     for ax, m in zip(axes[0], models):
         for method in METHODS:
             for G in sorted({r["G"] for r in rows}):
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     for model in args.models:
         for P in args.P:
             serial_mb = None  # naive serial step memory at this P (does not depend on G)
-            for method in ("naive_serial", "longstraw", "longstraw_exact", "naive_batched"):
+            for method in ("naive_serial", "longstraw", "longstraw_exact", "longstraw_ckpt", "naive_batched"):
                 if method not in args.methods:
                     continue
                 for G in args.G:

@@ -7,7 +7,9 @@ of R tokens that share a prompt of P tokens, with a LoRA adapter trainable:
 - `longstraw`: capture the prompt once, replay the G responses serially (memory ≈ durable state + one
   response graph, time ≈ one prompt pass + G·R), detached prompt gradients;
 - `longstraw_exact`: the same with `prompt_grad="exact"` and the reverse chunked prompt backward
-  (memory ≈ durable state + its gradient + one chunk's graph).
+  (memory ≈ durable state + its gradient + one chunk's graph);
+- `longstraw_ckpt`: `longstraw` with `replay(checkpoint_layers=True)` (each decoder layer recomputed in
+  backward: the replay graph keeps one layer's activations).
 
 Step memory = peak RSS during the step − RSS just before it, with the peak reset after a warm-up
 step on a short prompt (`longstraw.memory`). Used by `longstraw demo` and `bench/memory_step.py`.
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact")
+METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact", "longstraw_ckpt")
 #: the benchmark's tiny models (see `bench_model`)
 MODELS = ("dense", "hybrid", "dsa")
 
@@ -62,7 +64,7 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
         for a, resp in zip(advantages, responses):
             lp = full_sequence_logprobs(model, prompt, resp, logits_to_keep=True)
             (-(a * lp).sum()).backward()
-    elif method in ("longstraw", "longstraw_exact"):
+    elif method in ("longstraw", "longstraw_exact", "longstraw_ckpt"):
         mode = "exact" if method == "longstraw_exact" else "detached"
         from .memory import peak_rss_mb
 
@@ -70,7 +72,7 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
             info["durable_mb"] = state.nbytes / 2**20
             info["capture_peak_rss_mb"] = round(peak_rss_mb(), 1)
             for a, resp in zip(advantages, responses):
-                lp = state.replay(resp).logprobs
+                lp = state.replay(resp, checkpoint_layers=method == "longstraw_ckpt").logprobs
                 (-(a * lp).sum()).backward()
             state.backward()
     else:

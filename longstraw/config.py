@@ -25,11 +25,10 @@ def _f(default, help: str, **kw):
 @dataclass
 class TrainConfig:
     # ------------------------------------------------------------------ model
-    model: str = _f("llama", "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, qwen3_5_text, ...) "
+    model: str = _f("llama", "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, glm_moe_dsa, ...) "
                              "or a local folder with a transformers model and its tokenizer")
-    model_overrides: dict = _f({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
-                               "config fields of a built-in tiny model (vocab_size comes from the task tokenizer)")
+    model_overrides: dict = _f({}, "config fields of a built-in tiny model over `longstraw.models.TINY_CONFIGS` "
+                                   "(vocab_size comes from the task tokenizer)")
     lora: bool = _f(True, "train a PEFT LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha")
@@ -71,6 +70,8 @@ class TrainConfig:
     prompt_grad: str = _f("detached", "gradient through the prompt: 'detached' (LongStraw as published: the "
                                       "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)")
     chunk_size: int = _f(1024, "capture chunk size in tokens")
+    checkpoint_layers: bool = _f(False, "recompute each decoder layer in backward during replay (activation "
+                                        "checkpointing: less memory for long responses and MoE, one more forward)")
     # ------------------------------------------------------------------ optimizer
     learning_rate: float = _f(3e-3, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")

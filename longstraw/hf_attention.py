@@ -13,7 +13,11 @@ the `longstraw_cache` keyword that capture and replay pass down the model's `**k
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import copy
+from contextlib import contextmanager, nullcontext
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
@@ -101,17 +105,19 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
 
 
 @contextmanager
-def attention_overrides(decoder, cache: BranchCache):
+def attention_overrides(decoder, cache: BranchCache, only: int | None = None):
     """Swap in the attention module a branch layer asks for (`attention_module`, e.g. latent attention for
     MLA layers, whose transformers module would expand the prompt per head) for the block; the model's
-    own module is the stand-in's child, so its parameters and adapters are the ones used."""
+    own module is the stand-in's child, so its parameters and adapters are the ones used. `only`: just
+    that layer."""
     blocks = getattr(decoder, "layers", None)
     swapped = []
     try:
         for i, layer in enumerate(cache.layers):
             cls = getattr(layer, "attention_module", None)
-            if cls is not None:
+            if cls is not None and only in (None, i):
                 block = blocks[i]
+                block = getattr(block, "inner", block) if isinstance(block, CheckpointedDecoderLayer) else block
                 inner = block.self_attn
                 block.self_attn = cls(inner)
                 swapped.append((block, inner))
@@ -119,6 +125,69 @@ def attention_overrides(decoder, cache: BranchCache):
     finally:
         for block, inner in swapped:
             block.self_attn = inner
+
+
+def _snapshot(layer):
+    """A copy of a branch layer that later appends do not change (branch layers rebind their tensors
+    and never write them in place, so copying the attribute dicts is enough)."""
+    new = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, dict):
+            setattr(new, name, dict(value))
+    return new
+
+
+class CheckpointedDecoderLayer(nn.Module):
+    """Stands in for decoder layer `index` during a replay: runs it under (non-reentrant) activation
+    checkpointing, so the replay graph keeps only each layer's inputs and recomputes the layer in
+    backward. The branch cache layer is stateful (the forward appended the branch's K/V or latents, or
+    advanced its recurrent state); the recomputation runs against a snapshot taken before the forward,
+    so it sees exactly what the forward saw and leaves the branch as the forward left it.
+
+    Memory of a replay: O(layers · R · hidden) saved inputs plus one layer's graph, instead of every
+    layer's graph (attention projections, MoE expert activations, ...). Time: one more forward per layer.
+    """
+
+    def __init__(self, inner: nn.Module, model, decoder, cache: BranchCache, index: int):
+        super().__init__()
+        self.inner = inner
+        self.cache, self.index = cache, index
+        self._model, self._decoder = [model], [decoder]  # not submodules
+
+    def forward(self, *args, **kwargs):
+        before = _snapshot(self.cache.layers[self.index])
+
+        @contextmanager
+        def recompute():  # in backward, outside run_decoder: restore what the forward ran under
+            after = self.cache.layers[self.index]
+            self.cache.layers[self.index] = _snapshot(before)
+            try:
+                with longstraw_attention_enabled(self._model[0]), \
+                        attention_overrides(self._decoder[0], self.cache, only=self.index):
+                    yield
+            finally:
+                self.cache.layers[self.index] = after
+
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute()),
+                          **kwargs)
+
+
+@contextmanager
+def checkpointed_layers(model, decoder, cache: BranchCache, enabled: bool = True):
+    """Run every decoder layer of `decoder` (of `model`) under `CheckpointedDecoderLayer` for the block
+    (no-op when not `enabled`)."""
+    if not enabled:
+        yield
+        return
+    blocks = decoder.layers
+    inner = list(blocks)
+    try:
+        for i, block in enumerate(inner):
+            blocks[i] = CheckpointedDecoderLayer(block, model, decoder, cache, i)
+        yield
+    finally:
+        for i, block in enumerate(inner):
+            blocks[i] = block
 
 
 @contextmanager

@@ -281,7 +281,15 @@ def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
         raise UnsupportedArchitectureError(
             f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS) + sorted(TINY_MULTIMODAL)}")
     fields = {**TINY_CONFIGS[arch], **overrides}
+    n = fields["num_hidden_layers"]
+    for name in _PER_LAYER:  # a different depth repeats the tiny config's per-layer pattern
+        if name in fields and name not in overrides and len(fields[name]) != n:
+            fields[name] = [fields[name][i % len(fields[name])] for i in range(n)]
     return CONFIG_MAPPING[arch](**fields)
+
+
+#: config fields with one entry per decoder layer
+_PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types")
 
 
 def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation="sdpa", **overrides):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
-from .hf_attention import BranchCache, attention_overrides, longstraw_attention_enabled
+from .hf_attention import BranchCache, attention_overrides, checkpointed_layers, longstraw_attention_enabled
 from .layers import LayerState, layer_kind
 from .logprobs import chunked_logprobs
 from .models import ModelParts, layer_types, model_parts
@@ -143,13 +143,18 @@ class PromptState:
         self._backward_done = True
 
     # ------------------------------------------------------------------ replay
-    def replay(self, response_ids, temperature: float = 1.0) -> Replay:
+    def replay(self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
         """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
 
         Differentiable with respect to the trainable parameters through the response positions; with
         `prompt_grad="exact"` the backward also accumulates the gradient of the durable state, which
         `backward()` later pushes through the prompt (detached: the state is a constant). The LM head
         runs in chunks (`longstraw.logprobs`): no `[R, vocab]` tensor is saved.
+
+        `checkpoint_layers=True` keeps only each decoder layer's input in the graph and recomputes the
+        layer during backward (activation checkpointing of the replay): replay memory drops from every
+        layer's activations (MoE experts included) to one layer's, for one more forward of the response.
+        Gradients are the same.
         """
         parts = self._parts
         response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
@@ -157,7 +162,7 @@ class PromptState:
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        hidden = run_decoder(parts, inputs[None], positions, self._cache())
+        hidden = run_decoder(parts, inputs[None], positions, self._cache(), checkpoint_layers=checkpoint_layers)
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
                                              softcap=parts.final_logit_softcapping)
         return Replay(logprobs=logprobs, entropy=entropy)
@@ -171,10 +176,13 @@ class PromptState:
                       stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
 
 
-def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache):
+def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache,
+                checkpoint_layers: bool = False):
     """Hidden states `[B, T, hidden]` of the unmodified decoder over `input_ids` `[B, T]` (positions
-    `[T]`, shared by the B rows) against `cache`."""
-    with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache):
+    `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder layer in
+    backward instead of keeping its graph (`longstraw.hf_attention.CheckpointedDecoderLayer`)."""
+    with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache), \
+            checkpointed_layers(parts.model, parts.decoder, cache, checkpoint_layers):
         out = parts.decoder(
             input_ids=input_ids,
             position_ids=positions[None],

@@ -292,7 +292,7 @@ class Trainer:
                 times["time_capture"] += time.perf_counter() - t
                 t = time.perf_counter()
             for j, (tok, old) in enumerate(zip(g["samples"].tokens, g["samples"].logprobs)):
-                out = state.replay(tok, temperature=cfg.temperature)
+                out = state.replay(tok, temperature=cfg.temperature, checkpoint_layers=cfg.checkpoint_layers)
                 mask = torch.zeros(tok.numel()) if masked[i] else None
                 ref = None if g["ref"] is None else g["ref"][j]
                 loss, st = self.loss_fn.response_loss(out.logprobs, old, adv[i], norm[i], ref_logps=ref, mask=mask)

@@ -138,3 +138,25 @@ def test_batched_shape_and_int32_ids_accepted():
         a = longstraw.capture(model, prompt[None]).replay(response[None].int()).logprobs
         b = longstraw.capture(model, prompt).replay(response).logprobs
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpointed_replay_gives_the_same_gradients(arch, mode):
+    """`replay(checkpoint_layers=True)` (each decoder layer recomputed in backward against a snapshot of its
+    branch cache layer) gives the gradients of the plain replay, two responses accumulated, LoRA."""
+    model = make_model(arch, use_lora=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for checkpoint_layers in (False, True):
+        state = longstraw.capture(model, tokens(23, 20), chunk_size=5, prompt_grad=mode)
+        for seed, r in ((21, 7), (22, 4)):
+            lp = state.replay(tokens(r, seed), checkpoint_layers=checkpoint_layers).logprobs
+            (lp * torch.linspace(-1.0, 1.0, r)).sum().backward()
+        state.backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in params])
+        model.zero_grad(set_to_none=True)
+    pairs = [(a, b) for a, b in zip(*grads) if b is not None]
+    assert len(pairs) >= len(params) // 2 and all(a is not None for a, _ in pairs)
+    for a, b in pairs:
+        assert (a - b).norm().item() <= 1e-6 * max(b.norm().item(), 1e-12)
