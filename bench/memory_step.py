@@ -14,6 +14,9 @@ per-sequence cost is that of the smaller G).
     python bench/memory_step.py --methods naive_serial naive_batched longstraw longstraw_exact \
         --P 4096 16384 32768 --chunk-size 2048 --max-naive-tokens 200000 \
         --out bench/results/exact_step                                 # exact vs detached vs naive
+    python bench/memory_step.py --models dsa --methods naive_serial naive_batched longstraw \
+        --G 2 8 --chunk-size 1024 --limit-gb 16 --mmap-threshold 65536 \
+        --out bench/results/dsa_step                                   # glm_moe_dsa (MLA + DSA, MoE)
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--limit-gb", type=float, default=20.0)
     ap.add_argument("--max-naive-tokens", type=int, default=600_000)
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="fix glibc's mmap threshold (bytes) in every measured process, so RSS follows live tensors")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_step"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -82,7 +87,8 @@ def main(argv=None) -> None:
                     elif method == "naive_batched" and serial_mb and G * serial_mb > args.limit_gb * 1024:
                         row = dict(base, skipped=f"estimated {G * serial_mb / 1024:.0f} GB > {args.limit_gb:.0f} GB")
                     else:
-                        row = measure_in_fresh_process(model, method, P, G, args.R, args.threads, args.chunk_size)
+                        row = measure_in_fresh_process(model, method, P, G, args.R, args.threads, args.chunk_size,
+                                                       limit_gb=args.limit_gb, mmap_threshold=args.mmap_threshold)
                         if method == "naive_serial" and "step_mem_mb" in row:
                             serial_mb = max(serial_mb or 0.0, row["step_mem_mb"])
                     rows.append(row)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -162,14 +163,22 @@ def _limit_address_space(gb: float):
 
 
 def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
-                             chunk_size: int = 4096, task: str = "step", limit_gb: float | None = None) -> dict:
+                             chunk_size: int = 4096, task: str = "step", limit_gb: float | None = None,
+                             mmap_threshold: int | None = None) -> dict:
     """`measure` (task "step") or `measure_sampling` (task "sample") in a fresh Python process.
 
     `limit_gb`: address-space cap of the child (torch reserves a few GB of address space beyond what
-    it touches: leave room). A run that hits it is reported with `exceeded_gb`."""
+    it touches: leave room). A run that hits it is reported with `exceeded_gb`.
+    `mmap_threshold`: fix glibc's mmap threshold in the child (`MALLOC_MMAP_THRESHOLD_`, bytes). Larger
+    blocks are then mapped and unmapped with their tensors, so RSS follows the live tensors; glibc's
+    adaptive default keeps freed blocks resident, which adds run-to-run noise of tens of MiB to small
+    step memories (and costs time: page faults on every large allocation, on both sides of a comparison)."""
     cmd = [sys.executable, "-m", "longstraw.compare", model_name, method, str(P), str(G), str(R),
            "--threads", str(threads), "--chunk-size", str(chunk_size), "--task", task]
-    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    env = dict(os.environ)
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(int(mmap_threshold))
+    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env,
                          preexec_fn=None if limit_gb is None else _limit_address_space(limit_gb))
     if out.returncode != 0:
         err = out.stderr.strip()[-2000:]
@@ -177,7 +186,10 @@ def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: in
         if limit_gb is not None and any(s in err for s in ("DefaultCPUAllocator", "MemoryError", "out of memory")):
             row = dict(model=model_name, method=method, P=P, G=G, R=R, exceeded_gb=limit_gb)
         return row
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    if mmap_threshold is not None:
+        row["mmap_threshold"] = int(mmap_threshold)
+    return row
 
 
 def format_table(rows: list[dict]) -> str:

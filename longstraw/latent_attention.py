@@ -34,12 +34,15 @@ from .attention import TILE_ELEMENTS, split_attention
 
 def absorbed_weights(kv_b_proj, heads: int, nope_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_k `[r, H, dn]`, W_v `[r, H, dv]`) of the up-projection `kv_b_proj` (any linear module without bias,
-    PEFT adapters included: the effective weight is read by applying the module to the identity)."""
-    weight = getattr(kv_b_proj, "weight", None)
-    r = kv_b_proj.in_features if hasattr(kv_b_proj, "in_features") else weight.shape[1]
-    ref = next(kv_b_proj.parameters())
-    eye = torch.eye(r, dtype=ref.dtype, device=ref.device)
-    w = kv_b_proj(eye).view(r, heads, nope_dim + v_dim)  # row i = W e_i, i.e. Wᵀ
+    PEFT adapters included: their effective weight is read by applying the module to the identity, which
+    costs r² · H · (dn + dv) per call; a plain `nn.Linear` is read directly). Adapter dropout, if any,
+    would apply to the identity's rows rather than to the latents: use LoRA dropout 0 on `kv_b_proj`."""
+    if type(kv_b_proj) is torch.nn.Linear and kv_b_proj.bias is None:
+        w = kv_b_proj.weight.t()
+    else:  # e.g. a PEFT LoRA layer: row i of module(I) is W_eff e_i, i.e. W_effᵀ
+        ref = next(kv_b_proj.parameters())
+        w = kv_b_proj(torch.eye(kv_b_proj.in_features, dtype=ref.dtype, device=ref.device))
+    w = w.reshape(w.shape[0], heads, nope_dim + v_dim)
     return w[..., :nope_dim], w[..., nope_dim:]
 
 

@@ -1,0 +1,114 @@
+"""Replay memory and time with and without activation checkpointing of the decoder layers.
+
+One replay of R response tokens with backward against a captured prompt (P = 4096, chunks of 1024,
+LoRA, one torch thread), `replay(checkpoint_layers=False|True)`, each configuration in a fresh process.
+Replay memory = peak RSS during the replay and its backward − RSS just before (the capture and a warm-up
+replay of 8 tokens come first, so the durable state is not counted; glibc's mmap threshold is fixed at
+64 KiB so that RSS follows live tensors, see `longstraw.compare.measure_in_fresh_process`). Models:
+`dense` (qwen3), `hybrid` (qwen3_next-like, MoE), `dsa` (glm_moe_dsa: MLA + DSA, MoE).
+
+    python bench/replay_checkpoint.py          # → bench/results/replay_checkpoint.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
+    import torch
+
+    import longstraw
+    from longstraw.compare import bench_model
+    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb
+
+    torch.set_num_threads(1)
+    model = bench_model(model_name)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    response = torch.randint(0, vocab, (R,), generator=g)
+    state = longstraw.capture(model, prompt, chunk_size=1024)
+    state.replay(response[:8], checkpoint_layers=ckpt).logprobs.sum().backward()  # warm-up
+    model.zero_grad(set_to_none=False)
+    before = rss_mb()
+    reset_peak()
+    t0 = time.perf_counter()
+    state.replay(response, checkpoint_layers=ckpt).logprobs.sum().backward()
+    wall = time.perf_counter() - t0
+    return dict(model=model_name, P=P, R=R, checkpoint_layers=ckpt, replay_mem_mb=round(peak_rss_mb() - before, 1),
+                wall_s=round(wall, 3), durable_mb=round(state.nbytes / 2**20, 2), torch=torch.__version__)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for m in sorted({r["model"] for r in rows}):
+        for ckpt, style in ((False, "o-"), (True, "s--")):
+            pts = sorted((r["R"], r["replay_mem_mb"], r["wall_s"]) for r in rows
+                         if r["model"] == m and r["checkpoint_layers"] == ckpt)
+            if pts:
+                label = f"{m}{' checkpoint_layers' if ckpt else ''}"
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
+    for ax, ylabel in zip(axes, ("replay memory (MiB): peak RSS − RSS before", "replay + backward time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("response length R (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"one replay with backward, P={rows[0]['P']}, LoRA, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(rows) -> str:
+    lines = ["| model | R | checkpoint_layers | replay memory (MiB) | time (s) |", "|---|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['R']} | {r['checkpoint_layers']} | {r['replay_mem_mb']:.1f} | "
+                     f"{r['wall_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["dense", "hybrid", "dsa"])
+    ap.add_argument("--R", nargs="+", type=int, default=[256, 1024, 4096])
+    ap.add_argument("--P", type=int, default=4096)
+    ap.add_argument("--one", nargs=3, metavar=("MODEL", "R", "CKPT"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay_checkpoint"))
+    args = ap.parse_args(argv)
+    if args.one:
+        m, r, c = args.one
+        print(json.dumps(one(m, int(r), c == "1", args.P)))
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for m in args.models:
+        for r in args.R:
+            for ckpt in (False, True):
+                cmd = [sys.executable, __file__, "--one", m, str(r), "1" if ckpt else "0", "--P", str(args.P)]
+                env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+                res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True, env=env)
+                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), flush=True)
+                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(table(rows) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
