@@ -42,9 +42,13 @@ def plot(rows, path: Path) -> None:
         for method in METHODS:
             for G in sorted({r["G"] for r in rows}):
                 pts = sorted((r["P"], r["step_mem_mb"]) for r in rows
-                             if r["model"] == m and r["method"] == method and r["G"] == G)
+                             if r["model"] == m and r["method"] == method and r["G"] == G and "step_mem_mb" in r)
                 if pts:
                     ax.plot(*zip(*pts), styles[method], label=f"{method} G={G}")
+        failed = sorted({(r["P"], r["exceeded_gb"]) for r in rows if r["model"] == m and "exceeded_gb" in r})
+        if failed:
+            ax.plot([f[0] for f in failed], [f[1] * 1024 for f in failed], "kx", markersize=9,
+                    label="naive: allocation failed at the address-space cap")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("prompt length P (tokens)")
@@ -70,8 +74,14 @@ def main(argv=None) -> None:
     ap.add_argument("--mmap-threshold", type=int, default=None,
                     help="fix glibc's mmap threshold (bytes) in every measured process, so RSS follows live tensors")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_step"))
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT.png and OUT.md from OUT.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.replot:
+        rows = json.loads(out.with_suffix(".json").read_text())
+        plot(rows, out.with_suffix(".png"))
+        out.with_suffix(".md").write_text(format_table(rows) + "\n")
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for model in args.models:
@@ -94,7 +104,7 @@ def main(argv=None) -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    plot([r for r in rows if "step_mem_mb" in r], out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(format_table(rows) + "\n")
     print(format_table(rows))
 

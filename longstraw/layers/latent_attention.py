@@ -132,6 +132,8 @@ class LatentAttention(nn.Module):
         m = self.inner
         if longstraw_cache is None:
             raise RuntimeError("LatentAttention only runs inside longstraw.capture / PromptState.replay")
+        if m.training and m.attention_dropout:
+            raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
         layer: LatentBranchLayer = longstraw_cache.layers[m.layer_idx]
         b, s, _ = hidden_states.shape
         h, dn, dr, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
