@@ -6,9 +6,9 @@ import torch
 import longstraw
 from longstraw.reference import full_sequence_logprobs
 
-from .conftest import assert_grads_close, make_model, tokens
+from .conftest import ARCHS, assert_grads_close, make_model, tokens
 
-EXACT_ARCHS = ["llama", "qwen3", "gemma3_text", "gemma3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5"]
+EXACT_ARCHS = ARCHS
 
 
 def _grads(model, fn):

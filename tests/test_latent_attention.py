@@ -83,7 +83,8 @@ def _mla_tensors(b=2, h=4, s=5, t=17, r=12, dr=4, dn=6, dv=5, dtype=torch.float6
     return rnd(b, h, s, dn), rnd(b, h, s, dr), rnd(b, 1, t, r + dr), kv_b
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)],
+                         ids=["fp64", "fp32", "bf16"])
 @pytest.mark.parametrize("split", [0, 9, 12], ids=["no-prompt", "prompt9", "prompt12"])
 def test_absorbed_latent_attention_equals_expanded(dtype, tol, split):
     """Latent-space split attention (prompt latents batch 1, shared) = expand with kv_b_proj, then attention."""
