@@ -194,7 +194,8 @@ def cmd_compare(args) -> int:
     rows = []
     for method in ("naive_batched", "naive_serial", "longstraw"):
         print(f"  measuring {method} ...", flush=True)
-        rows.append(measure_in_fresh_process(args.model, method, args.P, args.G, args.R, args.threads))
+        rows.append(measure_in_fresh_process(args.model, method, args.P, args.G, args.R, args.threads,
+                                             limit_gb=args.limit_gb if method.startswith("naive") else None))
     print()
     print(format_table(rows))
     ok = {r["method"]: r for r in rows if "step_mem_mb" in r}
@@ -230,11 +231,14 @@ def main(argv=None) -> int:
     e.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default: the run's)")
     e.add_argument("--examples", type=int, default=None, help="held-out prompts per length (default: the run's)")
     c = sub.add_parser("compare", help="memory and time of one GRPO step: naive batched, naive serial, longstraw")
-    c.add_argument("--model", choices=["dense", "hybrid"], default="dense", help="built-in tiny model")
+    c.add_argument("--model", choices=["dense", "hybrid", "dsa"], default="dense",
+                   help="built-in tiny model (dsa: glm_moe_dsa, MLA + DSA + MoE)")
     c.add_argument("--P", type=int, default=4096, help="prompt tokens")
     c.add_argument("--G", type=int, default=8, help="responses per prompt")
     c.add_argument("--R", type=int, default=64, help="tokens per response")
     c.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
+    c.add_argument("--limit-gb", type=float, default=16.0,
+                   help="address-space cap of each naive measurement: beyond it a run is reported as failed")
     args = ap.parse_args(argv)
     try:
         return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[args.command](args)
