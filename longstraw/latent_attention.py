@@ -97,9 +97,12 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
 def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q_start: int, own_start: int,
                 block: int) -> Selection:
     """Each query's `topk` best keys over [prompt keys `[1, P, Di]` | own keys `[B, T, Di]`] (own key j is
-    visible to query i when `own_start + j ≤ q_start + i`). Keys are scored `block` at a time (fewer where
-    S · heads · block would pass `TILE_ELEMENTS`) with a running top-k: no `[S, P]` or `[S, T]` score tensor
-    exists; memory O(B · S · (top-k + block)). Where `topk` covers all keys, returns `indices=None`."""
+    visible to query i when `own_start + j ≤ q_start + i`).
+
+    Keys are scored in tiles of at most `block` keys (fewer where S · heads · keys would pass `TILE_ELEMENTS`),
+    and the head-summed scores of up to min(`TILE_ELEMENTS` / S, 8 · `block`) keys are merged at once into a
+    running top-k: no `[S, P]` score tensor exists beyond one such block; memory O(B · S · top-k + TILE_ELEMENTS). Where `topk` covers all
+    keys, returns `indices=None`."""
     b, s = q.shape[:2]
     p = 0 if prompt_keys is None else prompt_keys.shape[-2]
     t = own_keys.shape[-2]
@@ -107,21 +110,25 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     if k >= p + t:
         return Selection(None, None, p)
     qpos = torch.arange(q_start, q_start + s, device=q.device)
-    block = max(1, min(block, TILE_ELEMENTS // max(1, b * s * q.shape[2])))
+    tile = max(1, min(block, TILE_ELEMENTS // max(1, b * s * q.shape[2])))
+    merge = max(tile, min(TILE_ELEMENTS // max(1, b * s), 8 * block))
     vals = q.new_empty((b, s, 0), dtype=torch.float32)
     idx = torch.empty((b, s, 0), dtype=torch.long, device=q.device)
-    # key blocks: the prompt's (all visible), then the own keys' (causal), as indices into [prompt | own]
-    spans = [(prompt_keys, s0, min(block, p - s0), s0, None) for s0 in range(0, p, block)]
-    spans += [(own_keys, s0, min(block, t - s0), p + s0, own_start + s0) for s0 in range(0, t, block)]
-    for keys, s0, n, first, pos in spans:
-        sc = index_scores(q, weights, keys[:, s0 : s0 + n], scale)
+    # key spans: the prompt's (all visible), then the own keys' (causal); `first`: index into [prompt | own]
+    spans = [(prompt_keys, m0, min(merge, p - m0), m0, None) for m0 in range(0, p, merge)]
+    spans += [(own_keys, m0, min(merge, t - m0), p + m0, own_start + m0) for m0 in range(0, t, merge)]
+    for keys, m0, n, first, pos in spans:
+        scores = []
+        for s0 in range(m0, m0 + n, tile):
+            scores.append(index_scores(q, weights, keys[:, s0 : min(s0 + tile, m0 + n)], scale))
+        sc = torch.cat([vals] + scores, dim=-1)
         if pos is not None:
             kpos = torch.arange(pos, pos + n, device=q.device)
-            sc = sc.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
-        cand_vals = torch.cat([vals, sc], dim=-1)
-        cand_idx = torch.cat([idx, torch.arange(first, first + n, device=q.device).expand(b, s, n)], dim=-1)
-        vals, pick = cand_vals.topk(min(k, cand_vals.shape[-1]), dim=-1)
-        idx = cand_idx.gather(-1, pick)
+            sc[..., vals.shape[-1] :].masked_fill_(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        kept = vals.shape[-1]
+        vals, pick = sc.topk(min(k, sc.shape[-1]), dim=-1)
+        new = pick - kept + first  # candidates past the kept ones are keys first, first + 1, ...
+        idx = new if kept == 0 else torch.where(pick < kept, idx.gather(-1, pick.clamp(max=kept - 1)), new)
     return Selection(idx, vals > float("-inf"), p)
 
 
