@@ -9,6 +9,14 @@ needs both; without the mask function the attention would get `mask=None` from t
 
 The longstraw attention reads its prompt part from the branch layer of `module.layer_idx`, found in
 the `longstraw_cache` keyword that capture and replay pass down the model's `**kwargs`.
+
+Two stand-in modules cover what the attention registry cannot:
+- `attention_overrides`: a branch layer may name an `attention_module` that stands in for the
+  layer's attention module for the call (MLA: transformers expands the cached latents per head before
+  calling the attention function; `longstraw.layers.latent_attention.LatentAttention` attends in latent
+  space instead). The original module is the stand-in's child and is put back afterwards.
+- `checkpointed_layers`: each decoder layer under activation checkpointing, recomputed in backward
+  against a snapshot of its branch layer (`CheckpointedDecoderLayer`).
 """
 
 from __future__ import annotations
