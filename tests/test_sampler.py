@@ -13,8 +13,8 @@ STOPS = list(range(0, 256, 5))  # ~20% of the vocabulary: sequences stop at diff
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sampled_logprobs_equal_replay(arch):
-    model = make_model(arch)
+def test_sampled_logprobs_equal_replay(arch, use_lora=False):
+    model = make_model(arch, use_lora)
     state = longstraw.capture(model, tokens(21, 1), chunk_size=6)
     out = state.sample(5, 9, temperature=0.9, top_p=0.95, top_k=100, stop_token_ids=STOPS,
                        generator=torch.Generator().manual_seed(3))
@@ -89,3 +89,10 @@ def test_bad_sampling_options(kwargs, match):
     args = dict(num=2, max_new_tokens=3) | kwargs
     with pytest.raises(ValueError, match=match):
         state.sample(**args)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "kimi_linear"])
+def test_sampled_logprobs_equal_replay_under_lora(arch):
+    """Latent attention reads a LoRA-wrapped `kv_b_proj` by applying it to the identity, once per branch when
+    sampling (no grad) and per replay with grad: both agree."""
+    test_sampled_logprobs_equal_replay(arch, use_lora=True)

@@ -69,6 +69,8 @@ class LatentBranchLayer(CacheLayerMixin):
         self.prompt, self.prompt_index = prompt, prompt_index
         self.prompt_length = prompt_length
         self.index_keys = None
+        #: (W_k, W_v) read once per branch when running without grad (decode steps of the sampler)
+        self.absorbed = None
         self.is_initialized = True
 
     @property
@@ -154,7 +156,12 @@ class LatentAttention(nn.Module):
         own_start = layer.prompt_length
         q_start = own_start + own.shape[-2] - s
 
-        w_k, w_v = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
+        if torch.is_grad_enabled():
+            w_k, w_v = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
+        else:  # capture chunk / sampling: the weights are constant for the branch, read them once
+            if layer.absorbed is None:
+                layer.absorbed = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
+            w_k, w_v = layer.absorbed
         query = absorb_query(q_nope, q_rot, w_k)
         kw = dict(q_start=q_start, own_start=own_start, scale=m.scaling, block=longstraw_cache.block)
         indexer = getattr(m, "indexer", None)
