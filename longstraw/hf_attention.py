@@ -85,7 +85,7 @@ def longstraw_attention(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
             f"was built for {layer.window}; check config.layer_types"
         )
-    own_start = layer.prompt_length
+    own_start = layer.prompt_length + layer.returned_offset
     out = split_attention(
         query,
         key,

@@ -96,3 +96,34 @@ def test_sampled_logprobs_equal_replay_under_lora(arch):
     """Latent attention reads a LoRA-wrapped `kv_b_proj` by applying it to the identity, once per branch when
     sampling (no grad) and per replay with grad: both agree."""
     test_sampled_logprobs_equal_replay(arch, use_lora=True)
+
+
+def test_sliding_window_layers_keep_only_the_window_while_decoding(monkeypatch):
+    """40 decode steps against window 5: sliding layers hold at most 4 own K/V per step (global layers keep all),
+    and the result is unchanged: log-probs equal replay, greedy equals `generate`."""
+    from longstraw.layers import AttentionBranchLayer
+
+    model = make_model("gemma3_text")
+    window = model.config.sliding_window
+    held = {"sliding": 0, "global": 0}
+    update = AttentionBranchLayer.update
+
+    def spy(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        if self.keys.shape[0] == 4:  # the sampler's batch (capture and replays run batch 1)
+            kind = "sliding" if self.window is not None else "global"
+            held[kind] = max(held[kind], self.keys.shape[-2])
+        return out
+
+    monkeypatch.setattr(AttentionBranchLayer, "update", spy)
+    prompt = tokens(30, 1)
+    state = longstraw.capture(model, prompt, chunk_size=7)
+    out = state.sample(4, 40, generator=torch.Generator().manual_seed(3))
+    assert held == {"sliding": window - 1, "global": 40}
+    for tok, lp in zip(out.tokens, out.logprobs):
+        with torch.no_grad():
+            assert (state.replay(tok).logprobs - lp).abs().max().item() <= 1e-4
+    greedy = state.sample(1, 40, temperature=0).tokens[0]
+    ref = model.generate(prompt[None], do_sample=False, max_new_tokens=40, min_new_tokens=40, eos_token_id=None,
+                         pad_token_id=0)[0, 30:]
+    assert torch.equal(greedy, ref)

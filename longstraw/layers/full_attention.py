@@ -33,17 +33,30 @@ class AttentionBranchLayer(CacheLayerMixin):
         self.window = window
         self.is_sliding = window is not None
         self.is_initialized = True
+        #: decoding only (set by the sampler): keep just the last window − 1 own K/V of a sliding layer
+        self.trim = False
+        #: own positions dropped by trimming before `keys`; `returned_offset`: the same for the K/V the last
+        #: `update` returned (their first key sits at `prompt_length + returned_offset`)
+        self.own_offset = 0
+        self.returned_offset = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.keys is None:
-            self.keys, self.values = key_states, value_states
+            keys, values = key_states, value_states
         else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        return self.keys, self.values
+            keys = torch.cat([self.keys, key_states], dim=-2)
+            values = torch.cat([self.values, value_states], dim=-2)
+        self.returned_offset = self.own_offset
+        self.keys, self.values = keys, values
+        if self.trim and self.window is not None:
+            # later queries see keys after (their position − window): the last window − 1 are all they read
+            drop = max(0, keys.shape[-2] - (self.window - 1))
+            self.keys, self.values = keys[:, :, drop:], values[:, :, drop:]
+            self.own_offset += drop
+        return keys, values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched."""
@@ -52,7 +65,7 @@ class AttentionBranchLayer(CacheLayerMixin):
 
     @property
     def own_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.own_offset + (0 if self.keys is None else self.keys.shape[-2])
 
     def get_seq_length(self) -> int:
         return self.prompt_length + self.own_length
