@@ -39,6 +39,10 @@ class TrainConfig:
     task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
     task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")
     dataset: str | None = _f(None, "JSONL file of {\"prompt\", \"answer\"} rows (user data)")
+    eval_dataset: str | None = _f(None, "JSONL file of held-out rows for evaluation (default: hold out "
+                                        "`eval_fraction` of `dataset`)")
+    eval_fraction: float = _f(0.1, "fraction of `dataset` rows held out for evaluation, chosen by `seed`, when no "
+                                   "`eval_dataset` is given (0: evaluate on the training rows)")
     prompt_length: int = _f(256, "prompt length in tokens of built-in task examples (the last curriculum stage)")
     curriculum: list = _f([], "prompt lengths to grow through, e.g. [64, 256, 1024]: stage i lasts "
                               "curriculum_steps[i] steps; the last stage runs to the end")
@@ -104,6 +108,8 @@ class TrainConfig:
         need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
              f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
         need(self.dataset is not None or self.task in TASKS, f"task must be one of {sorted(TASKS)}")
+        need(0.0 <= self.eval_fraction < 1.0, "eval_fraction must be in [0, 1)")
+        need(self.eval_dataset is None or self.dataset is not None, "eval_dataset needs a `dataset` to train on")
         need(all(r in REWARD_FUNCTIONS for r in self.reward_funcs),
              f"reward_funcs must be among {sorted(REWARD_FUNCTIONS)}")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),

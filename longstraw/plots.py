@@ -57,9 +57,9 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
         evals.append((rows[-1]["step"], json.loads(final.read_text())["accuracy"]))
     if evals:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for length in sorted({k for _, e in evals for k in e}, key=int):
+        for length in sorted({k for _, e in evals for k in e}, key=lambda k: (not k.isdigit(), len(k), k)):
             pts = [(s, e[length]) for s, e in evals if length in e]
-            ax.plot(*zip(*pts), "o-", label=f"P = {length}")
+            ax.plot(*zip(*pts), "o-", label=f"P = {length}" if length.isdigit() else length)
         for name, value in (baselines or {}).items():
             ax.axhline(value, ls=":", color="gray")
             ax.text(0, value, f" {name} {value:.3f}", va="bottom", fontsize=8, color="gray")

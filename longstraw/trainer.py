@@ -38,6 +38,8 @@ from .models import TINY_CONFIGS, model_parts, tiny_config
 from .tasks import REWARD_FUNCTIONS, TASKS, Example, build_tokenizer, load_jsonl
 
 EVAL_SEED_OFFSET = 1_000_000
+#: `evaluate()` key of the accuracy on held-out JSONL rows
+HELD_OUT_KEY = "held-out rows"
 
 
 class RewardFunctionError(RuntimeError):
@@ -79,11 +81,13 @@ def build_model_and_tokenizer(cfg: TrainConfig):
 
 @dataclass
 class Data:
-    """Where examples come from: a built-in task (made from (seed, index, length)) or a JSONL list."""
+    """Where examples come from: a built-in task (made from (seed, index, length); evaluation draws its own
+    indices) or JSONL rows, training and held-out (`eval_rows`) apart."""
 
     task: object | None
     rows: list[Example] | None
     seed: int
+    eval_rows: list[Example] | None = None
 
     def example(self, index: int, length: int, sft: bool = False) -> Example:
         if self.rows is not None:
@@ -93,9 +97,25 @@ class Data:
         return self.task.example(self.seed, index, length)
 
 
+def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(training rows, held-out rows): ceil(fraction · n) rows chosen by `seed`, the rest in their file order."""
+    if fraction == 0:
+        return rows, rows
+    n_eval = math.ceil(fraction * len(rows))
+    if n_eval >= len(rows):
+        raise ValueError(f"the dataset has {len(rows)} row(s): too few to hold out eval_fraction={fraction}; "
+                         "give an eval_dataset or set eval_fraction: 0")
+    held = set(random.Random(seed).sample(range(len(rows)), n_eval))
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
 def build_data(cfg: TrainConfig) -> Data:
     if cfg.dataset is not None:
-        return Data(None, load_jsonl(cfg.dataset), cfg.seed)
+        rows = load_jsonl(cfg.dataset)
+        if cfg.eval_dataset is not None:
+            return Data(None, rows, cfg.seed, load_jsonl(cfg.eval_dataset))
+        train, held = split_rows(rows, cfg.eval_fraction, cfg.seed)
+        return Data(None, train, cfg.seed, held)
     task = TASKS[cfg.task](**cfg.task_options)
     for length in [cfg.prompt_length, *cfg.curriculum, *cfg.eval_lengths]:
         if int(length) < task.min_length():
@@ -362,25 +382,29 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, lengths=None, n: int | None = None) -> dict:
-        """Greedy accuracy (mean task reward) on held-out examples per prompt length."""
+        """Greedy accuracy (mean task reward) on held-out examples per prompt length (`{"64": ...}`); for JSONL
+        data, on up to `n` held-out rows (`{"held-out rows": ...}`: their prompts have their own lengths)."""
         if self.data.task is None and self.data.rows is None:
             raise ValueError("nothing to evaluate")
         cfg = self.cfg
-        lengths = [int(x) for x in (lengths or cfg.eval_lengths or [cfg.prompt_length])]
+        lengths = [str(int(x)) for x in (lengths or cfg.eval_lengths or [cfg.prompt_length])]
         n = n or cfg.eval_examples
+        held = self.data.eval_rows
+        if held is not None:  # JSONL: each held-out row once
+            n, lengths = min(n, len(held)), [HELD_OUT_KEY]
         was_training = self.model.training
         self.model.eval()
         result = {}
         for length in lengths:
             hits = 0.0
             for k in range(n):
-                ex = self.data.example(EVAL_SEED_OFFSET + k, length)
+                ex = held[k] if held is not None else self.data.example(EVAL_SEED_OFFSET + k, int(length))
                 with capture(self.model, self.encode(ex.prompt), chunk_size=cfg.chunk_size) as state:
                     s = state.sample(1, cfg.max_completion_length, temperature=0, stop_token_ids=[self.eos],
                                      allowed_token_ids=self.allowed)
                 text = self.tok.batch_decode(s.tokens, skip_special_tokens=False)
                 hits += float(combine_rewards(self.score([ex.prompt], text, [ex.answer]), self.reward_weights)[0])
-            result[str(length)] = hits / n
+            result[length] = hits / n
         self.model.train(was_training)
         return result
 

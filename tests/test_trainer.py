@@ -180,3 +180,36 @@ def test_compressed_attention_trains_same_with_checkpointed_replay(tmp_path, mod
     assert all(r["durable_bytes"] > 0 and math.isfinite(r["loss"]) for r in runs[0][0])
     for k, v in runs[0][1].items():
         assert torch.allclose(v, runs[1][1][k], rtol=1e-5, atol=1e-6), k
+
+
+def _jsonl(path, n, start=0):
+    rows = [{"prompt": f"k{i} v{i % 8} k{i + 1} v{(i + 3) % 8} ? k{i} =", "answer": f"v{i % 8}"}
+            for i in range(start, start + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r["prompt"] for r in rows]
+
+
+def test_jsonl_evaluation_uses_held_out_rows(tmp_path):
+    """eval_fraction holds out ceil(fraction · n) rows chosen by the seed: never trained on, each evaluated once;
+    an eval_dataset replaces the split; eval_fraction 0 evaluates on the training rows; too few rows fail clearly."""
+    prompts = _jsonl(tmp_path / "data.jsonl", 10)
+    trainer = Trainer(_cfg(tmp_path, dataset=str(tmp_path / "data.jsonl"), eval_fraction=0.2, num_steps=1))
+    train = [ex.prompt for ex in trainer.data.rows]
+    held = [ex.prompt for ex in trainer.data.eval_rows]
+    assert len(held) == 2 and len(train) == 8 and sorted(train + held) == sorted(prompts) and not set(train) & set(held)
+    again = Trainer(_cfg(tmp_path, "again", dataset=str(tmp_path / "data.jsonl"), eval_fraction=0.2, num_steps=1))
+    assert [ex.prompt for ex in again.data.eval_rows] == held
+    seen = []
+    encode = trainer.encode
+    trainer.encode = lambda text: seen.append(text) or encode(text)
+    result = trainer.evaluate()
+    assert seen == held and list(result) == ["held-out rows"] and 0.0 <= result["held-out rows"] <= 1.0
+
+    other = _jsonl(tmp_path / "eval.jsonl", 3, start=100)
+    trainer = Trainer(_cfg(tmp_path, "ext", dataset=str(tmp_path / "data.jsonl"), eval_dataset=str(tmp_path / "eval.jsonl")))
+    assert [ex.prompt for ex in trainer.data.eval_rows] == other and len(trainer.data.rows) == 10
+    trainer = Trainer(_cfg(tmp_path, "none", dataset=str(tmp_path / "data.jsonl"), eval_fraction=0.0))
+    assert trainer.data.eval_rows == trainer.data.rows and len(trainer.data.rows) == 10
+    _jsonl(tmp_path / "one.jsonl", 1)
+    with pytest.raises(ValueError, match="too few to hold out"):
+        Trainer(_cfg(tmp_path, "one", dataset=str(tmp_path / "one.jsonl")))
