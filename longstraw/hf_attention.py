@@ -16,7 +16,8 @@ Two stand-in modules cover what the attention registry cannot:
   calling the attention function; `longstraw.layers.latent_attention.LatentAttention` attends in latent
   space instead). The original module is the stand-in's child and is put back afterwards.
 - `checkpointed_layers`: each decoder layer under activation checkpointing, recomputed in backward
-  against a snapshot of its branch layer (`CheckpointedDecoderLayer`).
+  against a snapshot of its branch layer (`CheckpointedDecoderLayer`); it also stands in for
+  transformers' own activation checkpointing, which would drop the cache (`hf_checkpointing_suspended`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,24 @@ def attention_overrides(decoder, cache: BranchCache, only: int | None = None):
             block.self_attn = inner
 
 
+@contextmanager
+def hf_checkpointing_suspended(module):
+    """Suspend transformers' own activation checkpointing (`activation_checkpointing_enable`) in `module` for the
+    block; yields whether any layer had it on. transformers drops the cache of a layer it checkpoints
+    (`cache=None`, `GradientCheckpointingLayer`, 5.24), which would start linear-attention layers from a
+    zero state and lose the branch's own K/V: longstraw checkpoints with `CheckpointedDecoderLayer` instead."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield bool(layers)
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
+
+
 def _snapshot(layer):
     """A copy of a branch layer that later appends do not change (branch layers rebind their tensors
     and never write them in place, so copying the attribute dicts is enough)."""
@@ -170,7 +189,7 @@ class CheckpointedDecoderLayer(nn.Module):
             after = self.cache.layers[self.index]
             self.cache.layers[self.index] = _snapshot(before)
             try:
-                with longstraw_attention_enabled(self._model[0]), \
+                with longstraw_attention_enabled(self._model[0]), hf_checkpointing_suspended(self.inner), \
                         attention_overrides(self._decoder[0], self.cache, only=self.index):
                     yield
             finally:

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
-from .hf_attention import BranchCache, attention_overrides, checkpointed_layers, longstraw_attention_enabled
+from .hf_attention import (
+    BranchCache,
+    attention_overrides,
+    checkpointed_layers,
+    hf_checkpointing_suspended,
+    longstraw_attention_enabled,
+)
 from .layers import LayerState, layer_kind
 from .logprobs import chunked_logprobs
 from .models import ModelParts, layer_types, model_parts
@@ -180,7 +186,16 @@ def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Ten
                 checkpoint_layers: bool = False):
     """Hidden states `[B, T, hidden]` of the unmodified decoder over `input_ids` `[B, T]` (positions
     `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder layer in
-    backward instead of keeping its graph (`longstraw.hf_attention.CheckpointedDecoderLayer`)."""
+    backward instead of keeping its graph (`longstraw.hf_attention.CheckpointedDecoderLayer`), also used in
+    place of transformers' own activation checkpointing when the model has it on."""
+    with hf_checkpointing_suspended(parts.decoder) as hf_checkpointing:
+        # transformers checkpoints only in training mode with grad; longstraw does the same in its place
+        checkpoint_layers = checkpoint_layers or (hf_checkpointing and parts.decoder.training
+                                                  and torch.is_grad_enabled())
+        return _run(parts, input_ids, positions, cache, checkpoint_layers)
+
+
+def _run(parts: ModelParts, input_ids, positions, cache: BranchCache, checkpoint_layers: bool):
     with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache), \
             checkpointed_layers(parts.model, parts.decoder, cache, checkpoint_layers):
         out = parts.decoder(

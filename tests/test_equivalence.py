@@ -160,3 +160,29 @@ def test_checkpointed_replay_gives_the_same_gradients(arch, mode):
     assert len(pairs) >= len(params) // 2 and all(a is not None for a, _ in pairs)
     for a, b in pairs:
         assert (a - b).norm().item() <= 1e-6 * max(b.norm().item(), 1e-12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "glm_moe_dsa"])
+def test_transformers_activation_checkpointing_is_replaced(arch):
+    """With transformers' own activation checkpointing on (which would drop the cache: linear-attention layers
+    would restart from a zero state), replay in training mode gives the gradients of a plain replay, and
+    the model's flags are left as they were."""
+    model = make_model(arch, use_lora=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for hf_checkpointing in (False, True):
+        if hf_checkpointing:
+            model.activation_checkpointing_enable()
+        model.train()
+        state = longstraw.capture(model, tokens(23, 30), chunk_size=5, prompt_grad="exact")
+        lp = state.replay(tokens(7, 31)).logprobs
+        (lp * torch.linspace(-1.0, 1.0, 7)).sum().backward()
+        state.backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in params])
+        model.zero_grad(set_to_none=True)
+    layers = longstraw.models.base_model(model).model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)
+    pairs = [(a, b) for a, b in zip(*grads) if b is not None]
+    assert len(pairs) >= len(params) // 2 and all(a is not None for a, _ in pairs)
+    for a, b in pairs:
+        assert (a - b).norm().item() <= 1e-6 * max(b.norm().item(), 1e-12)
