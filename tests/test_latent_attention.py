@@ -257,3 +257,21 @@ def test_bf16_models_agree_loosely(arch):
         with longstraw.capture(model, prompt, chunk_size=6) as state:
             out = state.replay(response).logprobs
     assert (out - ref).abs().max().item() <= 0.05
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(rope_interleave=False),
+    dict(q_lora_rank=None),
+    dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                          "rope_theta": 10000.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+], ids=["half-split-rope", "no-q-lora", "yarn-mscale"])
+def test_mla_variants_equal_full_sequence(overrides):
+    """DeepSeek-V3 options the stand-in module must follow: half-split RoPE, a plain q_proj, YaRN with the
+    softmax-scale correction; P = 40 in chunks of 6."""
+    model = _model("deepseek_v3", **overrides)
+    prompt, response = tokens(40, 1), tokens(7, 2)
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        with longstraw.capture(model, prompt, chunk_size=6) as state:
+            out = state.replay(response).logprobs
+    assert (out - ref).abs().max().item() <= 1e-4
