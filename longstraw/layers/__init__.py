@@ -1,6 +1,6 @@
 """Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
 
-from .base import LayerState, layer_kind, register_layer_kind
+from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
 from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
@@ -14,6 +14,7 @@ __all__ = [
     "LatentBranchLayer",
     "LatentState",
     "LayerState",
+    "PromptBranchLayer",
     "RecurrentBranchLayer",
     "RecurrentState",
     "SlidingKVState",

@@ -16,6 +16,28 @@ from abc import ABC, abstractmethod
 
 import torch
 from transformers import PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin
+
+
+class PromptBranchLayer(CacheLayerMixin):
+    """What every attention-like branch layer reports to transformers: `prompt_length` prompt tokens read from
+    the durable state, then `own_length` tokens of the branch's own (longstraw attention builds its masks from
+    positions; these sizes only describe the layout)."""
+
+    prompt_length: int = 0
+
+    @property
+    def own_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_seq_length(self) -> int:
+        return self.prompt_length + self.own_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 class LayerState(ABC):

@@ -9,12 +9,10 @@ what it already holds. A branch keeps its own K/V apart and attention merges the
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
-from .base import LayerState, register_layer_kind
+from .base import LayerState, PromptBranchLayer, register_layer_kind
 
 
-class AttentionBranchLayer(CacheLayerMixin):
+class AttentionBranchLayer(PromptBranchLayer):
     """transformers cache layer of one branch over a read-only prompt K/V.
 
     `update` appends the branch's new K/V to its own part only and returns that own part
@@ -65,17 +63,7 @@ class AttentionBranchLayer(CacheLayerMixin):
 
     @property
     def own_length(self) -> int:
-        return self.own_offset + (0 if self.keys is None else self.keys.shape[-2])
-
-    def get_seq_length(self) -> int:
-        return self.prompt_length + self.own_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # longstraw attention builds its own masks; these sizes only describe the layout.
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
+        return self.own_offset + super().own_length
 
 
 @register_layer_kind

@@ -22,7 +22,6 @@ import sys
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
 from ..latent_attention import (
     absorb_query,
@@ -32,7 +31,7 @@ from ..latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from .base import LayerState, register_layer_kind
+from .base import LayerState, PromptBranchLayer, register_layer_kind
 
 #: model_type → (rotary function of the attention, of the indexer), named in the model's modeling module
 #: (transformers 5.24). None: no rotation (Kimi's MLA is NoPE).
@@ -53,7 +52,7 @@ def _rotary(module, which: int):
     return None if name is None else getattr(sys.modules[type(module).__module__], name)
 
 
-class LatentBranchLayer(CacheLayerMixin):
+class LatentBranchLayer(PromptBranchLayer):
     """transformers cache layer of one branch over a read-only prompt latent (and indexer keys).
 
     `prompt` `[1, 1, P, r + dr]` (or None), `prompt_index` `[1, P, Di]` (DSA, or None); the branch's own
@@ -97,18 +96,6 @@ class LatentBranchLayer(CacheLayerMixin):
         if self.index_keys is not None:
             self.index_keys = self.index_keys[indices]
 
-    @property
-    def own_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def get_seq_length(self) -> int:
-        return self.prompt_length + self.own_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class LatentAttention(nn.Module):
