@@ -17,6 +17,7 @@ attention; DSA: blockwise indexer top-k, gathered sparse attention).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
@@ -50,6 +51,12 @@ def _rotary(module, which: int):
         raise NotImplementedError(f"latent attention of model_type {cfg.model_type!r} is not supported")
     name = _ROTARY[cfg.model_type](cfg)[which]
     return None if name is None else getattr(sys.modules[type(module).__module__], name)
+
+
+@functools.cache
+def _returns_selection(cls) -> bool:
+    """Whether an attention module class hands its DSA selection to the next layer (GLM-5's `prev_topk_indices`)."""
+    return "prev_topk_indices" in inspect.signature(cls.forward).parameters
 
 
 class LatentBranchLayer(PromptBranchLayer):
@@ -114,7 +121,7 @@ class LatentAttention(nn.Module):
         self.rotary = _rotary(inner, 0)
         indexer = getattr(inner, "indexer", None)
         self.index_rotary = _rotary(inner, 1) if indexer is not None else None
-        self.returns_selection = "prev_topk_indices" in inspect.signature(inner.forward).parameters
+        self.returns_selection = _returns_selection(type(inner))
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 position_ids=None, prev_topk_indices=None, longstraw_cache=None, **kwargs):
