@@ -8,6 +8,8 @@ whose address space is capped at `--limit-gb` (a run over it fails its allocatio
 the cap counts address space, which torch reserves somewhat beyond the memory it touches).
 
     python bench/sampling.py      # → bench/results/sampling.{json,md,png}
+    python bench/sampling.py --models dsa --P 2048 8192 32768 --limit-gb 16 --mmap-threshold 65536 \
+        --out bench/results/dsa_sampling                      # glm_moe_dsa (MLA + DSA, MoE)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
-    for model, style in (("dense", "-"), ("hybrid", "--")):
+    styles = {"dense": "-", "hybrid": "--", "dsa": ":"}
+    for model, style in ((m, styles.get(m, "-.")) for m in sorted({r["model"] for r in rows})):
         for method, marker in (("hf_generate", "s"), ("longstraw", "^")):
             pts = sorted((r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows
                          if r["model"] == model and r["method"] == method and "step_mem_mb" in r)
@@ -54,6 +57,8 @@ def main(argv=None) -> None:
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit-gb", type=float, default=20.0)
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="fix glibc's mmap threshold (bytes) in every measured process, so RSS follows live tensors")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampling"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -63,7 +68,7 @@ def main(argv=None) -> None:
         for P in args.P:
             for method in SAMPLERS:
                 row = measure_in_fresh_process(model, method, P, args.G, args.R, args.threads, task="sample",
-                                               limit_gb=args.limit_gb)
+                                               limit_gb=args.limit_gb, mmap_threshold=args.mmap_threshold)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
