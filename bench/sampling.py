@@ -8,7 +8,7 @@ whose address space is capped at `--limit-gb` (a run over it fails its allocatio
 the cap counts address space, which torch reserves somewhat beyond the memory it touches).
 
     python bench/sampling.py      # → bench/results/sampling.{json,md,png}
-    python bench/sampling.py --models dsa --P 2048 8192 32768 --limit-gb 16 --mmap-threshold 65536 \
+    python bench/sampling.py --models dsa --P 512 1024 2048 8192 32768 --limit-gb 16 --mmap-threshold 65536 \
         --out bench/results/dsa_sampling                      # glm_moe_dsa (MLA + DSA, MoE)
 """
 
