@@ -59,12 +59,14 @@ def expand_output(out_latent: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
 
 def latent_attention(query, own, prompt, rank: int, *, q_start: int, own_start: int, scale: float, block: int):
     """Dense MLA of latent queries `[B, H, S, r + dr]` over [prompt latents `[1|B, 1, P, r + dr]` | own latents
-    `[B, 1, T, r + dr]`]; out `[B, H, S, r]` (values are the first `rank` columns of each latent)."""
-    return split_attention(
-        query, own, own[..., :rank],
-        None if prompt is None else prompt, None if prompt is None else prompt[..., :rank],
-        q_start=q_start, own_start=own_start, prompt_start=0, scale=scale, block=block,
-    )
+    `[B, 1, T, r + dr]`]; out `[B, H, S, r]` (values are the first `rank` columns of each latent).
+
+    The latents serve as keys and as values whole (the output's last dr columns are dropped): keys and
+    values of one width let the fused CPU attention kernel run (`longstraw.attention`), for dr / r more
+    value work, and the dropped columns get zero gradient."""
+    out = split_attention(query, own, own, prompt, prompt, q_start=q_start, own_start=own_start, prompt_start=0,
+                          scale=scale, block=block)
+    return out[..., :rank]
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
