@@ -167,7 +167,7 @@ def test_user_jsonl_data_trains(tmp_path):
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.parametrize("model", ["glm_moe_dsa", "kimi_linear"])
+@pytest.mark.parametrize("model", ["glm_moe_dsa", "kimi_linear", "deepseek_v3"])
 def test_compressed_attention_trains_same_with_checkpointed_replay(tmp_path, model):
     """The trainer runs MLA/DSA and MLA + linear-attention MoE models (exact prompt gradients, LoRA, KL);
     checkpointing the replay's decoder layers changes neither the metrics nor the weights."""
