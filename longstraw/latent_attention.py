@@ -9,12 +9,12 @@ heads × P × head_dim per layer. Instead the up-projections are absorbed:
     out(h)   = Σ p(h) W_v(h) c = W_v(h) (Σ p(h) c)
 
 so attention runs as multi-query attention with one key head of width r + dr (the latent itself) and
-values `c` (its first r columns, a view): `latent_attention` below, through the split attention of
-`longstraw.attention` (blockwise over the prompt, saves only output and log-sum-exp).
+values `c` (its first r columns): `latent_attention` below, through the split attention of
+`longstraw.attention` (saves only output and log-sum-exp, never an R×P score tensor).
 
 DSA adds an indexer: each query scores every earlier key with its own small multi-head projection
 (Σ_h w_h · relu(scale · q_h · k)) and attends only to its `index_topk` best keys. `select_topk`
-scores the prompt keys block by block and keeps a running top-k (memory O(R · (top-k + block))),
+scores the keys tile by tile and keeps a running top-k (memory O(R · top-k) plus one tile),
 `sparse_latent_attention` gathers the selected latents per block of queries (memory O(rows · top-k ·
 (r + dr)) per block, recomputed in backward).
 
@@ -103,8 +103,8 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
 
     Keys are scored in tiles of at most `block` keys (fewer where S · heads · keys would pass `TILE_ELEMENTS`),
     and the head-summed scores of up to min(`TILE_ELEMENTS` / S, 8 · `block`) keys are merged at once into a
-    running top-k: no `[S, P]` score tensor exists beyond one such block; memory O(B · S · top-k + TILE_ELEMENTS). Where `topk` covers all
-    keys, returns `indices=None`."""
+    running top-k: no `[S, P]` score tensor exists beyond one such block; memory O(B · S · top-k) plus one
+    block. Where `topk` covers all keys, returns `indices=None`."""
     b, s = q.shape[:2]
     p = 0 if prompt_keys is None else prompt_keys.shape[-2]
     t = own_keys.shape[-2]
