@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from _figures import memory_time_figure
+
 
 def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
     import torch
@@ -47,30 +49,13 @@ def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for m in sorted({r["model"] for r in rows}):
-        for ckpt, style in ((False, "o-"), (True, "s--")):
-            pts = sorted((r["R"], r["replay_mem_mb"], r["wall_s"]) for r in rows
-                         if r["model"] == m and r["checkpoint_layers"] == ckpt)
-            if pts:
-                label = f"{m}{' checkpoint_layers' if ckpt else ''}"
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
-    for ax, ylabel in zip(axes, ("replay memory (MiB): peak RSS − RSS before", "replay + backward time (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("response length R (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"one replay with backward, P={rows[0]['P']}, LoRA, 1 thread")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    series = [(f"{m}{' checkpoint_layers' if ckpt else ''}", style,
+               [(r["R"], r["replay_mem_mb"], r["wall_s"]) for r in rows
+                if r["model"] == m and r["checkpoint_layers"] == ckpt])
+              for m in sorted({r["model"] for r in rows}) for ckpt, style in ((False, "o-"), (True, "s--"))]
+    memory_time_figure(series, "response length R (tokens)",
+                       ("replay memory (MiB): peak RSS − RSS before", "replay + backward time (s)"),
+                       f"one replay with backward, P={rows[0]['P']}, LoRA, 1 thread", path)
 
 
 def table(rows) -> str:

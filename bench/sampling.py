@@ -18,35 +18,20 @@ import argparse
 import json
 from pathlib import Path
 
+from _figures import memory_time_figure
+
 from longstraw.compare import SAMPLERS, format_table, measure_in_fresh_process
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
     styles = {"dense": "-", "hybrid": "--", "dsa": ":"}
-    for model, style in ((m, styles.get(m, "-.")) for m in sorted({r["model"] for r in rows})):
-        for method, marker in (("hf_generate", "s"), ("longstraw", "^")):
-            pts = sorted((r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows
-                         if r["model"] == model and r["method"] == method and "step_mem_mb" in r)
-            if pts:
-                p, m, t = zip(*pts)
-                axes[0].plot(p, m, style + marker, label=f"{model} {method}")
-                axes[1].plot(p, t, style + marker, label=f"{model} {method}")
-    for ax, label in zip(axes, ("memory while sampling (MiB, peak RSS − before)", "time (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length P (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"sampling G={rows[0]['G']} responses of {rows[0]['R']} tokens, 1 thread")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    series = [(f"{model} {method}", styles.get(model, "-.") + marker,
+               [(r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows
+                if r["model"] == model and r["method"] == method and "step_mem_mb" in r])
+              for model in sorted({r["model"] for r in rows})
+              for method, marker in (("hf_generate", "s"), ("longstraw", "^"))]
+    memory_time_figure(series, "prompt length P (tokens)", ("memory while sampling (MiB, peak RSS − before)", "time (s)"),
+                       f"sampling G={rows[0]['G']} responses of {rows[0]['R']} tokens, 1 thread", path)
 
 
 def main(argv=None) -> None:

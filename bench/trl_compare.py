@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _figures import memory_time_figure
+
 ARCH = {"dense": "qwen3", "hybrid": "qwen3_next"}
 
 
@@ -147,31 +149,15 @@ def main(argv=None) -> None:
 
 
 def _plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
-    for name, style in (("dense", "-"), ("hybrid", "--")):
-        for method, marker in (("trl", "s"), ("longstraw", "^")):
-            for G in sorted({r["G"] for r in rows}):
-                pts = sorted((r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows if r["model"] == name
-                             and r["method"] == method and r["G"] == G and "step_mem_mb" in r)
-                if pts:
-                    p, m, t = zip(*pts)
-                    axes[0].plot(p, m, style + marker, label=f"{name} {method} G={G}")
-                    axes[1].plot(p, t, style + marker, label=f"{name} {method} G={G}")
-    for ax, label in zip(axes, ("step memory (MiB)", "step time (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length P (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("one GRPO step with generation: TRL GRPOTrainer vs longstraw (R=32, LoRA, 1 thread)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    series = [(f"{name} {method} G={G}", style + marker,
+               [(r["P"], r["step_mem_mb"], r["wall_s"]) for r in rows if r["model"] == name
+                and r["method"] == method and r["G"] == G and "step_mem_mb" in r])
+              for name, style in (("dense", "-"), ("hybrid", "--"))
+              for method, marker in (("trl", "s"), ("longstraw", "^"))
+              for G in sorted({r["G"] for r in rows})]
+    memory_time_figure(series, "prompt length P (tokens)", ("step memory (MiB)", "step time (s)"),
+                       "one GRPO step with generation: TRL GRPOTrainer vs longstraw (R=32, LoRA, 1 thread)", path,
+                       legend_size=7)
 
 
 if __name__ == "__main__":

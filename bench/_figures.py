@@ -1,0 +1,31 @@
+"""The benchmarks' shared figure: memory and time side by side, log-log, one line per series."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def memory_time_figure(series, xlabel: str, ylabels: tuple[str, str], title: str, path: Path,
+                       legend_size: int = 8) -> None:
+    """Write a two-panel PNG: `series` is [(label, matplotlib style, [(x, memory, time), ...])]."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.5))
+    for label, style, pts in series:
+        if pts:
+            xs, mems, times = zip(*sorted(pts))
+            axes[0].plot(xs, mems, style, label=label)
+            axes[1].plot(xs, times, style, label=label)
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
