@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -86,7 +87,8 @@ def longstraw_attention(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
             f"was built for {layer.window}; check config.layer_types"
         )
-    own_start = layer.prompt_length + layer.returned_offset
+    # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
+    own_start = layer.prompt_length + layer.own_length - key.shape[-2]
     out = split_attention(
         query,
         key,
@@ -119,14 +121,12 @@ def attention_overrides(decoder, cache: BranchCache, only: int | None = None):
     MLA layers, whose transformers module would expand the prompt per head) for the block; the model's
     own module is the stand-in's child, so its parameters and adapters are the ones used. `only`: just
     that layer."""
-    blocks = getattr(decoder, "layers", None)
     swapped = []
     try:
         for i, layer in enumerate(cache.layers):
             cls = getattr(layer, "attention_module", None)
             if cls is not None and only in (None, i):
-                block = blocks[i]
-                block = getattr(block, "inner", block) if isinstance(block, CheckpointedDecoderLayer) else block
+                block = decoder.layers[i]
                 inner = block.self_attn
                 block.self_attn = cls(inner)
                 swapped.append((block, inner))
@@ -175,22 +175,23 @@ class CheckpointedDecoderLayer(nn.Module):
     layer's graph (attention projections, MoE expert activations, ...). Time: one more forward per layer.
     """
 
-    def __init__(self, inner: nn.Module, model, decoder, cache: BranchCache, index: int):
+    def __init__(self, inner: nn.Module, cache: BranchCache, index: int, run_context):
+        """`run_context()`: a context manager restoring, for the recomputation in backward (outside
+        `run_decoder`), what this layer's forward ran under (attention implementation, stand-in modules)."""
         super().__init__()
         self.inner = inner
         self.cache, self.index = cache, index
-        self._model, self._decoder = [model], [decoder]  # not submodules
+        self.run_context = run_context
 
     def forward(self, *args, **kwargs):
         before = _snapshot(self.cache.layers[self.index])
 
         @contextmanager
-        def recompute():  # in backward, outside run_decoder: restore what the forward ran under
+        def recompute():
             after = self.cache.layers[self.index]
             self.cache.layers[self.index] = _snapshot(before)
             try:
-                with longstraw_attention_enabled(self._model[0]), hf_checkpointing_suspended(self.inner), \
-                        attention_overrides(self._decoder[0], self.cache, only=self.index):
+                with self.run_context(), hf_checkpointing_suspended(self.inner):
                     yield
             finally:
                 self.cache.layers[self.index] = after
@@ -206,11 +207,16 @@ def checkpointed_layers(model, decoder, cache: BranchCache, enabled: bool = True
     if not enabled:
         yield
         return
+    @contextmanager
+    def run_context(i: int):
+        with longstraw_attention_enabled(model), attention_overrides(decoder, cache, only=i):
+            yield
+
     blocks = decoder.layers
     inner = list(blocks)
     try:
         for i, block in enumerate(inner):
-            blocks[i] = CheckpointedDecoderLayer(block, model, decoder, cache, i)
+            blocks[i] = CheckpointedDecoderLayer(block, cache, i, partial(run_context, i))
         yield
     finally:
         for i, block in enumerate(inner):

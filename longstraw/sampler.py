@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layers import AttentionBranchLayer
 from .state import PromptState, run_decoder
 
 
@@ -85,7 +86,7 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
     stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
     cache = state._cache(num)
     for layer in cache.layers:  # sliding-window layers keep only the own K/V later steps can read
-        if getattr(layer, "window", None) is not None and hasattr(layer, "trim"):
+        if isinstance(layer, AttentionBranchLayer):
             layer.trim = True
     active = torch.arange(num, device=device)  # original row of each row still decoding
     tokens = torch.zeros(num, max_new_tokens, dtype=torch.long, device=device)

@@ -192,19 +192,15 @@ def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Ten
         # transformers checkpoints only in training mode with grad; longstraw does the same in its place
         checkpoint_layers = checkpoint_layers or (hf_checkpointing and parts.decoder.training
                                                   and torch.is_grad_enabled())
-        return _run(parts, input_ids, positions, cache, checkpoint_layers)
-
-
-def _run(parts: ModelParts, input_ids, positions, cache: BranchCache, checkpoint_layers: bool):
-    with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache), \
-            checkpointed_layers(parts.model, parts.decoder, cache, checkpoint_layers):
-        out = parts.decoder(
-            input_ids=input_ids,
-            position_ids=positions[None],
-            cache=cache,
-            use_cache=True,
-            longstraw_cache=cache,
-        )
+        with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache), \
+                checkpointed_layers(parts.model, parts.decoder, cache, checkpoint_layers):
+            out = parts.decoder(
+                input_ids=input_ids,
+                position_ids=positions[None],
+                cache=cache,
+                use_cache=True,
+                longstraw_cache=cache,
+            )
     return out.last_hidden_state
 
 

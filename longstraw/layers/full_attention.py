@@ -33,10 +33,8 @@ class AttentionBranchLayer(PromptBranchLayer):
         self.is_initialized = True
         #: decoding only (set by the sampler): keep just the last window − 1 own K/V of a sliding layer
         self.trim = False
-        #: own positions dropped by trimming before `keys`; `returned_offset`: the same for the K/V the last
-        #: `update` returned (their first key sits at `prompt_length + returned_offset`)
+        #: own positions dropped by trimming before `keys`
         self.own_offset = 0
-        self.returned_offset = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -47,7 +45,6 @@ class AttentionBranchLayer(PromptBranchLayer):
         else:
             keys = torch.cat([self.keys, key_states], dim=-2)
             values = torch.cat([self.values, value_states], dim=-2)
-        self.returned_offset = self.own_offset
         self.keys, self.values = keys, values
         if self.trim and self.window is not None:
             # later queries see keys after (their position − window): the last window − 1 are all they read
