@@ -25,6 +25,8 @@ import argparse
 import json
 from pathlib import Path
 
+from _bench import finish, record
+
 from longstraw.compare import METHODS, format_table, measure_in_fresh_process
 
 
@@ -79,8 +81,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     if args.replot:
         rows = json.loads(out.with_suffix(".json").read_text())
-        plot(rows, out.with_suffix(".png"))
-        out.with_suffix(".md").write_text(format_table(rows) + "\n")
+        finish(rows, out, plot, format_table)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -101,12 +102,8 @@ def main(argv=None) -> None:
                                                        limit_gb=args.limit_gb, mmap_threshold=args.mmap_threshold)
                         if method == "naive_serial" and "step_mem_mb" in row:
                             serial_mb = max(serial_mb or 0.0, row["step_mem_mb"])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(format_table(rows) + "\n")
-    print(format_table(rows))
+                    record(rows, row, out)
+    finish(rows, out, plot, format_table)
 
 
 if __name__ == "__main__":

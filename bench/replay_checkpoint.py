@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _figures import memory_time_figure
+from _bench import finish, memory_time_figure, record
 
 
 def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
@@ -87,12 +87,8 @@ def main(argv=None) -> None:
                 cmd = [sys.executable, __file__, "--one", m, str(r), "1" if ckpt else "0", "--P", str(args.P)]
                 env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
                 res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True, env=env)
-                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-                print(json.dumps(rows[-1]), flush=True)
-                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(table(rows) + "\n")
-    print(table(rows))
+                record(rows, json.loads(res.stdout.strip().splitlines()[-1]), out)
+    finish(rows, out, plot, table)
 
 
 if __name__ == "__main__":

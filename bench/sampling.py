@@ -15,10 +15,9 @@ the cap counts address space, which torch reserves somewhat beyond the memory it
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from _figures import memory_time_figure
+from _bench import finish, memory_time_figure, record
 
 from longstraw.compare import SAMPLERS, format_table, measure_in_fresh_process
 
@@ -54,12 +53,8 @@ def main(argv=None) -> None:
             for method in SAMPLERS:
                 row = measure_in_fresh_process(model, method, P, args.G, args.R, args.threads, task="sample",
                                                limit_gb=args.limit_gb, mmap_threshold=args.mmap_threshold)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(format_table(rows) + "\n")
-    print(format_table(rows))
+                record(rows, row, out)
+    finish(rows, out, plot, format_table)
 
 
 if __name__ == "__main__":

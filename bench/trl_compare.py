@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _figures import memory_time_figure
+from _bench import finish, memory_time_figure, record
 
 ARCH = {"dense": "qwen3", "hybrid": "qwen3_next"}
 
@@ -140,12 +140,8 @@ def main(argv=None) -> None:
                         row = dict(model=name, method=method, P=P, G=G, R=args.R, error=res.stderr.strip()[-1500:])
                     else:
                         row = json.loads(res.stdout.strip().splitlines()[-1])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    out.with_suffix(".md").write_text(format_table(rows) + "\n")
-    _plot(rows, out.with_suffix(".png"))
-    print(format_table(rows))
+                    record(rows, row, out)
+    finish(rows, out, _plot, format_table)
 
 
 def _plot(rows, path: Path) -> None:

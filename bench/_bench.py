@@ -1,8 +1,24 @@
-"""The benchmarks' shared figure: memory and time side by side, log-log, one line per series."""
+"""What the benchmark scripts share: recording rows as they are measured, writing the results, the figure."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+
+def record(rows: list[dict], row: dict, out: Path) -> None:
+    """Append a measured row, print it, and rewrite OUT.json, so that an interrupted run keeps what it measured."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+def finish(rows: list[dict], out: Path, plot, table) -> None:
+    """Draw OUT.png with `plot(rows, path)`, write OUT.md with `table(rows)` and print that table."""
+    plot(rows, out.with_suffix(".png"))
+    text = table(rows)
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
 
 
 def memory_time_figure(series, xlabel: str, ylabels: tuple[str, str], title: str, path: Path,
