@@ -12,9 +12,12 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` wi
 `longstraw.config.TrainConfig`, the `longstraw` command line.
 """
 
-from .models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from .models import UnsupportedArchitectureError
+from .prepare import prepare, unprepare
 from .state import PromptState, Replay, capture
+from .support import tested_families
 
 __version__ = "0.1.0"
 
-__all__ = ["PromptState", "Replay", "SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "capture"]
+__all__ = ["PromptState", "Replay", "UnsupportedArchitectureError", "capture", "prepare", "tested_families",
+           "unprepare"]

@@ -52,6 +52,9 @@ class Part:
     #: query positions repeat every `q_period` rows (queries of several sequences folded into one
     #: batch row, see `SplitAttention`); None: all rows are consecutive positions.
     q_period: int | None = None
+    #: chunked local attention (Llama 4): a query at p sees only keys of its own attention chunk,
+    #: positions ≥ (p // chunk) · chunk; None: no such bound
+    chunk: int | None = None
 
     def q_positions(self, r: int, device) -> torch.Tensor:
         idx = torch.arange(r, device=device)
@@ -73,14 +76,16 @@ def _visible(part: Part, r: int, s0: int, n: int, device) -> torch.Tensor | None
     """Boolean mask `[R, n]` of visible keys s0..s0+n of the part, or None when all are visible."""
     q_lo, q_hi = part.q_start, part.q_last(r)
     k_lo, k_hi = part.k_start + s0, part.k_start + s0 + n - 1
-    w = part.window
-    if k_hi <= q_lo and (w is None or k_lo > q_hi - w):
+    w, c = part.window, part.chunk
+    if k_hi <= q_lo and (w is None or k_lo > q_hi - w) and (c is None or k_lo >= (q_hi // c) * c):
         return None
     qp = part.q_positions(r, device)[:, None]
     kp = torch.arange(k_lo, k_hi + 1, device=device)[None, :]
     vis = kp <= qp
     if w is not None:
         vis = vis & (kp > qp - w)
+    if c is not None:
+        vis = vis & (kp >= torch.div(qp, c, rounding_mode="floor") * c)
     return vis
 
 
@@ -140,15 +145,20 @@ def blockwise_forward(q, k, v, part: Part):
     return out.reshape(b, h, r, dv).to(q.dtype), lse.reshape(b, h, r)
 
 
-def blockwise_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+def blockwise_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
     """Gradients (dq, dk, dv) of one part, given its incoming gradient `g_out` (= w·dO) and the output
-    `out` whose correction term applies (the merged output). dk, dv are None unless `need_kv`."""
+    `out` whose correction term applies (the merged output). dk, dv are None unless `need_kv`.
+
+    `g_lse` `[B, H, R]`: the gradient of the merged log-sum-exp (attention sinks read it). Since
+    ∂lse/∂s_j = p_j, it enters as a shift of the softmax-correction term: ds_j = p_j (dO·v_j − (Δ − g_lse))."""
     b, h, r, _ = q.shape
     hkv, t = k.shape[1], k.shape[2]
     acc_dtype = _acc_dtype(q)
     qf = _grouped(q, hkv, acc_dtype)
     do = _grouped(g_out, hkv, acc_dtype)
     delta = (do * _grouped(out, hkv, acc_dtype)).sum(-1)
+    if g_lse is not None:
+        delta = delta - g_lse.reshape(b, hkv, -1).to(acc_dtype)
     lse_f = lse.reshape(b, hkv, -1).to(acc_dtype)
     lse_safe = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
     dq = torch.zeros_like(qf)
@@ -179,6 +189,8 @@ def _flash_mode(q, k, v, part: Part) -> str | None:
     """'full' / 'causal' when the fused CPU kernel computes this part exactly, else None."""
     if _flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or q.dtype == torch.float64:
         return None
+    if part.chunk is not None:
+        return None
     if q.dtype != k.dtype or v.shape[-1] != q.shape[-1]:
         return None
     r, t = q.shape[2], k.shape[2]
@@ -197,11 +209,12 @@ def part_forward(q, k, v, part: Part):
     return out, lse
 
 
-def part_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+def part_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
     mode = _flash_mode(q, k, v, part)
-    if mode is None or not need_kv:
-        # the fused kernel always materialises dk, dv of the part's full size: skip it when unused
-        return blockwise_backward(g_out, q, k, v, out, lse, part, need_kv)
+    if mode is None or not need_kv or g_lse is not None:
+        # the fused kernel always materialises dk, dv of the part's full size (skip it when unused) and
+        # takes no log-sum-exp gradient
+        return blockwise_backward(g_out, q, k, v, out, lse, part, need_kv, g_lse)
     dq, dk, dv = _flash_cpu_backward(g_out.contiguous(), q, k, v, out, lse.contiguous(), 0.0, mode == "causal",
                                      scale=part.scale)
     return dq, dk, dv
@@ -233,17 +246,19 @@ def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
 
 
 class SplitAttention(torch.autograd.Function):
-    """Attention of q over [prompt part | own part]; saves inputs by reference, the merged output and
-    the two log-sum-exps: nothing of size R×T and no copy of the prompt K/V.
+    """Attention of q over [prompt part | own part] → (out `[B, H, R, Dv]`, lse `[B, H, R]` float32 of the
+    merged scores); saves inputs by reference, the merged output and the two log-sum-exps: nothing of
+    size R×T and no copy of the prompt K/V. Both outputs are differentiable (sinks read the lse).
 
     A prompt part of batch 1 serves queries of batch B (G sequences sampled from one prompt): their
     rows are folded into one batch row, so the prompt K/V is read once and never repeated."""
 
     @staticmethod
     def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own: Part, prompt: Part | None):
+        ctx.set_materialize_grads(False)
         out_o, lse_o = part_forward(q, own_k, own_v, own)
         if prompt is None:
-            out, lse_p = out_o, None
+            out, lse_p, lse = out_o, None, lse_o
         else:
             b = q.shape[0]
             if b > 1 and prompt_k.shape[0] == 1:
@@ -252,30 +267,39 @@ class SplitAttention(torch.autograd.Function):
             else:
                 out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+            lse = torch.logaddexp(lse_p, lse_o)
         ctx.save_for_backward(q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p)
         ctx.parts = (own, prompt)
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p = ctx.saved_tensors
         own, prompt = ctx.parts
         need = ctx.needs_input_grad
+        if dout is None:
+            dout = torch.zeros_like(out)
         if prompt is None:
-            dq, dk, dv = part_backward(dout, q, own_k, own_v, out, lse_o, own, need_kv=True)
+            dq, dk, dv = part_backward(dout, q, own_k, own_v, out, lse_o, own, need_kv=True, g_lse=dlse)
             return dq, dk, dv, None, None, None, None
         w_p = torch.sigmoid(lse_p - lse_o)[..., None]
         g_p = (dout.to(w_p.dtype) * w_p).to(dout.dtype)
         g_o = (dout.to(w_p.dtype) * (1 - w_p)).to(dout.dtype)
-        dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
+        # the merged lse's gradient reaches part a with weight w_a, and w_a · (Δ − g_lse) is what the
+        # part's correction term needs: pass g_lse itself (each part's dO is already weighted by w_a,
+        # so its Δ is too; the lse shift is weighted by w_a here)
+        gl_p = None if dlse is None else dlse * w_p[..., 0]
+        gl_o = None if dlse is None else dlse * (1 - w_p[..., 0])
+        dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True, g_lse=gl_o)
         need_prompt = need[3] or need[4]
         b = q.shape[0]
         if b > 1 and prompt_k.shape[0] == 1:
             dq_p, dkp, dvp = part_backward(_fold(g_p), _fold(q), prompt_k, prompt_v, _fold(out), _fold(lse_p), prompt,
-                                           need_kv=need_prompt)
+                                           need_kv=need_prompt, g_lse=None if gl_p is None else _fold(gl_p))
             dq_p = _unfold(dq_p, b)
         else:
-            dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt)
+            dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt,
+                                           g_lse=gl_p)
         return dq_o + dq_p, dk, dv, dkp, dvp, None, None
 
 
@@ -292,34 +316,47 @@ def split_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ):
     """Attention of q `[B, H, R, D]` over [prompt | own] keys: out `[B, H, R, Dv]`.
 
     own K/V have batch B; the prompt K/V batch B or 1 (shared by all B sequences).
     Gradients reach `prompt_k` / `prompt_v` only if they require grad (exact mode).
+    `chunk`: chunked local attention (`Part.chunk`). `sinks` `[H]`: a learned logit per head in the
+    softmax denominator with no value (gpt-oss): a third part with lse = sink and output 0, merged by
+    log-sum-exp, out · sigmoid(lse − sink); the sinks get their gradient from autograd.
     """
     for k in (own_k, prompt_k):
         if k is not None and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):
             raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of key heads ({k.shape[1]})")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+    own = Part(int(q_start), int(own_start), window, softcap, scale, int(block), chunk=chunk)
     prompt = None
     if prompt_k is not None and prompt_k.shape[-2] > 0:
         if prompt_k.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"prompt batch {prompt_k.shape[0]} must be 1 or the query batch {q.shape[0]}")
         period = q.shape[2] if prompt_k.shape[0] == 1 and q.shape[0] > 1 else None
-        prompt = Part(int(q_start), int(prompt_start), window, softcap, scale, int(block), period)
-        # a sliding window may leave no prompt key visible to any query
-        if window is not None and prompt_start + prompt_k.shape[-2] - 1 <= q_start - window:
+        prompt = Part(int(q_start), int(prompt_start), window, softcap, scale, int(block), period, chunk)
+        last = prompt_start + prompt_k.shape[-2] - 1
+        # a sliding window or an attention chunk may leave no prompt key visible to any query
+        if window is not None and last <= q_start - window:
+            prompt = None
+        if chunk is not None and last < (q_start // chunk) * chunk:
             prompt = None
     if prompt is None:
         prompt_k = prompt_v = None
-    return SplitAttention.apply(q, own_k, own_v, prompt_k, prompt_v, own, prompt)
+    out, lse = SplitAttention.apply(q, own_k, own_v, prompt_k, prompt_v, own, prompt)
+    if sinks is not None:
+        keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
+        out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
+    return out
 
 
-def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, softcap=None):
-    """Plain masked softmax attention (all scores materialised, K/V repeated per query head)."""
+def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, softcap=None, chunk=None, sinks=None):
+    """Plain masked softmax attention (all scores materialised, K/V repeated per query head); `sinks` `[H]`
+    as an extra column of the softmax whose value is 0."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _acc_dtype(q)
     g = q.shape[1] // k.shape[1]
@@ -334,5 +371,12 @@ def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, soft
     vis = kp <= qp
     if window is not None:
         vis = vis & (kp > qp - window)
+    if chunk is not None:
+        vis = vis & (kp // chunk == qp // chunk)
     s = s.masked_fill(~vis, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.to(dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, r, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v).to(q.dtype)

@@ -1,4 +1,4 @@
-"""The bridge to transformers: a cache of branch layers and a registered attention function.
+"""The bridge to transformers: a cache of branch layers, the active-cache scope, and a registered attention.
 
 transformers models talk to their cache through `cache.update(...)`, `update_conv_state`,
 `update_recurrent_state`, and do their attention math through `ALL_ATTENTION_FUNCTIONS`. longstraw
@@ -7,28 +7,22 @@ the durable prompt state) and the attention implementation "longstraw", register
 `AttentionInterface.register` together with a mask function under the same name (transformers 5.24
 needs both; without the mask function the attention would get `mask=None` from the sdpa path).
 
-The longstraw attention reads its prompt part from the branch layer of `module.layer_idx`, found in
-the `longstraw_cache` keyword that capture and replay pass down the model's `**kwargs`.
-
-Two stand-in modules cover what the attention registry cannot:
-- `attention_overrides`: a branch layer may name an `attention_module` that stands in for the
-  layer's attention module for the call (MLA: transformers expands the cached latents per head before
-  calling the attention function; `longstraw.layers.latent_attention.LatentAttention` attends in latent
-  space instead). The original module is the stand-in's child and is put back afterwards.
-- `checkpointed_layers`: each decoder layer under activation checkpointing, recomputed in backward
-  against a snapshot of its branch layer (`CheckpointedDecoderLayer`); it also stands in for
-  transformers' own activation checkpointing, which would drop the cache (`hf_checkpointing_suspended`).
+Which implementation a model's code sees is decided per forward by `running(cache)`, the scope in
+which capture, replay and sampling run the decoder: inside it the configs of the model say
+"longstraw" and the attention reads its prompt part from the branch layer of `module.layer_idx`;
+outside it they say what they said before, so the model's own code paths (transformers 5.24 branches
+on the implementation name, e.g. DeepSeek-V3.2 applies its top-k mask only for "eager"/"sdpa") and
+generation, evaluation and saving behave as without longstraw. `longstraw.prepare` checks once that
+transformers accepts the switch for the model.
 """
 
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
-from functools import partial
+from contextlib import contextmanager
+from contextvars import ContextVar
 
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
+import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
@@ -42,11 +36,15 @@ class BranchCache(Cache):
     """transformers `Cache` over one branch's layers (`LayerState.branch()` of every decoder layer).
 
     `block`: key block size of the split attention (memory O(heads · R · block) per block).
+    `checkpoint_layers`: run each decoder layer under activation checkpointing (`longstraw.prepare`).
     """
 
-    def __init__(self, layers: list, block: int = DEFAULT_BLOCK):
+    def __init__(self, layers: list, block: int = DEFAULT_BLOCK, checkpoint_layers: bool = False):
         super().__init__(layers=layers)
         self.block = block
+        self.checkpoint_layers = checkpoint_layers
+        #: the model's configs (`ModelParts.configs`), for the recomputation of checkpointed layers in backward
+        self.configs = ()
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         """Always None, so that linear-attention layers take their functional conv path
@@ -61,27 +59,64 @@ class BranchCache(Cache):
             layer.batch_select_indices(indices)
 
 
-def longstraw_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    longstraw_cache: BranchCache | None = None,
-    **kwargs,
-):
-    """Attention of a branch's queries `[B, H, R, D]` over [prompt K/V | its own K/V]: `[B, R, H, Dv]`."""
-    if longstraw_cache is None:
-        raise RuntimeError(
-            "the 'longstraw' attention implementation only runs inside longstraw.capture / PromptState.replay"
-        )
+_ACTIVE: ContextVar[BranchCache | None] = ContextVar("longstraw_active_cache", default=None)
+
+
+def active_cache() -> BranchCache | None:
+    """The branch cache of the longstraw forward running now, or None outside one."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def running(cache: BranchCache, configs=()):
+    """Scope of a longstraw forward over `cache`: the model's `configs` (`ModelParts.configs`) name the longstraw
+    attention implementation and its attention reads `cache`; both are put back on exit."""
+    token = _ACTIVE.set(cache)
+    before = [c._attn_implementation_internal for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        for c, name in zip(configs, before):
+            c._attn_implementation_internal = name
+        _ACTIVE.reset(token)
+
+
+# ----------------------------------------------------------------------------------------- the attention
+
+#: keyword arguments transformers 5.24 models pass to the attention function that longstraw either
+#: implements (scaling, sliding_window, softcap, s_aux) or that do not change the math
+_PASSIVE = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "is_causal", "cache",
+                      "past_key_values", "position_embeddings", "layer_idx", "attention_mask", "head_mask",
+                      "query_length", "target_dtype", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                      "max_length_k", "use_top_left_mask", "return_dict", "output_hidden_states"})
+
+
+class UnsupportedAttentionError(NotImplementedError):
+    """An attention argument that changes the math and that longstraw's split attention does not implement."""
+
+
+def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention of a branch's queries `[B, H, R, D]` over [prompt K/V | its own K/V]: `[B, R, H, Dv]`.
+
+    Reads `scaling`, `dropout`, `sliding_window`, `softcap` and `s_aux` (`[H]` attention sinks of gpt-oss
+    and MiMo, merged as a third part by `split_attention`); refuses any other argument that is set and
+    not known to leave the math unchanged."""
+    cache = _ACTIVE.get()
+    if cache is None:
+        raise RuntimeError("the 'longstraw' attention implementation only runs inside longstraw.capture / "
+                           "PromptState.replay / PromptState.sample")
+    scaling, dropout = kwargs.pop("scaling", None), kwargs.pop("dropout", 0.0)
+    sliding_window, softcap, sinks = kwargs.pop("sliding_window", None), kwargs.pop("softcap", None), kwargs.pop(
+        "s_aux", None)
+    unknown = sorted(k for k, v in kwargs.items() if k not in _PASSIVE and v is not None)
+    if unknown:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} passes attention arguments longstraw does not implement: {unknown}")
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
-    layer = longstraw_cache.layers[module.layer_idx]
+    layer = cache.layers[module.layer_idx]
     if sliding_window is not None and layer.window != sliding_window:
         raise RuntimeError(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
@@ -101,7 +136,9 @@ def longstraw_attention(
         scale=scaling,
         window=layer.window,
         softcap=softcap,
-        block=longstraw_cache.block,
+        chunk=getattr(layer, "chunk", None),
+        sinks=sinks,
+        block=cache.block,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -115,46 +152,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, longstraw_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
 
 
-@contextmanager
-def attention_overrides(decoder, cache: BranchCache, only: int | None = None):
-    """Swap in the attention module a branch layer asks for (`attention_module`, e.g. latent attention for
-    MLA layers, whose transformers module would expand the prompt per head) for the block; the model's
-    own module is the stand-in's child, so its parameters and adapters are the ones used. `only`: just
-    that layer."""
-    swapped = []
-    try:
-        for i, layer in enumerate(cache.layers):
-            cls = getattr(layer, "attention_module", None)
-            if cls is not None and only in (None, i):
-                block = decoder.layers[i]
-                inner = block.self_attn
-                block.self_attn = cls(inner)
-                swapped.append((block, inner))
-        yield
-    finally:
-        for block, inner in swapped:
-            block.self_attn = inner
-
-
-@contextmanager
-def hf_checkpointing_suspended(module):
-    """Suspend transformers' own activation checkpointing (`activation_checkpointing_enable`) in `module` for the
-    block; yields whether any layer had it on. transformers drops the cache of a layer it checkpoints
-    (`cache=None`, `GradientCheckpointingLayer`, 5.24), which would start linear-attention layers from a
-    zero state and lose the branch's own K/V: longstraw checkpoints with `CheckpointedDecoderLayer` instead."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    for m in layers:
-        m.gradient_checkpointing = False
-    try:
-        yield bool(layers)
-    finally:
-        for m in layers:
-            m.gradient_checkpointing = True
-
-
-def _snapshot(layer):
+def snapshot(layer):
     """A copy of a branch layer that later appends do not change (branch layers rebind their tensors
     and never write them in place, so copying the attribute dicts is enough)."""
     new = copy.copy(layer)
@@ -162,76 +160,3 @@ def _snapshot(layer):
         if isinstance(value, dict):
             setattr(new, name, dict(value))
     return new
-
-
-class CheckpointedDecoderLayer(nn.Module):
-    """Stands in for decoder layer `index` during a replay: runs it under (non-reentrant) activation
-    checkpointing, so the replay graph keeps only each layer's inputs and recomputes the layer in
-    backward. The branch cache layer is stateful (the forward appended the branch's K/V or latents, or
-    advanced its recurrent state); the recomputation runs against a snapshot taken before the forward,
-    so it sees exactly what the forward saw and leaves the branch as the forward left it.
-
-    Memory of a replay: O(layers · R · hidden) saved inputs plus one layer's graph, instead of every
-    layer's graph (attention projections, MoE expert activations, ...). Time: one more forward per layer.
-    """
-
-    def __init__(self, inner: nn.Module, cache: BranchCache, index: int, run_context):
-        """`run_context()`: a context manager restoring, for the recomputation in backward (outside
-        `run_decoder`), what this layer's forward ran under (attention implementation, stand-in modules)."""
-        super().__init__()
-        self.inner = inner
-        self.cache, self.index = cache, index
-        self.run_context = run_context
-
-    def forward(self, *args, **kwargs):
-        before = _snapshot(self.cache.layers[self.index])
-
-        @contextmanager
-        def recompute():
-            after = self.cache.layers[self.index]
-            self.cache.layers[self.index] = _snapshot(before)
-            try:
-                with self.run_context(), hf_checkpointing_suspended(self.inner):
-                    yield
-            finally:
-                self.cache.layers[self.index] = after
-
-        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute()),
-                          **kwargs)
-
-
-@contextmanager
-def checkpointed_layers(model, decoder, cache: BranchCache, enabled: bool = True):
-    """Run every decoder layer of `decoder` (of `model`) under `CheckpointedDecoderLayer` for the block
-    (no-op when not `enabled`)."""
-    if not enabled:
-        yield
-        return
-    @contextmanager
-    def run_context(i: int):
-        with longstraw_attention_enabled(model), attention_overrides(decoder, cache, only=i):
-            yield
-
-    blocks = decoder.layers
-    inner = list(blocks)
-    try:
-        for i, block in enumerate(inner):
-            blocks[i] = CheckpointedDecoderLayer(block, cache, i, partial(run_context, i))
-        yield
-    finally:
-        for i, block in enumerate(inner):
-            blocks[i] = block
-
-
-@contextmanager
-def longstraw_attention_enabled(model):
-    """Switch `model` (a transformers PreTrainedModel) to the longstraw attention for the block."""
-    previous = model.config._attn_implementation
-    if previous == ATTN_IMPLEMENTATION:
-        yield
-        return
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)

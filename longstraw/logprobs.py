@@ -1,8 +1,9 @@
 """Token log-probs (and entropies) through the LM head in chunks: never a `[T, vocab]` tensor for all T.
 
 `chunked_logprobs(hidden, lm_head, targets)` returns log p(target_t) `[T]` of the distribution
-softmax(z_t), z_t = softcap(lm_head(h_t)) / temperature (temperature as in TRL: the logits are
-divided by it; the optional tanh softcap is the model's `final_logit_softcapping`, applied first).
+softmax(z_t), z_t = softcap(scale · lm_head(h_t)) / temperature (temperature as in TRL: the logits
+are divided by it; `scale` is what the causal-LM class multiplies the logits by, e.g. Cohere's
+`logit_scale`; the optional tanh softcap is the model's `final_logit_softcapping`).
 
 For an `nn.Linear` head `ChunkedLogprobs` walks token chunks and, within each, vocabulary chunks
 with an online log-sum-exp; it saves only its inputs (references), the log-sum-exp and the entropy,
@@ -32,10 +33,12 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _logits(h, w, b, temperature, softcap):
+def _logits(h, w, b, temperature, softcap, scale=None):
     """Logits of one tile in the accumulation dtype, and tanh of the softcap (for backward) or None."""
     acc = _acc(h)
     u = F.linear(h.to(acc), w.to(acc), None if b is None else b.to(acc))
+    if scale is not None:
+        u = u * scale
     t = None
     if softcap is not None:
         t = torch.tanh(u / softcap)
@@ -47,7 +50,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     """(logp `[T]`, entropy `[T]`) for an `nn.Linear` head (weight `[V, H]`, bias `[V]`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale=None):
         t_total, v_total = hidden.shape[0], weight.shape[0]
         f = dict(device=hidden.device, dtype=_acc(hidden))
         logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
@@ -60,7 +63,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             s = torch.zeros(n, **f)  # Σ e^{z−m} z, for the entropy
             for v0 in range(0, v_total, vocab_chunk):
                 z, _ = _logits(h, weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk],
-                               temperature, softcap)
+                               temperature, softcap, scale)
                 m_new = torch.maximum(m, z.amax(-1))
                 alpha = torch.exp(m - m_new)
                 e = torch.exp(z - m_new[:, None])
@@ -75,13 +78,13 @@ class ChunkedLogprobs(torch.autograd.Function):
             logp[t0 : t0 + n] = zy - lse_c
             ent[t0 : t0 + n] = lse_c - s / l
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.args = (temperature, softcap, token_chunk, vocab_chunk)
+        ctx.args = (temperature, softcap, token_chunk, vocab_chunk, scale)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        temperature, softcap, token_chunk, vocab_chunk = ctx.args
+        temperature, softcap, token_chunk, vocab_chunk, scale = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         t_total, v_total = hidden.shape[0], weight.shape[0]
         f = dict(device=hidden.device, dtype=_acc(hidden))
@@ -96,7 +99,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             for v0 in range(0, v_total, vocab_chunk):
                 w = weight[v0 : v0 + vocab_chunk]
                 b = None if bias is None else bias[v0 : v0 + vocab_chunk]
-                z, tanh = _logits(h, w, b, temperature, softcap)
+                z, tanh = _logits(h, w, b, temperature, softcap, scale)
                 logp_tile = z - lse[sl, None]
                 p = torch.exp(logp_tile)
                 dz = torch.zeros_like(z)
@@ -110,6 +113,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                 du = dz / temperature
                 if tanh is not None:
                     du = du * (1 - tanh * tanh)
+                if scale is not None:
+                    du = du * scale
                 if need_h:
                     dh[sl] += du @ w.to(du.dtype)
                 if need_w:
@@ -120,13 +125,15 @@ class ChunkedLogprobs(torch.autograd.Function):
             None if dh is None else dh.to(hidden.dtype),
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
-def _module_chunk(lm_head, h, y, temperature, softcap):
+def _module_chunk(lm_head, h, y, temperature, softcap, scale=None):
     u = lm_head(h)
     u = u.to(_acc(u))
+    if scale is not None:
+        u = u * scale
     if softcap is not None:
         u = torch.tanh(u / softcap) * softcap
     logp_all = torch.log_softmax(u / temperature, dim=-1)
@@ -142,6 +149,7 @@ def chunked_logprobs(
     *,
     temperature: float = 1.0,
     softcap: float | None = None,
+    scale: float | None = None,
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,13 +166,14 @@ def chunked_logprobs(
         raise ValueError("token_chunk and vocab_chunk must be >= 1")
     if type(lm_head) is torch.nn.Linear:
         return ChunkedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, float(temperature), softcap,
-                                     int(token_chunk), int(vocab_chunk))
+                                     int(token_chunk), int(vocab_chunk), scale)
     parts = [checkpoint(_module_chunk, lm_head, hidden[t0 : t0 + token_chunk], targets[t0 : t0 + token_chunk],
-                        temperature, softcap, use_reentrant=False)
+                        temperature, softcap, scale, use_reentrant=False)
              for t0 in range(0, hidden.shape[0], token_chunk)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def reference_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, softcap: float | None = None):
+def reference_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, softcap: float | None = None,
+                       scale: float | None = None):
     """Plain version: the whole `[T, V]` log-softmax at once. Returns (logp, entropy)."""
-    return _module_chunk(lm_head, hidden, targets, temperature, softcap)
+    return _module_chunk(lm_head, hidden, targets, temperature, softcap, scale)

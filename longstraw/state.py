@@ -17,16 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
-from .hf_attention import (
-    BranchCache,
-    attention_overrides,
-    checkpointed_layers,
-    hf_checkpointing_suspended,
-    longstraw_attention_enabled,
-)
-from .layers import LayerState, layer_kind
+from .hf_attention import BranchCache, running
+from .layers import LayerState
 from .logprobs import chunked_logprobs
-from .models import ModelParts, layer_types, model_parts
+from .models import ModelParts
+from .prepare import prepare
+from .support import layer_states, model_parts
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
@@ -170,7 +166,7 @@ class PromptState:
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
         hidden = run_decoder(parts, inputs[None], positions, self._cache(), checkpoint_layers=checkpoint_layers)
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
-                                             softcap=parts.final_logit_softcapping)
+                                             softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
         return Replay(logprobs=logprobs, entropy=entropy)
 
     def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -184,23 +180,14 @@ class PromptState:
 
 def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache,
                 checkpoint_layers: bool = False):
-    """Hidden states `[B, T, hidden]` of the unmodified decoder over `input_ids` `[B, T]` (positions
-    `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder layer in
-    backward instead of keeping its graph (`longstraw.hf_attention.CheckpointedDecoderLayer`), also used in
-    place of transformers' own activation checkpointing when the model has it on."""
-    with hf_checkpointing_suspended(parts.decoder) as hf_checkpointing:
-        # transformers checkpoints only in training mode with grad; longstraw does the same in its place
-        checkpoint_layers = checkpoint_layers or (hf_checkpointing and parts.decoder.training
-                                                  and torch.is_grad_enabled())
-        with longstraw_attention_enabled(parts.model), attention_overrides(parts.decoder, cache), \
-                checkpointed_layers(parts.model, parts.decoder, cache, checkpoint_layers):
-            out = parts.decoder(
-                input_ids=input_ids,
-                position_ids=positions[None],
-                cache=cache,
-                use_cache=True,
-                longstraw_cache=cache,
-            )
+    """Hidden states `[B, T, hidden]` of the unmodified decoder (of a prepared model) over `input_ids` `[B, T]`
+    (positions `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder
+    layer in backward instead of keeping its graph (`longstraw.prepare.CheckpointedLayer`), which also
+    stands in for transformers' own activation checkpointing when the model has it on in training mode."""
+    cache.checkpoint_layers = checkpoint_layers
+    cache.configs = parts.configs
+    with running(cache, parts.configs):
+        out = parts.decoder(input_ids=input_ids, position_ids=positions[None], cache=cache, use_cache=True)
     return out.last_hidden_state
 
 
@@ -232,8 +219,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     device = next(parts.model.parameters()).device
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
+    prepare(model)
     captured = prompt.numel() - 1
-    layers = [layer_kind(t)(parts.config, i, captured) for i, t in enumerate(layer_types(parts.config))]
+    layers = layer_states(parts.config, captured)
     exact = prompt_grad == "exact"
     if exact:
         unsupported = sorted({type(layer).__name__ for layer in layers if not layer.supports_exact})

@@ -13,11 +13,13 @@ def _deterministic():
 
 
 def lora(model, seed: int = 0):
-    """Wrap in a PEFT LoRA adapter with non-zero B (so adapter gradients are informative)."""
+    """Wrap in a PEFT LoRA adapter with non-zero B (so adapter gradients are informative). MoE routers stay
+    unwrapped: Llama 4's router is an `nn.Linear` that returns a tuple, which PEFT 0.21's LoRA layer rejects."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                            exclude_modules=r".*router"))
 
 
 def make_model(arch: str, use_lora: bool = False):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.models import layer_types
+from longstraw.support import layer_plan
 from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import ARCHS, make_model, rel_err, tokens
@@ -61,10 +61,11 @@ def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
     # fp64: transformers computes the gated-DeltaNet decay in float32 whatever the model dtype (5.24,
     # `g = -A_log.float().exp() * softplus(a.float() + dt_bias)`), and the reference runs the prompt
     # in one piece where capture runs it in chunks, so hybrids agree to float32 rounding of the decay.
-    # Likewise the DeepSeek / GLM MoE routers score experts in float32 (`hidden_states.type(torch.float32)`).
+    # Likewise the DeepSeek / GLM / MiniMax MoE routers score experts in float32 (`hidden_states.type(torch.float32)`),
+    # and Gemma 2's eager attention (the reference's) takes its softmax in float32.
     cfg = model.config.get_text_config()
     float32_inside = "linear_attention" in (getattr(cfg, "layer_types", None) or []) or cfg.model_type in (
-        "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "minimax_m2", "gemma2")
     tol = 1e-4 if dtype == torch.float32 else (1e-5 if float32_inside else 1e-9)
     scale = max(b.norm().item() for _, b in pairs)
     for a, b in pairs:
@@ -90,9 +91,10 @@ def test_state_is_read_only_across_replays(arch):
 
 def _expected_nbytes(model, captured: int) -> int:
     cfg = model.config.get_text_config()
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     total = 0
-    for i, kind in enumerate(layer_types(cfg)):
+    for i, kind in enumerate(layer_plan(cfg)):
+        layer_cfg = cfg.per_layer_config[i] if getattr(cfg, "per_layer_config", None) is not None else cfg  # Gemma 4
+        kv = 2 * layer_cfg.num_key_value_heads * layer_cfg.head_dim * 4
         if kind in ("latent_attention", "indexed_attention"):  # MLA latent + rotary key [+ DSA indexer key]
             index = kind == "indexed_attention" and getattr(cfg, "indexer_types", ["full"] * (i + 1))[i] == "full"
             total += 4 * captured * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if index else 0))
@@ -100,6 +102,8 @@ def _expected_nbytes(model, captured: int) -> int:
             total += kv * captured
         elif kind == "sliding_attention":
             total += kv * min(captured, cfg.sliding_window - 1)
+        elif kind == "chunked_attention":
+            total += kv * (captured % cfg.attention_chunk_size)
         elif cfg.model_type == "kimi_linear":  # KDA: conv window over q, k, v + per-head d×d state
             d = cfg.linear_num_heads * cfg.linear_head_dim
             total += 4 * (3 * d * cfg.linear_conv_kernel_dim + cfg.linear_num_heads * cfg.linear_head_dim**2)

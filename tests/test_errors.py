@@ -15,12 +15,11 @@ def model():
     return tiny_model("llama")
 
 
-def test_unsupported_architecture_lists_the_supported_ones():
+def test_unservable_architecture_names_the_class_and_the_tested_families():
+    """GPT-2's attention does not go through a cache layer longstraw can replace (no `layers` stack)."""
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedArchitectureError) as err:
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
         longstraw.capture(gpt2, tokens(5, 0, 64))
-    for name in longstraw.SUPPORTED_ARCHITECTURES:
-        assert name in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,8 @@ from longstraw.latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from longstraw.layers.latent_attention import _rotary, indexer_inputs
+from longstraw.archs import family
+from longstraw.layers.latent_attention import indexer_inputs
 from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import lora, rel_err, tokens
@@ -48,7 +49,7 @@ def _assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     for block in base.model.layers:
         indexer = getattr(block.self_attn, "indexer", None)
         if indexer is not None:
-            rotary = _rotary(block.self_attn, 1)
+            rotary = family(base.config.model_type).latent_rotary(block.self_attn)[1]
             handles.append(indexer.register_forward_hook(
                 lambda mod, args, out, rotary=rotary: seen.append((mod, args, rotary))))
     try:

@@ -1,13 +1,14 @@
 """Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
 
-from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind
+from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind, registered_layer_types
 from .full_attention import AttentionBranchLayer, KVState
 from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
-from .sliding_window import SlidingKVState
+from .sliding_window import ChunkedKVState, SlidingKVState
 
 __all__ = [
     "AttentionBranchLayer",
+    "ChunkedKVState",
     "IndexedLatentState",
     "KVState",
     "LatentAttention",
@@ -20,4 +21,5 @@ __all__ = [
     "SlidingKVState",
     "layer_kind",
     "register_layer_kind",
+    "registered_layer_types",
 ]

@@ -107,6 +107,11 @@ def register_layer_kind(cls: type[LayerState]) -> type[LayerState]:
     return cls
 
 
+def registered_layer_types() -> frozenset[str]:
+    """The layer types some layer kind serves."""
+    return frozenset(_KINDS)
+
+
 def layer_kind(layer_type: str) -> type[LayerState]:
     """The `LayerState` class for a transformers layer type, with a clear error if none serves it."""
     try:

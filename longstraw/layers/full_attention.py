@@ -23,8 +23,11 @@ class AttentionBranchLayer(PromptBranchLayer):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, prompt_k, prompt_v, prompt_length: int, prompt_start: int = 0, window: int | None = None):
+    def __init__(self, prompt_k, prompt_v, prompt_length: int, prompt_start: int = 0, window: int | None = None,
+                 chunk: int | None = None):
         super().__init__()
+        #: chunked local attention: the attention chunk size (keys of the query's own chunk only)
+        self.chunk = chunk
         self.prompt_k, self.prompt_v = prompt_k, prompt_v
         self.prompt_length = prompt_length
         self.prompt_start = prompt_start
@@ -69,6 +72,7 @@ class KVState(LayerState):
 
     layer_types = ("full_attention",)
     window: int | None = None
+    chunk: int | None = None
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
@@ -88,7 +92,7 @@ class KVState(LayerState):
 
     def branch(self, batch: int = 1) -> AttentionBranchLayer:
         k, v = self.stored()  # batch 1, shared by all `batch` sequences (split attention folds them)
-        return AttentionBranchLayer(k, v, self.length, self.start, self.window)
+        return AttentionBranchLayer(k, v, self.length, self.start, self.window, self.chunk)
 
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
@@ -121,7 +125,7 @@ class KVState(LayerState):
         # positions before `start` as views of the leaves: their gradient lands in keys.grad / values.grad
         k = None if self.keys is None else self.keys[:, :, :start]
         v = None if self.values is None else self.values[:, :, :start]
-        return AttentionBranchLayer(k, v, start, 0, self.window)
+        return AttentionBranchLayer(k, v, start, 0, self.window, self.chunk)
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
         out = []

@@ -8,9 +8,8 @@ none. Durable bytes per prompt token and layer: (kv_lora_rank + qk_rope_head_dim
 dtype size — never the expanded per-head K/V.
 
 transformers' MLA modules expand the cached latents per head (`expand_kv`) before attention, which
-would materialise heads × P × head_dim for the prompt. During capture and replay `LatentAttention`
-stands in for the layer's attention module (swapped in by `longstraw.hf_attention.attention_overrides`
-and swapped back after): it calls the module's own projections, norms and rotary function, and
+would materialise heads × P × head_dim for the prompt. Inside a longstraw forward `LatentAttention`
+(a mixin `longstraw.prepare` puts in front of the module's class) takes over the module's forward: it calls the module's own projections, norms and rotary function, and
 attends in latent space (`longstraw.latent_attention`: absorbed up-projections, blockwise split
 attention; DSA: blockwise indexer top-k, gathered sparse attention).
 """
@@ -19,10 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 
 import torch
-from torch import nn
 
 from ..latent_attention import (
     absorb_query,
@@ -32,26 +29,8 @@ from ..latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
+from ..hf_attention import active_cache
 from .base import LayerState, PromptBranchLayer, register_layer_kind
-
-#: model_type → (rotary function of the attention, of the indexer), named in the model's modeling module
-#: (transformers 5.24). None: no rotation (Kimi's MLA is NoPE).
-_ROTARY = {
-    "deepseek_v3": lambda cfg: ("apply_rotary_pos_emb_interleave" if cfg.rope_interleave else "apply_rotary_pos_emb",
-                                None),
-    "deepseek_v32": lambda cfg: ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb"),
-    "glm_moe_dsa": lambda cfg: ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb_interleave"),
-    "kimi_linear": lambda cfg: (None, None),
-}
-
-
-def _rotary(module, which: int):
-    cfg = module.config
-    if cfg.model_type not in _ROTARY:
-        raise NotImplementedError(f"latent attention of model_type {cfg.model_type!r} is not supported")
-    name = _ROTARY[cfg.model_type](cfg)[which]
-    return None if name is None else getattr(sys.modules[type(module).__module__], name)
-
 
 @functools.cache
 def _returns_selection(cls) -> bool:
@@ -79,10 +58,6 @@ class LatentBranchLayer(PromptBranchLayer):
         self.absorbed = None
         self.is_initialized = True
 
-    @property
-    def attention_module(self):
-        return LatentAttention
-
     def lazy_initialization(self, *args) -> None:
         pass
 
@@ -105,32 +80,38 @@ class LatentBranchLayer(PromptBranchLayer):
 
 
 
-class LatentAttention(nn.Module):
-    """Stands in for a transformers MLA attention module (`inner`) inside longstraw capture / replay.
+class LatentAttention:
+    """Mixin that `longstraw.prepare` puts in front of a transformers MLA attention class (a subclass is made
+    per class, so parameters, adapters and the state dict stay those of the module).
 
-    Same inputs and outputs as `inner.forward` (DSA modules of GLM-5 also return their selection, which
-    the next `"shared"` layer receives as `prev_topk_indices`); the math runs in latent space against the
-    branch layer `longstraw_cache.layers[inner.layer_idx]`. Memory beyond the module's own projections:
+    Outside a longstraw forward it is the module's own `forward`. Inside one, same inputs and outputs (DSA
+    modules of GLM-5 also return their selection, which the next `"shared"` layer receives as
+    `prev_topk_indices`), but the math runs in latent space against the branch layer of `layer_idx`, with
+    the module's own projections, norms and the rotary functions its family spec names
+    (`longstraw.archs`; set by `prepare` as `longstraw_rotary`). Memory beyond the projections:
     O(B · H · S · (r + dr)) for the latent queries, the split attention's O(H · S · block) tiles, and for
     DSA O(B · S · top-k) indices plus one block of gathered latents.
     """
 
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.rotary = _rotary(inner, 0)
-        indexer = getattr(inner, "indexer", None)
-        self.index_rotary = _rotary(inner, 1) if indexer is not None else None
-        self.returns_selection = _returns_selection(type(inner))
+    #: (attention rotary, indexer rotary) from the family spec, each `fn(q, k, position_embeddings, **kw)` or None
+    longstraw_rotary: tuple = (None, None)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                position_ids=None, prev_topk_indices=None, longstraw_cache=None, **kwargs):
-        m = self.inner
-        if longstraw_cache is None:
-            raise RuntimeError("LatentAttention only runs inside longstraw.capture / PromptState.replay")
+    #: the transformers class this mixin was put in front of (set by `longstraw.prepare`)
+    longstraw_base: type = object
+
+    def forward(self, hidden_states, *args, **kwargs):
+        cache = active_cache()
+        if cache is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        if args:  # name the positional arguments as the module's own forward does
+            bound = inspect.signature(self.longstraw_base.forward).bind(self, hidden_states, *args, **kwargs)
+            kwargs = {**bound.arguments, **bound.arguments.pop("kwargs", {})}
+        position_embeddings = kwargs.get("position_embeddings")
+        prev_topk_indices = kwargs.get("prev_topk_indices")
+        m = self
         if m.training and m.attention_dropout:
             raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
-        layer: LatentBranchLayer = longstraw_cache.layers[m.layer_idx]
+        layer: LatentBranchLayer = cache.layers[m.layer_idx]
         b, s, _ = hidden_states.shape
         h, dn, dr, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         if m.q_lora_rank is None:
@@ -143,9 +124,9 @@ class LatentAttention(nn.Module):
         c, k_rot = torch.split(m.kv_a_proj_with_mqa(hidden_states), [r, dr], dim=-1)
         c = m.kv_a_layernorm(c).view(b, 1, s, r)
         k_rot = k_rot.view(b, 1, s, dr)
-        if self.rotary is not None:
-            cos, sin = position_embeddings
-            q_rot, k_rot = self.rotary(q_rot, k_rot, cos, sin)
+        rotary, index_rotary = self.longstraw_rotary
+        if rotary is not None:
+            q_rot, k_rot = rotary(q_rot, k_rot, position_embeddings)
         own = layer.append(torch.cat([c, k_rot], dim=-1))
         own_start = layer.prompt_length
         q_start = own_start + own.shape[-2] - s
@@ -157,12 +138,12 @@ class LatentAttention(nn.Module):
                 layer.absorbed = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
             w_k, w_v = layer.absorbed
         query = absorb_query(q_nope, q_rot, w_k)
-        kw = dict(q_start=q_start, own_start=own_start, scale=m.scaling, block=longstraw_cache.block)
+        kw = dict(q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block)
         indexer = getattr(m, "indexer", None)
         selection = prev_topk_indices
         if indexer is not None:
             selection = self._select(indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start,
-                                     longstraw_cache.block)
+                                     cache.block, index_rotary)
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
         if selection is None:
@@ -170,12 +151,13 @@ class LatentAttention(nn.Module):
         else:
             out = sparse_latent_attention(query, own, layer.prompt, selection, r, **kw)
         out = m.o_proj(expand_output(out, w_v))
-        return (out, None, selection) if self.returns_selection else (out, None)
+        return (out, None, selection) if _returns_selection(self.longstraw_base) else (out, None)
 
     @torch.no_grad()
-    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block):
+    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block,
+                rotary):
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
-        q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, self.index_rotary)
+        q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
         own_keys = layer.append_index(k)
         return select_topk(q, weights, indexer.softmax_scale, layer.prompt_index, own_keys, indexer.index_topk,
                            q_start=q_start, own_start=own_start, block=block)
@@ -191,8 +173,7 @@ def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
     q_rot, q_pass = q[..., :dr], q[..., dr:]
     k_rot, k_pass = k[..., :dr], k[..., dr:]
     if rotary is not None:
-        cos, sin = position_embeddings
-        q_rot, k_rot = rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q_rot, k_rot = rotary(q_rot, k_rot, position_embeddings, unsqueeze_dim=2)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
     return (torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2),
             weights * indexer.n_heads ** -0.5)

@@ -36,13 +36,17 @@ class SlidingKVState(KVState):
     def stored(self):
         return self.keys, self.values
 
+    def _keep(self) -> int:
+        """How many of the last committed K/V later tokens can read."""
+        return self.window - 1
+
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
-        keep = self.window - 1
         k, v = branch_layer.keys, branch_layer.values
         if self.keys is not None:
             k = torch.cat([self.keys, k], dim=-2)
             v = torch.cat([self.values, v], dim=-2)
         self.length += n
+        keep = self._keep()
         # clone: a slice would keep the whole concatenation alive
         self.keys = k[:, :, k.shape[-2] - min(keep, k.shape[-2]) :].clone()
         self.values = v[:, :, v.shape[-2] - min(keep, v.shape[-2]) :].clone()
@@ -70,7 +74,7 @@ class SlidingKVState(KVState):
 
     def reverse_branch(self, chunk: int, start: int) -> AttentionBranchLayer:
         k, v, k_start = self.boundaries[chunk]
-        return AttentionBranchLayer(k, v, start, k_start, self.window)
+        return AttentionBranchLayer(k, v, start, k_start, self.window, self.chunk)
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
         later = [*self.boundaries[chunk + 1 :], (self.keys, self.values, self.start)]
@@ -90,3 +94,27 @@ class SlidingKVState(KVState):
             if grad is not None:
                 out.append((own, grad))
         return out
+
+
+@register_layer_kind
+class ChunkedKVState(SlidingKVState):
+    """K/V of the prompt's last, unfinished attention chunk (chunked local attention, Llama 4).
+
+    A query at position p reads only keys at positions ≥ (p // C) · C (C = `attention_chunk_size`), so
+    after the prompt the durable state is the keys from the start of the chunk holding the next position:
+    (P − 1) mod C of them, fewer than C, whatever P. Exact mode keeps each captured chunk's window as
+    sliding layers do.
+    """
+
+    layer_types = ("chunked_attention",)
+    window = None
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        KVState.__init__(self, config, layer_idx, capacity)
+        self.chunk = int(config.attention_chunk_size)
+        if self.chunk < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1, got {self.chunk}")
+        self.boundaries = []
+
+    def _keep(self) -> int:
+        return self.length % self.chunk

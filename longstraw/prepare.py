@@ -1,0 +1,175 @@
+"""Prepare a model for longstraw once: its attention implementation, and stand-ins installed by subclassing.
+
+`prepare(model)` (called by `capture`) checks that longstraw can represent every decoder layer
+(`longstraw.support.check_capability`), then installs, once per model:
+- nothing for attention itself: each longstraw forward names the "longstraw" implementation on the
+  model's configs for its duration (`longstraw.hf_attention.running`); `prepare` asks transformers
+  once to switch and verifies the switch on every config the model's modules read (a refused switch
+  would otherwise only log a warning and replays would silently ignore the prompt), then switches back;
+- on MLA attention modules, `LatentAttention` in front of their class (attends in latent space
+  inside a longstraw forward, the module's own forward outside);
+- on every decoder layer, `CheckpointedLayer` in front of its class: inside a longstraw forward it runs
+  the layer under longstraw's activation checkpointing when the branch asks for it (or when
+  transformers' own checkpointing is on, which would drop the cache), and the plain layer otherwise.
+
+The stand-ins are subclasses made per class, the way `torch.distributed.fsdp.fully_shard` extends a
+module's class: parameters, adapters, hooks and the state dict stay the module's own, so the prepared
+model trains, generates and saves as before. `unprepare(model)` puts everything back.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedConfig
+
+from .archs import family
+from .hf_attention import ATTN_IMPLEMENTATION, active_cache, running, snapshot
+from .layers.latent_attention import LatentAttention
+from .models import UnsupportedArchitectureError, base_model, decoder_of
+from .support import check_capability, layer_plan
+
+_LATENT_KINDS = ("latent_attention", "indexed_attention")
+
+
+@contextmanager
+def _hf_checkpointing_off(layer: nn.Module):
+    """transformers' own checkpointing of a layer (`GradientCheckpointingLayer`, 5.24) replaces the cache by
+    None, which would restart linear-attention layers from a zero state: off for a longstraw call."""
+    on = getattr(layer, "gradient_checkpointing", False)
+    if on:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        if on:
+            layer.gradient_checkpointing = True
+
+
+class CheckpointedLayer:
+    """Mixin in front of a decoder layer class (see the module docstring).
+
+    Checkpointed call: the branch cache layer is stateful (the forward appended the branch's K/V or
+    latents, or advanced its recurrent state); the recomputation in backward runs against a snapshot
+    taken before the forward, so it sees exactly what the forward saw and leaves the branch as the
+    forward left it. Memory of a replay: O(layers · R · hidden) saved inputs plus one layer's graph,
+    instead of every layer's graph (attention projections, MoE expert activations, ...); time: one more
+    forward per layer.
+    """
+
+    longstraw_base: type = object
+    #: index of this decoder layer (set by `prepare`)
+    longstraw_index: int = -1
+
+    def __call__(self, *args, **kwargs):
+        cache = active_cache()
+        if cache is None:
+            return super().__call__(*args, **kwargs)
+        hf = getattr(self, "gradient_checkpointing", False) and self.training
+        with _hf_checkpointing_off(self):
+            if torch.is_grad_enabled() and (cache.checkpoint_layers or hf):
+                return self._longstraw_checkpointed(cache, args, kwargs)
+            return nn.Module.__call__(self, *args, **kwargs)
+
+    def _longstraw_checkpointed(self, cache, args, kwargs):
+        i = self.longstraw_index
+        before = snapshot(cache.layers[i])
+
+        @contextmanager
+        def recompute():
+            after = cache.layers[i]
+            cache.layers[i] = snapshot(before)
+            try:
+                with running(cache, cache.configs), _hf_checkpointing_off(self):
+                    yield
+            finally:
+                cache.layers[i] = after
+
+        return checkpoint(partial(nn.Module.__call__, self), *args, use_reentrant=False,
+                          context_fn=lambda: (nullcontext(), recompute()), **kwargs)
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(mixin: type, cls: type) -> type:
+    """`mixin` in front of `cls`, made once per pair and reachable by name from this module (pickling)."""
+    key = (mixin, cls)
+    if key not in _SUBCLASSES:
+        name = f"{mixin.__name__}_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+        sub = type(name, (mixin, cls), {"longstraw_base": cls, "__module__": __name__, "__qualname__": name})
+        globals()[name] = sub
+        _SUBCLASSES[key] = sub
+    return _SUBCLASSES[key]
+
+
+def model_configs(model) -> list[PreTrainedConfig]:
+    """Every distinct config the modules of `model` read (the model's, its sub-configs, per-module ones)."""
+    base = base_model(model)
+    seen: dict[int, PreTrainedConfig] = {}
+    candidates = [base.config, base.config.get_text_config(decoder=True)]
+    candidates += [getattr(m, "config", None) for m in base.modules()]
+    for cfg in candidates:
+        if isinstance(cfg, PreTrainedConfig):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+def is_prepared(model) -> bool:
+    return getattr(base_model(model), "_longstraw_prepared", False)
+
+
+def prepare(model):
+    """Install what longstraw needs in `model` (a transformers causal LM, optionally PEFT-wrapped), once.
+
+    Raises `UnsupportedArchitectureError` naming the layer type or class longstraw cannot represent, before
+    changing anything. Returns `model`.
+    """
+    base = base_model(model)
+    if getattr(base, "_longstraw_prepared", False):
+        return model
+    cfg = check_capability(model)
+    configs = model_configs(base)
+    before = [c._attn_implementation_internal for c in configs]
+    if ATTN_IMPLEMENTATION in before:
+        raise UnsupportedArchitectureError("the model's attention implementation is 'longstraw' outside a longstraw "
+                                           "forward; load it with its own implementation (sdpa or eager)")
+    try:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        refused = [type(c).__name__ for c in configs if c._attn_implementation != ATTN_IMPLEMENTATION]
+    finally:
+        for c, name in zip(configs, before):
+            c._attn_implementation_internal = name
+    if refused:
+        raise UnsupportedArchitectureError(
+            f"transformers did not switch {', '.join(refused)} to longstraw's attention implementation")
+    decoder = decoder_of(base)
+    fam = family(cfg.model_type)
+    for i, (kind, block) in enumerate(zip(layer_plan(cfg), decoder.layers)):
+        block.__class__ = _subclass(CheckpointedLayer, type(block))
+        block.longstraw_index = i
+        if kind in _LATENT_KINDS:
+            attn = block.self_attn
+            attn.longstraw_rotary = fam.latent_rotary(attn)  # looked up in the module of its own class
+            attn.__class__ = _subclass(LatentAttention, type(attn))
+    base._longstraw_prepared = True
+    return model
+
+
+def unprepare(model):
+    """Undo `prepare`: the model's own classes and attention implementation. Returns `model`."""
+    base = base_model(model)
+    if not getattr(base, "_longstraw_prepared", False):
+        return model
+    for module in base.modules():
+        original = getattr(type(module), "longstraw_base", None)
+        if original is not None and type(module) in _SUBCLASSES.values():
+            module.__class__ = original
+            for name in ("longstraw_index", "longstraw_rotary"):
+                module.__dict__.pop(name, None)
+    del base._longstraw_prepared
+    return model
