@@ -7,6 +7,8 @@ Public surface (DESIGN.md):
     out = state.replay(response_ids)   # out.logprobs, out.entropy: [R], differentiable
     state.backward()                   # exact mode: the prompt's share of the gradient
     state.nbytes; state.release()      # or: with longstraw.capture(...) as state: ...
+    longstraw.prepare(model)           # once per model (capture calls it); the model still works normally
+    report = longstraw.check(model)    # self-check against the unmodified model: report.ok, worst errors
 
 Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` with
 `longstraw.config.TrainConfig`, the `longstraw` command line.
@@ -14,10 +16,11 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` wi
 
 from .models import UnsupportedArchitectureError
 from .prepare import prepare, unprepare
+from .self_check import CheckReport, check
 from .state import PromptState, Replay, capture
 from .support import tested_families
 
 __version__ = "0.1.0"
 
-__all__ = ["PromptState", "Replay", "UnsupportedArchitectureError", "capture", "prepare", "tested_families",
-           "unprepare"]
+__all__ = ["CheckReport", "PromptState", "Replay", "UnsupportedArchitectureError", "capture", "check", "prepare",
+           "tested_families", "unprepare"]

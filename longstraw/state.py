@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
+from .archs import family
 from .hf_attention import BranchCache, running
 from .layers import LayerState
 from .logprobs import chunked_logprobs
@@ -201,13 +202,17 @@ def _check_length(cfg, total: int) -> None:
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
-            block_size: int = DEFAULT_BLOCK) -> PromptState:
+            block_size: int = DEFAULT_BLOCK, verify: bool | None = None) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
-    `model`: a supported transformers causal LM (`longstraw.models.SUPPORTED_ARCHITECTURES`),
-    optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
+    `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
     gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
     states at each chunk boundary). `block_size`: key block of the split attention.
+
+    `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
+    `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
+    (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
+    families (`longstraw.archs`); True: always; False: never.
     """
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
@@ -220,6 +225,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     prepare(model)
+    if verify or (verify is None and family(parts.config.model_type) is None):
+        from .self_check import ensure_verified
+
+        ensure_verified(model)
     captured = prompt.numel() - 1
     layers = layer_states(parts.config, captured)
     exact = prompt_grad == "exact"
