@@ -215,6 +215,36 @@ def cmd_compare(args) -> int:
     return 0 if len(ok) == len(rows) else 1
 
 
+def cmd_check(args) -> int:
+    """Self-check of a local model folder (or a built-in tiny family) against the unmodified model."""
+    import torch
+
+    import longstraw
+    from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.model in TINY_CONFIGS or args.model in TINY_MULTIMODAL:
+        model = tiny_model(args.model, dtype=dtype)
+    else:
+        path = Path(args.model)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is neither a model folder with a config.json nor a built-in tiny "
+                                    f"family ({', '.join(longstraw.tested_families())})")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = model.to(args.device).eval()
+    if not args.gradients:
+        model.requires_grad_(False)
+    try:
+        report = longstraw.check(model)
+    except longstraw.UnsupportedArchitectureError as err:
+        print(f"longstraw check: refused: {err}")
+        return 1
+    print(report)
+    return 0 if report.ok else 1
+
+
 def main(argv=None) -> int:
     _quiet()
     ap = argparse.ArgumentParser(prog="longstraw", description="GRPO on very long prompts: capture once, replay "
@@ -239,9 +269,17 @@ def main(argv=None) -> int:
     c.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
     c.add_argument("--limit-gb", type=float, default=16.0,
                    help="address-space cap of each naive measurement: beyond it a run is reported as failed")
+    k = sub.add_parser("check", help="self-check a model against the unmodified transformers model; non-zero exit "
+                       "when longstraw does not reproduce it")
+    k.add_argument("model", help="a local model folder (config.json + weights) or a built-in tiny family name")
+    k.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype to load the model in")
+    k.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1, ...)")
+    k.add_argument("--no-gradients", dest="gradients", action="store_false",
+                   help="skip the gradient comparison (log-probs and layer outputs only)")
     args = ap.parse_args(argv)
     try:
-        return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[args.command](args)
+        return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
+                "check": cmd_check}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2

@@ -69,9 +69,11 @@ class CheckpointedLayer:
         cache = active_cache()
         if cache is None:
             return super().__call__(*args, **kwargs)
-        hf = getattr(self, "gradient_checkpointing", False) and self.training
+        hf = getattr(self, "gradient_checkpointing", False)
+        if not hf and not cache.checkpoint_layers:  # the common case (decode steps): nothing to arrange
+            return nn.Module.__call__(self, *args, **kwargs)
         with _hf_checkpointing_off(self):
-            if torch.is_grad_enabled() and (cache.checkpoint_layers or hf):
+            if torch.is_grad_enabled() and (cache.checkpoint_layers or (hf and self.training)):
                 return self._longstraw_checkpointed(cache, args, kwargs)
             return nn.Module.__call__(self, *args, **kwargs)
 

@@ -239,3 +239,17 @@ def test_tested_family_table_covers_the_issue_list():
               "smollm3", "granite", "granitemoe", "glm4_moe", "deepseek_v2", "minimax_m2", "gemma4_text", "llama4_text"}
     assert wanted <= set(longstraw.tested_families())
     assert json.dumps(longstraw.tested_families())
+
+
+def test_check_command_on_a_local_folder(tmp_path, capsys):
+    """`longstraw check PATH`: exit 0 and the report for a servable saved model; exit 1 for a refused one."""
+    from longstraw.cli import main
+
+    untested_model("exaone4").save_pretrained(tmp_path / "ok")
+    assert main(["check", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "self-check of exaone4" in out and ": ok" in out and "sliding_attention layers" in out
+    untested_model("nemotron_h").save_pretrained(tmp_path / "refused")
+    assert main(["check", str(tmp_path / "refused")]) == 1
+    assert "'moe'" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "missing")]) == 2
