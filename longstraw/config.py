@@ -63,6 +63,8 @@ class TrainConfig:
     epsilon_high: float | None = _f(None, "upper clip (None: epsilon)")
     beta: float = _f(0.0, "KL coefficient against the reference policy (adapters disabled); 0 skips it")
     importance_sampling_level: str = _f("token", f"one of {IMPORTANCE_SAMPLING_LEVELS}")
+    use_bias_correction_kl: bool = _f(True, "multiply the per-token KL by the importance ratio (TRL 1.16's default, "
+                                            "the unbiased reverse-KL gradient of DeepSeek-V3.2); false: plain k3")
     scale_rewards: str = _f("group", f"one of {SCALE_REWARDS}")
     mask_truncated_completions: bool = _f(False, "exclude responses without a stop token from the loss")
     reward_funcs: list = _f([], f"reward functions by name ({sorted(REWARD_FUNCTIONS)}); empty: the task's own")

@@ -174,7 +174,8 @@ class Trainer:
         self._parts = model_parts(self.model)
         self.rewards, self.reward_weights = reward_functions(cfg, self.data, reward_funcs)
         self.loss_fn = make_loss(cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                 importance_sampling_level=cfg.importance_sampling_level)
+                                 importance_sampling_level=cfg.importance_sampling_level,
+                                 use_bias_correction_kl=cfg.use_bias_correction_kl)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
                                      weight_decay=cfg.weight_decay)
