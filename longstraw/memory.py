@@ -8,6 +8,10 @@ once hides every later one. A stage's memory is its peak RSS − the RSS when th
 
 CUDA: the caching allocator's peak (`torch.cuda.max_memory_allocated`) reset per stage, minus what was
 allocated when the step started. Either way, a stage that allocated cannot read 0.
+
+Limit on CPU: RSS counts pages, so an allocation that fits in heap pages still resident (partly used
+pages `malloc_trim` cannot return) is not seen; at tiny sizes (a few hundred KiB, e.g. sampling a
+few tokens from a tiny model) a stage can read near 0. On CUDA the allocator's counters are exact.
 """
 
 from __future__ import annotations
