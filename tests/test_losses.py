@@ -130,7 +130,7 @@ def test_duplicating_the_batch_leaves_the_loss_unchanged(loss_type):
         groups = [g + 2 * c for c in range(copies) for g in GROUPS]
         norm = loss_fn.normalizer(lengths, groups, LMAX)
         return sum(float(loss_fn.response_loss(logps[i % n], old[i % n], adv[i % n], norm[i], ref_logps=ref[i % n],
-                                               mask=m[i % n])[0]) for i in range(copies * n))
+                                               mask=m[i % n])[0].detach()) for i in range(copies * n))
 
     one, two = loss(1), loss(2)
     assert abs(one) > 1e-3
