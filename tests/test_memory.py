@@ -35,3 +35,17 @@ def test_every_grpo_step_reports_memory_per_stage(tmp_path):
         assert r["step_mem_mb"] > 0 and r["mem_capture_mb"] > 0 and r["mem_replay_mb"] > 0, r
         assert r["mem_sample_mb"] >= 0
         assert r["step_mem_mb"] == max(v for k, v in r.items() if k.startswith("mem_"))
+
+
+def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path):
+    import pytest
+
+    from longstraw.metrics import tensorboard_available
+
+    if tensorboard_available():
+        pytest.skip("tensorboard is installed here")
+    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=24, num_steps=1,
+                      task_options={"num_pairs": 4, "num_values": 8}, num_generations=2, max_completion_length=1,
+                      progress=False, threads=1, lora=False, report_to=["tensorboard"])
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        Trainer(cfg).train()
