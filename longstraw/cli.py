@@ -96,18 +96,26 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
 
 
+_BASELINE_COLUMNS = {"context_blind": "context-blind 1/V", "positional": "positional shortcut 1/K"}
+
+
 def _report(trainer, accuracy: dict) -> str:
+    """The evaluation table; baseline columns only where the task has them (not for JSONL data)."""
     base = trainer.baselines()
-    lines = ["| prompt length (tokens) | held-out greedy accuracy | context-blind 1/V | positional shortcut 1/K |",
-             "|---:|---:|---:|---:|"]
+    names = [k for k in _BASELINE_COLUMNS if k in base]
+    first = "prompt length (tokens)" if all(k.isdigit() for k in accuracy) else "evaluated on"
+    lines = ["| " + " | ".join([first, "held-out greedy accuracy", *(_BASELINE_COLUMNS[k] for k in names)]) + " |",
+             "|" + "---:|" * (2 + len(names))]
     for length, acc in accuracy.items():
-        lines.append(f"| {length} | {acc:.3f} | {base.get('context_blind', float('nan')):.3f} | "
-                     f"{base.get('positional', float('nan')):.3f} |")
+        lines.append("| " + " | ".join([length, f"{acc:.3f}", *(f"{base[k]:.3f}" for k in names)]) + " |")
     return "\n".join(lines)
 
 
 def run_training(cfg) -> tuple[object, dict]:
-    """Train (resuming if the output folder holds a checkpoint), evaluate, plot; returns (trainer, accuracy)."""
+    """Train (resuming if the output folder holds a checkpoint), evaluate, plot; returns (trainer, accuracy).
+
+    eval.json holds the accuracy per length, the baselines that apply, and each held-out example's greedy
+    completion (what a reloaded model must reproduce)."""
     from .plots import plot_run
     from .trainer import Trainer
 
@@ -118,10 +126,12 @@ def run_training(cfg) -> tuple[object, dict]:
         print(f"\ninterrupted at step {trainer.step}; the last checkpoint in {cfg.output_dir} is intact: "
               "run the same command again to resume.", file=sys.stderr)
         raise SystemExit(130) from None
-    accuracy = trainer.evaluate()
+    samples: list = []
+    accuracy = trainer.evaluate(samples=samples)
     out = Path(cfg.output_dir)
     (out / "eval.json").write_text(json.dumps({"accuracy": accuracy, "baselines": trainer.baselines(),
-                                               "examples_per_length": cfg.eval_examples}, indent=1))
+                                               "examples_per_length": cfg.eval_examples, "samples": samples},
+                                              indent=1))
     plot_run(out, trainer.baselines())
     return trainer, accuracy
 
@@ -132,8 +142,17 @@ def cmd_train(args) -> int:
     cfg = TrainConfig.from_yaml(args.config, _overrides(args))
     trainer, accuracy = run_training(cfg)
     print(_report(trainer, accuracy))
-    print(f"\noutput: {cfg.output_dir} (metrics.jsonl, eval.json, checkpoints/, plots)")
+    final = "model/" if not cfg.lora else ("adapter/, base/" if cfg.model in _tiny_names() else "adapter/")
+    if cfg.lora and cfg.merge_adapter:
+        final += ", model/ (merged)"
+    print(f"\noutput: {cfg.output_dir} ({final}, metrics.jsonl, eval.json, checkpoints/, plots)")
     return 0
+
+
+def _tiny_names():
+    from .models import TINY_CONFIGS
+
+    return TINY_CONFIGS
 
 
 def demo_config(overrides: dict | None = None):
@@ -157,9 +176,9 @@ def cmd_demo(args) -> int:
     print(f"\nheld-out greedy accuracy after {time.perf_counter() - t0:.0f} s "
           f"({cfg.eval_examples} prompts per length):\n")
     print(_report(trainer, accuracy))
-    base = max(trainer.baselines().values())
-    long = {int(k): v for k, v in accuracy.items() if int(k) >= 1024}
-    if long:
+    base = max(trainer.baselines().values(), default=0.0)
+    long = {int(k): v for k, v in accuracy.items() if k.isdigit() and int(k) >= 1024}
+    if long and base > 0:
         length, acc = max(long.items())
         print(f"\nat {length} tokens: {acc / base:.1f}x the better baseline ({base:.3f}).")
     return 0
@@ -277,10 +296,12 @@ def main(argv=None) -> int:
     k.add_argument("--no-gradients", dest="gradients", action="store_false",
                    help="skip the gradient comparison (log-probs and layer outputs only)")
     args = ap.parse_args(argv)
+    from .rewards import RewardFunctionError
+
     try:
         return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
                 "check": cmd_check}[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2
 

@@ -38,7 +38,9 @@ class TrainConfig:
     # ------------------------------------------------------------------ data
     task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
     task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")
-    dataset: str | None = _f(None, "JSONL file of {\"prompt\", \"answer\"} rows (user data)")
+    dataset: str | None = _f(None, "JSONL file of user data: each row a text \"prompt\" or a chat \"messages\" "
+                                   "(formatted with the tokenizer's chat template, generation prompt added); every "
+                                   "other field (\"answer\", ...) goes to the reward functions as a keyword list")
     eval_dataset: str | None = _f(None, "JSONL file of held-out rows for evaluation (default: hold out "
                                         "`eval_fraction` of `dataset`)")
     eval_fraction: float = _f(0.1, "fraction of `dataset` rows held out for evaluation, chosen by `seed`, when no "
@@ -63,9 +65,16 @@ class TrainConfig:
     epsilon_high: float | None = _f(None, "upper clip (None: epsilon)")
     beta: float = _f(0.0, "KL coefficient against the reference policy (adapters disabled); 0 skips it")
     importance_sampling_level: str = _f("token", f"one of {IMPORTANCE_SAMPLING_LEVELS}")
+    use_bias_correction_kl: bool = _f(True, "multiply the per-token KL by the importance ratio (TRL 1.16's default, "
+                                            "the unbiased reverse-KL gradient of DeepSeek-V3.2); false: plain k3")
     scale_rewards: str = _f("group", f"one of {SCALE_REWARDS}")
     mask_truncated_completions: bool = _f(False, "exclude responses without a stop token from the loss")
-    reward_funcs: list = _f([], f"reward functions by name ({sorted(REWARD_FUNCTIONS)}); empty: the task's own")
+    reward_funcs: list = _f([], f"reward functions: built-in names ({sorted(REWARD_FUNCTIONS)}), "
+                                "'package.module:function' or 'path/to/file.py:function', TRL's signature "
+                                "(prompts, completions, **columns) -> list[float]; empty: the task's own")
+    rollout_func: str | None = _f(None, "rollout hook 'package.module:function' or 'path/to/file.py:function': "
+                                        "(sampler, example, num_generations) -> responses with token ids, mask and "
+                                        "old log-probs (multi-turn, tool output; see longstraw.rollout)")
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -85,7 +94,12 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "gradient clipping (0: off)")
     seed: int = _f(0, "seed of the model initialisation, the data and the sampler")
     # ------------------------------------------------------------------ output
-    output_dir: str = _f("runs/longstraw", "where metrics, checkpoints, the adapter and plots go")
+    output_dir: str = _f("runs/longstraw", "where metrics, checkpoints, the final model (model/ or adapter/) and "
+                                           "plots go")
+    merge_adapter: bool = _f(False, "with LoRA, also write the merged model to OUTPUT/model (a plain transformers "
+                                    "folder) beside OUTPUT/adapter")
+    report_to: list = _f([], "extra metric sinks besides metrics.jsonl: [tensorboard] (needs the tensorboard "
+                             "package; event files in OUTPUT/tensorboard)")
     save_every: int = _f(1, "checkpoint every N steps (the last step is always saved)")
     eval_every: int = _f(0, "held-out evaluation every N steps (0: only at the end)")
     eval_lengths: list = _f([], "prompt lengths of the held-out evaluation (empty: prompt_length)")
@@ -110,8 +124,12 @@ class TrainConfig:
         need(self.dataset is not None or self.task in TASKS, f"task must be one of {sorted(TASKS)}")
         need(0.0 <= self.eval_fraction < 1.0, "eval_fraction must be in [0, 1)")
         need(self.eval_dataset is None or self.dataset is not None, "eval_dataset needs a `dataset` to train on")
-        need(all(r in REWARD_FUNCTIONS for r in self.reward_funcs),
-             f"reward_funcs must be among {sorted(REWARD_FUNCTIONS)}")
+        need(all(isinstance(r, str) and (r in REWARD_FUNCTIONS or ":" in r) for r in self.reward_funcs),
+             f"reward_funcs entries must be built-in names {sorted(REWARD_FUNCTIONS)} or import paths "
+             "'package.module:function' / 'path/to/file.py:function'")
+        need(self.rollout_func is None or ":" in self.rollout_func,
+             "rollout_func must be an import path 'package.module:function' or 'path/to/file.py:function'")
+        need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
              "reward_weights needs one weight per reward function")
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")

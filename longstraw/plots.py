@@ -1,4 +1,9 @@
-"""PNG plots of a run's output folder: reward, held-out accuracy per context length, memory."""
+"""PNG plots of a run's output folder: reward and loss, held-out accuracy per context length, memory.
+
+reward.png has one panel per phase, each against its own steps: GRPO reward and loss against the GRPO
+step count (a short GRPO phase after a long warm-up stays readable), the supervised warm-up's loss
+against the warm-up steps.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,43 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _smooth(values: list[float]) -> tuple[list[float], int]:
+    k = max(1, len(values) // 20)
+    return [sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1])
+            for i in range(len(values))], k
+
+
+def _grpo_panel(ax, grpo: list[dict]) -> None:
+    x = list(range(1, len(grpo) + 1))
+    reward = [r["reward"] for r in grpo]
+    ax.plot(x, reward, ".", alpha=0.35, label="reward (per step)")
+    smooth, k = _smooth(reward)
+    ax.plot(x, smooth, "-", label=f"reward (mean of {k})")
+    ax.set_xlabel(f"GRPO step (run steps {grpo[0]['step']}..{grpo[-1]['step']})")
+    ax.set_ylabel("mean reward")
+    loss_ax = ax.twinx()
+    loss_ax.plot(x, [r["loss"] for r in grpo], "-", color="tab:red", alpha=0.5, label="GRPO loss")
+    loss_ax.set_ylabel("GRPO loss")
+    ax.set_title("GRPO")
+    ax.legend(loc="upper left", fontsize=8)
+    loss_ax.legend(loc="upper right", fontsize=8)
+
+
+def _warmup_panel(ax, sft: list[dict]) -> None:
+    ax.plot([r["step"] for r in sft], [r["loss"] for r in sft], "-", color="gray")
+    ax.set_xlabel("warm-up step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("supervised warm-up")
+
+
+def _save(fig, path: Path, written: list) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    written.append(path)
+
+
 def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
     """Write reward.png, eval_accuracy.png and memory.png into `run`; returns the files written."""
     import matplotlib
@@ -22,34 +64,16 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
 
     run = Path(run)
     rows = _rows(run)
-    written = []
+    written: list[Path] = []
     if not rows:
         return written
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
     grpo = [r for r in rows if r.get("phase") == "grpo"]
     sft = [r for r in rows if r.get("phase") == "sft"]
-    if grpo:
-        ax.plot([r["step"] for r in grpo], [r["reward"] for r in grpo], ".", alpha=0.35, label="reward (per step)")
-        k = max(1, len(grpo) // 20)
-        smooth = [sum(r["reward"] for r in grpo[max(0, i - k + 1) : i + 1]) / len(grpo[max(0, i - k + 1) : i + 1])
-                  for i in range(len(grpo))]
-        ax.plot([r["step"] for r in grpo], smooth, "-", label=f"reward (mean of {k})")
-    if sft:
-        ax2 = ax.twinx()
-        ax2.plot([r["step"] for r in sft], [r["loss"] for r in sft], "-", color="gray", alpha=0.6, label="warm-up loss")
-        ax2.set_ylabel("supervised warm-up loss (nats/token)")
-        ax2.legend(loc="upper right", fontsize=8)
-        ax.set_zorder(ax2.get_zorder() + 1)  # rewards drawn over the warm-up curve
-        ax.patch.set_visible(False)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("GRPO reward (after the supervised warm-up)" if sft else "GRPO reward")
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run / "reward.png", dpi=100)
-    plt.close(fig)
-    written.append(run / "reward.png")
+    panels = [p for p in (("grpo", grpo), ("sft", sft)) if p[1]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(6.5, 3.3 * len(panels)), squeeze=False)
+    for ax, (kind, part) in zip(axes[:, 0], panels):
+        (_grpo_panel if kind == "grpo" else _warmup_panel)(ax, part)
+    _save(fig, run / "reward.png", written)
 
     evals = [(r["step"], r["eval"]) for r in rows if "eval" in r]
     final = run / "eval.json"
@@ -63,25 +87,23 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
         for name, value in (baselines or {}).items():
             ax.axhline(value, ls=":", color="gray")
             ax.text(0, value, f" {name} {value:.3f}", va="bottom", fontsize=8, color="gray")
-        ax.set_ylim(0, 1.02)
         ax.set_xlabel("step")
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.set_title("held-out accuracy per context length")
+        ax.set_ylabel("held-out greedy accuracy (mean reward)")
+        ax.set_title("held-out accuracy")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(run / "eval_accuracy.png", dpi=100)
-        plt.close(fig)
-        written.append(run / "eval_accuracy.png")
+        _save(fig, run / "eval_accuracy.png", written)
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot([r["step"] for r in rows], [r["step_mem_mb"] for r in rows], ".-", label="step memory (MiB)")
-    ax.plot([r["step"] for r in rows], [r["durable_bytes"] / 2**20 for r in rows], "--", label="durable state (MiB)")
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["step_mem_mb"] for r in rows], ".-", label="step (peak of the stages)")
+    for stage in ("capture", "sample", "replay"):
+        key = f"mem_{stage}_mb"
+        if any(key in r for r in rows):
+            ax.plot(steps, [r.get(key, float("nan")) for r in rows], ".", alpha=0.6, label=stage)
+    ax.plot(steps, [r["durable_bytes"] / 2**20 for r in rows], "--", label="durable state")
     ax.set_xlabel("step")
-    ax.set_ylabel("MiB")
-    ax.set_title("memory per step (peak RSS − RSS before the step)")
+    ax.set_ylabel("MiB above the step's start")
+    ax.set_title("peak memory per step and stage")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run / "memory.png", dpi=100)
-    plt.close(fig)
-    written.append(run / "memory.png")
+    _save(fig, run / "memory.png", written)
     return written

@@ -66,11 +66,13 @@ def _check(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
 @torch.no_grad()
 def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
            top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,
-           allowed_token_ids=None) -> Samples:
+           allowed_token_ids=None, prefix_ids=None) -> Samples:
     """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc).
 
     `allowed_token_ids`: restrict the choice (sampling or greedy) to these tokens; the returned
     log-probs stay those of the unrestricted distribution (the policy being trained).
+    `prefix_ids` `[L]`: tokens already in the response (earlier turns, tool output): read once into
+    every row's own state, then decoding continues after them; returned tokens exclude the prefix.
     """
     parts = state._parts
     vocab = parts.config.vocab_size
@@ -95,6 +97,12 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
     truncated = torch.ones(num, dtype=torch.bool, device=device)
     step_input = state.last_token.expand(num)[:, None]
     start = state.prompt_length - 1
+    if prefix_ids is not None and len(prefix_ids) > 0:
+        prefix = torch.as_tensor(prefix_ids, dtype=torch.long, device=device).reshape(-1)
+        read = torch.cat([state.last_token, prefix[:-1]])  # the prefix's own K/V or states, batch of num
+        run_decoder(parts, read.expand(num, -1), torch.arange(start, start + read.numel(), device=device), cache)
+        step_input = prefix[-1:].expand(num)[:, None]
+        start += prefix.numel()
     for t in range(max_new_tokens):
         positions = torch.tensor([start + t], device=device)
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]

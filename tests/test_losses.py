@@ -13,70 +13,128 @@ from .conftest import rel_err
 OPTIONS = [
     pytest.param(dict(), id="defaults"),
     pytest.param(dict(epsilon=0.1, epsilon_high=0.28), id="clip-higher"),
-    pytest.param(dict(beta=0.04), id="kl"),
+    pytest.param(dict(beta=0.04), id="kl-bias-corrected"),
+    pytest.param(dict(beta=0.04, use_bias_correction_kl=False), id="kl-plain-k3"),
     pytest.param(dict(importance_sampling_level="sequence", beta=0.1), id="sequence-level-kl"),
 ]
 
+LENGTHS = [3, 12, 7, 1, 12, 5]
+GROUPS = [0, 0, 0, 1, 1, 1]
+LMAX = 12
 
-def _batch(seed: int, lengths, truncated, mask_truncated: bool):
+
+def _batch(seed: int, lengths, truncated, mask_truncated: bool, env_tokens: bool, shift: float = 0.0):
+    """Per-response leaves, old/ref log-probs near them (some ratios clip), advantages, and masks `[T]`:
+    zeros for a masked truncated response, zeros on a few "environment" tokens with `env_tokens`."""
     g = torch.Generator().manual_seed(seed)
-    n, lmax = len(lengths), 12
     logps = [(-torch.rand(l, generator=g) * 3).requires_grad_() for l in lengths]
-    # old/ref close to current so that some ratios clip and some don't
     old = [(lp.detach() + 0.3 * torch.randn(l, generator=g)) for lp, l in zip(logps, lengths)]
     ref = [(lp.detach() + 0.5 * torch.randn(l, generator=g)) for lp, l in zip(logps, lengths)]
-    adv = torch.randn(n, generator=g)
-    masked = [bool(t and mask_truncated) for t in truncated]
-    return logps, old, ref, adv, masked, lmax
+    adv = torch.randn(len(lengths), generator=g)
+    old = [o + shift * torch.randn((), generator=g) for o in old]  # whole-response drift (sequence-level clipping)
+    masks = []
+    for l, t in zip(lengths, truncated):
+        m = torch.zeros(l) if (t and mask_truncated) else torch.ones(l)
+        if env_tokens and l > 3:
+            m[1:3] = 0.0  # two tool-output tokens in the middle of the response
+        masks.append(m)
+    return logps, old, ref, adv, masks
 
 
-@pytest.mark.parametrize("mask_truncated", [False, True], ids=["keep-truncated", "mask-truncated"])
-@pytest.mark.parametrize("options", OPTIONS)
-@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
-def test_serial_accumulation_equals_batched_reference(loss_type, options, mask_truncated):
-    lengths = [3, 12, 7, 1, 12, 5]
-    truncated = [False, True, False, False, True, False]
-    groups = [0, 0, 0, 1, 1, 1]
-    logps, old, ref, adv, masked, lmax = _batch(7, lengths, truncated, mask_truncated)
-    loss_fn = make_loss(loss_type, **options)
+def _pad(xs, value=0.0):
+    return torch.stack([torch.nn.functional.pad(x, (0, LMAX - x.numel()), value=value) for x in xs])
 
-    # serial: the normalizer first, then one response at a time, each with its own backward
-    eff_lengths = [0 if m else l for l, m in zip(lengths, masked)]
-    norm = loss_fn.normalizer(eff_lengths, groups, max_completion_length=lmax)
+
+def _serial(loss_fn, logps, old, ref, adv, masks):
+    """The production path: the normalizer from unmasked counts first, then one backward per response."""
+    norm = loss_fn.normalizer([int(m.sum()) for m in masks], GROUPS, max_completion_length=LMAX)
     total = 0.0
-    for i in range(len(lengths)):
-        mask = torch.zeros(lengths[i]) if masked[i] else None
-        part, _ = loss_fn.response_loss(logps[i], old[i], adv[i], norm[i], ref_logps=ref[i], mask=mask)
+    for i in range(len(logps)):
+        part, _ = loss_fn.response_loss(logps[i], old[i], adv[i], norm[i], ref_logps=ref[i], mask=masks[i])
         part.backward()
         total += part.item()
-    serial_grads = [lp.grad.clone() for lp in logps]
+    return total, [lp.grad.clone() for lp in logps]
 
-    # batched: padded tensors and a completion mask, as TRL computes it
-    def pad(xs):
-        return torch.stack([torch.nn.functional.pad(x, (0, lmax - x.numel())) for x in xs])
 
-    leaf = [lp.detach().clone().requires_grad_() for lp in logps]
-    mask = pad([torch.zeros(l) if m else torch.ones(l) for l, m in zip(lengths, masked)])
-    # padding positions must not matter: put finite junk there
-    batched = batched_loss(loss_type, pad(leaf) + (1 - pad([torch.ones(l) for l in lengths])) * -0.5,
-                           pad(old), adv, mask, ref_logps=pad(ref), max_completion_length=lmax,
-                           group_ids=groups, **options)
-    batched.backward()
-    assert abs(total - batched.item()) <= 1e-5 * max(abs(batched.item()), 1e-6)
-    for a, b in zip(serial_grads, [x.grad for x in leaf]):
+def _assert_grads_equal(got, want, tol=1e-5):
+    for a, b in zip(got, want):
         if b.abs().max() == 0:
             assert a.abs().max() == 0
         else:
-            assert rel_err(a, b) <= 1e-5
+            assert rel_err(a, b) <= tol
+
+
+@pytest.mark.parametrize("masks", ["keep-truncated", "mask-truncated", "env-tokens"])
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_serial_accumulation_equals_batched_reference(loss_type, options, masks):
+    truncated = [False, True, False, False, True, False]
+    logps, old, ref, adv, m = _batch(7, LENGTHS, truncated, masks == "mask-truncated", masks == "env-tokens")
+    total, serial_grads = _serial(make_loss(loss_type, **options), logps, old, ref, adv, m)
+
+    leaf = [lp.detach().clone().requires_grad_() for lp in logps]
+    # padding and masked positions must not matter: finite junk there
+    junk = (1 - _pad(m)) * -0.5
+    batched = batched_loss(loss_type, _pad(leaf) + junk, _pad(old), adv, _pad(m), ref_logps=_pad(ref),
+                           max_completion_length=LMAX, group_ids=GROUPS, **options)
+    batched.backward()
+    assert abs(total - batched.item()) <= 1e-5 * max(abs(batched.item()), 1e-6)
+    _assert_grads_equal(serial_grads, [x.grad for x in leaf])
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+def test_batched_reference_and_serial_equal_trl_compute_loss(tmp_path, loss_type, options):
+    """TRL 1.16's `_compute_loss` on the same per-token log-probs, old log-probs, advantages and masks
+    (tool-output tokens as TRL's `tool_mask`). TRL's bnpo is one token mean over its micro-batch: the
+    same as longstraw's per-group bnpo when the batch is one group."""
+    from .trl_oracle import trl_config, trl_loss
+
+    truncated = [False] * len(LENGTHS)
+    logps, old, ref, adv, m = _batch(11, LENGTHS, truncated, False, env_tokens=True, shift=0.5)
+    groups = [0] * len(LENGTHS) if loss_type == "bnpo" else GROUPS
+    loss_fn = make_loss(loss_type, **options)
+    norm = loss_fn.normalizer([int(x.sum()) for x in m], groups, max_completion_length=LMAX)
+    total = 0.0
+    for i in range(len(logps)):
+        part, stats = loss_fn.response_loss(logps[i], old[i], adv[i], norm[i], ref_logps=ref[i], mask=m[i])
+        part.backward()
+        total += part.item()
+    clipped = sum(int((s := loss_fn.per_token(logps[i], old[i], adv[i], ref[i], m[i])[1]).low_clipped.sum()
+                      + s.high_clipped.sum()) for i in range(len(logps)))
+    assert clipped > 0  # clipping is active: the test covers both branches of the surrogate
+
+    args = trl_config(tmp_path, loss_type=loss_type, max_completion_length=LMAX, **options)
+    leaf = _pad([lp.detach() for lp in logps]).requires_grad_()
+    completion = _pad([torch.ones(l) for l in LENGTHS])
+    tool_mask = _pad(m, value=1.0)  # TRL pads tool_mask with 1; the completion mask zeroes padding
+    trl = trl_loss(args, lambda: (leaf, torch.zeros_like(leaf)), completion, adv, _pad(old), _pad(ref), tool_mask)
+    trl.backward()
+    assert abs(total - trl.item()) <= 1e-5 * abs(trl.item())
+    trl_grads = [leaf.grad[i, :l] for i, l in enumerate(LENGTHS)]
+    _assert_grads_equal([lp.grad for lp in logps], trl_grads)
 
 
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
-def test_doubling_the_normalizer_halves_the_loss(loss_type):
+def test_duplicating_the_batch_leaves_the_loss_unchanged(loss_type):
+    """Every loss type is a mean (over tokens, responses or groups, or a fixed N · L for dr_grpo): the same
+    batch twice, as two more groups, gives the same loss. A normalizer that forgets a factor of N, of the
+    token count or of the group count fails this."""
+    truncated = [False] * len(LENGTHS)
+    logps, old, ref, adv, m = _batch(5, LENGTHS, truncated, False, env_tokens=True)
     loss_fn = make_loss(loss_type, beta=0.1)
-    lp = torch.tensor([-1.0, -2.0, -0.5])
-    a, _ = loss_fn.response_loss(lp, lp + 0.1, 0.7, scale=0.25, ref_logps=lp - 0.2)
-    b, _ = loss_fn.response_loss(lp, lp + 0.1, 0.7, scale=0.125, ref_logps=lp - 0.2)
-    assert torch.isclose(a, 2 * b)
+
+    def loss(copies):
+        n = len(LENGTHS)
+        lengths = [int(x.sum()) for x in m] * copies
+        groups = [g + 2 * c for c in range(copies) for g in GROUPS]
+        norm = loss_fn.normalizer(lengths, groups, LMAX)
+        return sum(float(loss_fn.response_loss(logps[i % n], old[i % n], adv[i % n], norm[i], ref_logps=ref[i % n],
+                                               mask=m[i % n])[0].detach()) for i in range(copies * n))
+
+    one, two = loss(1), loss(2)
+    assert abs(one) > 1e-3
+    assert abs(one - two) <= 1e-6 * abs(one)
 
 
 def test_normalizers_are_what_their_names_say():

@@ -44,8 +44,7 @@ def _same(rows_a, rows_b):
 def test_one_optimizer_step_per_batch(tmp_path, prompt_grad):
     trainer = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, prompt_grad=prompt_grad))
     calls = []
-    orig = trainer.opt.step
-    trainer.opt.step = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    trainer.opt.register_step_post_hook(lambda *a: calls.append(1))
     rows = trainer.train()
     assert len(calls) == 2 and [r["step"] for r in rows] == [1, 2]
     assert all(r["phase"] == "grpo" and r["durable_bytes"] > 0 for r in rows)
@@ -152,8 +151,8 @@ def test_unknown_config_field_and_empty_dataset(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         Trainer(_cfg(tmp_path, dataset=str(empty)))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "k1 v1 ? k1 ="}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    bad.write_text('{"prompt": "k1 v1 ? k1 =", "answer": "v1"}\n{"question": "k1 v1 ? k1 ="}\n')
+    with pytest.raises(ValueError, match=r'bad.jsonl:2: each row needs exactly one of the fields "prompt"'):
         Trainer(_cfg(tmp_path, dataset=str(bad)))
 
 

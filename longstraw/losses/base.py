@@ -4,12 +4,22 @@ Per token t of response i (TRL ≥ 0.22 conventions):
 
     ρ_it = exp(logp_it − old_it)                    importance_sampling_level="token"
     ρ_it = exp(mean_t(logp_it − old_it))            importance_sampling_level="sequence" (GSPO)
-    l_it = −min(ρ_it·A_i, clip(ρ_it, 1 − ε, 1 + ε_high)·A_i) + β·(exp(ref_it − logp_it) − (ref_it − logp_it) − 1)
+    k_it = exp(ref_it − logp_it) − (ref_it − logp_it) − 1           (k3 estimator of KL(π‖π_ref))
+    l_it = −min(ρ_it·A_i, clip(ρ_it, 1 − ε, 1 + ε_high)·A_i) + β·ρ_it·k_it   use_bias_correction_kl=True
+    l_it = −min(ρ_it·A_i, clip(ρ_it, 1 − ε, 1 + ε_high)·A_i) + β·k_it        use_bias_correction_kl=False
 
-The batch loss is Σ_i Σ_t scale_i · l_it over unmasked tokens, where `scale_i` comes from the loss
-type's normalizer (`Normalizer`), computed from all response lengths *before* the first backward,
-so that backpropagating each response on its own (serial replay) gives the gradient of the batched
-loss exactly.
+The ρ·k form is TRL 1.16's default (`use_bias_correction_kl=True`, from DeepSeek-V3.2): the ratio is
+differentiable, so it changes the KL gradient even on-policy where its value is 1 (the unbiased
+reverse-KL gradient); without it the k3 gradient is biased for samples of the old policy.
+
+A response mask `[T]` (1: a token the policy wrote; 0: a tool or environment token it only reads, or
+a whole truncated response masked out) removes tokens from the loss, from the sequence-level ratio's
+mean and, through the lengths the caller passes, from the normalizer.
+
+The batch loss is Σ_i Σ_t scale_i · mask_it · l_it, where `scale_i` comes from the loss type's
+normalizer (`Normalizer`), computed from all responses' unmasked token counts *before* the first
+backward, so that backpropagating each response on its own (serial replay) gives the gradient of the
+batched loss exactly.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ class GRPOLoss:
     #: KL coefficient against the reference policy (k3 estimator); 0 skips the reference entirely.
     beta: float = 0.0
     importance_sampling_level: str = "token"
+    #: multiply the per-token KL by the importance ratio ρ (TRL 1.16's default); False: plain k3.
+    use_bias_correction_kl: bool = True
     loss_type: str = field(default="grpo", init=False)
 
     def __post_init__(self):
@@ -89,11 +101,13 @@ class GRPOLoss:
         return Normalizer(tuple(1.0 / (max(l, 1) * n) for l in lengths), f"grpo: 1/(|o_i|·{n})")
 
     # ------------------------------------------------------------------ per token
-    def per_token(self, logps, old_logps, advantage, ref_logps=None) -> tuple[torch.Tensor, TokenStats]:
-        """l_t `[T]` for one response and its diagnostics. `advantage` is a float or 0-d tensor."""
+    def per_token(self, logps, old_logps, advantage, ref_logps=None, mask=None) -> tuple[torch.Tensor, TokenStats]:
+        """l_t `[T]` for one response and its diagnostics. `advantage` is a float or 0-d tensor; `mask` `[T]`
+        (None: all ones) only matters here for the sequence-level ratio, a mean over unmasked tokens."""
         log_ratio = logps - old_logps
         if self.importance_sampling_level == "sequence":
-            log_ratio = log_ratio.mean().expand_as(logps)
+            m = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+            log_ratio = ((log_ratio * m).sum() / m.sum().clamp(min=1.0)).expand_as(logps)
         coef_1 = torch.exp(log_ratio)
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon, 1 + self.eps_high)
         adv = torch.as_tensor(advantage, dtype=logps.dtype, device=logps.device)
@@ -104,6 +118,8 @@ class GRPOLoss:
                 raise ValueError("beta > 0 needs the reference policy's log-probs (ref_logps)")
             d = ref_logps - logps
             kl = torch.exp(d) - d - 1
+            if self.use_bias_correction_kl:
+                kl = kl * coef_1
             loss = loss + self.beta * kl
         with torch.no_grad():
             stats = TokenStats(
@@ -114,10 +130,10 @@ class GRPOLoss:
         return loss, stats
 
     def response_loss(self, logps, old_logps, advantage, scale: float, ref_logps=None, mask=None):
-        """scale · Σ_t l_t over the response's unmasked tokens: its share of the batch loss."""
-        loss, stats = self.per_token(logps, old_logps, advantage, ref_logps)
+        """scale · Σ_t mask_t · l_t: one response's share of the batch loss (`mask` `[T]`, None: all ones)."""
+        loss, stats = self.per_token(logps, old_logps, advantage, ref_logps, mask)
         if mask is not None:
-            loss = loss * mask
+            loss = loss * mask.to(loss.dtype)
         return loss.sum() * scale, stats
 
 

@@ -2,28 +2,52 @@
 
 A task makes `Example(prompt, answer, length)` items from a seed: the same (seed, index) always gives
 the same example, so a resumed run sees exactly the data it would have seen. Rewards follow TRL's
-signature `(prompts, completions, **kwargs) -> list[float]`, with the dataset's `answer` column in
-kwargs.
+signature `(prompts, completions, **kwargs) -> list[float]`, with the dataset's other columns (the
+built-in tasks' `answer`) as keyword lists.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Example:
-    """A prompt and its answer. `supervised`: prompt token positions that a supervised warm-up also
-    trains on (each predicted from the position before it), e.g. rehearsed answers inside the prompt."""
+    """A prompt and its answer.
+
+    prompt: the text the model reads (for chat rows, the chat template's output, generation prompt added);
+    answer: the reference answer (built-in tasks, supervised warm-up), None when the data has none;
+    supervised: prompt token positions that a supervised warm-up also trains on (each predicted from the
+    position before it), e.g. rehearsed answers inside the prompt;
+    messages: the chat of a `messages` row (reward functions get it as the prompt, as TRL passes
+    conversational prompts), None for text prompts;
+    columns: every other field of the data row, handed to reward functions as keyword lists;
+    source: where the row comes from, for error messages ("data.jsonl:7").
+    """
 
     prompt: str
-    answer: str
+    answer: str | None
     supervised: tuple[int, ...] = ()
+    messages: list | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    def reward_columns(self) -> dict[str, Any]:
+        """The keyword columns reward functions receive for this row (`answer` included when set)."""
+        return self.columns if self.answer is None else {"answer": self.answer, **self.columns}
 
 
-def _words(text: str) -> list[str]:
-    return text.replace("[EOS]", " ").split()
+def _text(completion) -> str:
+    """A completion as text: a string, or a conversational completion [{"role": ..., "content": ...}]."""
+    if isinstance(completion, list):
+        return " ".join(str(m.get("content", "")) for m in completion)
+    return completion
+
+
+def _words(text) -> list[str]:
+    return _text(text).replace("[EOS]", " ").split()
 
 
 def exact_match(prompts, completions, answer, **kwargs) -> list[float]:

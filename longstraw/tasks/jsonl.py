@@ -1,4 +1,12 @@
-"""User data: a JSONL file of {"prompt": ..., "answer": ...} objects, one per line."""
+"""User data: a JSONL file, one row per line, each a text `prompt` or a chat `messages`.
+
+    {"prompt": "k3 v1 k7 v5 ? k3 =", "answer": "v1"}
+    {"messages": [{"role": "user", "content": "..."}], "answer": "v1", "difficulty": 2}
+
+A `messages` row is formatted with the tokenizer's chat template, generation prompt added (the text the
+model continues). Every other field (`answer`, `difficulty`, ...) is handed to the reward functions as
+a keyword list, one entry per completion, as TRL does. Errors name the file and line, before training.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +15,41 @@ from pathlib import Path
 
 from .base import Example
 
+PROMPT_FIELDS = ("prompt", "messages")
 
-def load_jsonl(path: str | Path) -> list[Example]:
-    """Examples of a JSONL file, with errors that name the line."""
+
+def _chat(tokenizer, messages, where: str) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: a `messages` row needs a tokenizer with a chat template (tokenizer.chat_template "
+                         "is not set); give text `prompt` rows or a model folder whose tokenizer has one")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages) or not messages:
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def parse_row(row, where: str, tokenizer=None) -> Example:
+    """One JSON object as an `Example`; `where` ("file:line") names it in errors."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: each line must be a JSON object")
+    has = [f for f in PROMPT_FIELDS if f in row]
+    if len(has) != 1:
+        raise ValueError(f'{where}: each row needs exactly one of the fields "prompt" (text) or "messages" (a chat); '
+                         f"found {has or 'neither'}")
+    answer = row.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise ValueError(f'{where}: "answer" must be a string')
+    columns = {k: v for k, v in row.items() if k not in (*PROMPT_FIELDS, "answer")}
+    if has == ["prompt"]:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        return Example(row["prompt"], answer, columns=columns, source=where)
+    return Example(_chat(tokenizer, row["messages"], where), answer, messages=row["messages"], columns=columns,
+                   source=where)
+
+
+def load_jsonl(path: str | Path, tokenizer=None) -> list[Example]:
+    """Examples of a JSONL file (see the module doc); `tokenizer` formats `messages` rows."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
@@ -21,9 +61,7 @@ def load_jsonl(path: str | Path) -> list[Example]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("answer"), str):
-            raise ValueError(f'{path}:{n}: each line needs string fields "prompt" and "answer"')
-        out.append(Example(row["prompt"], row["answer"]))
+        out.append(parse_row(row, f"{path}:{n}", tokenizer))
     if not out:
         raise ValueError(f"dataset {path} is empty")
     return out

@@ -1,0 +1,105 @@
+"""Resumable checkpoints: written atomically, read without running any pickled code.
+
+    checkpoints/
+      latest                 the name of the newest complete checkpoint ("step-12")
+      step-12/
+        weights/             the trainable weights: a PEFT adapter folder, or model.safetensors
+        optimizer.pt         optimizer and scheduler state, torch RNG state: tensors and plain containers
+        trainer_state.json   step, data position, Python RNG state, the run's config
+
+A checkpoint is written into a temporary folder and renamed, then `latest` is replaced: an interrupted
+write leaves the previous checkpoint intact. The last two are kept. `optimizer.pt` is read with
+`torch.load(weights_only=True)`: a file holding anything but tensors and plain containers (a pickled
+callable, say) is refused instead of executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+KEEP = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read safely or completely."""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_weights(model, path: Path) -> None:
+    """The trainable weights: an adapter folder (PEFT) or `model.safetensors` (full fine-tuning)."""
+    if is_peft(model):
+        model.save_pretrained(path)
+    else:
+        from safetensors.torch import save_model
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(path / "model.safetensors"))  # shared (tied) tensors stored once
+
+
+def load_weights(model, path: Path) -> None:
+    from safetensors.torch import load_file, load_model
+
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    else:
+        load_model(model, str(path / "model.safetensors"))
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_state: dict) -> Path:
+    """Write `root/step-{step}` atomically and point `latest` at it; keeps the last `KEEP` checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_weights(model, tmp / "weights")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    version, internal, gauss = random.getstate()
+    state = {"step": step, **trainer_state, "python_rng": [version, list(internal), gauss]}
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write(root / "latest", final.name)
+    for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(root: Path, model, optimizer, scheduler) -> dict | None:
+    """Restore the newest checkpoint under `root` into model, optimizer, scheduler and the RNGs; returns its
+    trainer state (`step`, ...), or None when there is none."""
+    latest = root / "latest"
+    if not latest.exists():
+        return None
+    ckpt = root / latest.read_text().strip()
+    try:
+        blob = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{ckpt / 'optimizer.pt'} holds objects other than tensors and plain containers: "
+                              f"refused (it could run code when loaded). {str(e).splitlines()[0]}") from None
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    load_weights(model, ckpt / "weights")
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    return state

@@ -1,0 +1,83 @@
+"""Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard (`report_to`).
+
+`metrics.jsonl` holds one JSON object per optimizer step. On resume, rows of steps after the
+checkpoint (written by the interrupted run, to be redone) are dropped first. TensorBoard event files go
+to `OUTPUT/tensorboard/` when `report_to: [tensorboard]` and `torch.utils.tensorboard` can be imported
+(the `tensorboard` package; not a dependency of longstraw).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the metrics of steps ≤ last_step (the ones a resumed run does not redo)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interruption
+        if row.get("step", 0) <= last_step:
+            keep.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
+
+
+def tensorboard_available() -> bool:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MetricsWriter:
+    """Context manager: `write(metrics)` once per step."""
+
+    def __init__(self, out: Path, resumed_step: int, cfg):
+        self.path = Path(out) / "metrics.jsonl"
+        trim_metrics(self.path, resumed_step)
+        self.bar = self.tb = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.num_steps, initial=resumed_step, desc="longstraw", unit="step",
+                            dynamic_ncols=True)
+        if "tensorboard" in cfg.report_to:
+            if not tensorboard_available():
+                raise ValueError("report_to: tensorboard needs the `tensorboard` package (pip install tensorboard)")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(Path(out) / "tensorboard"), purge_step=resumed_step + 1)
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def write(self, m: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.tb is not None:
+            for key, value in m.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(f"{m['phase']}/{key}" if key in ("loss",) else key, value, m["step"])
+            for length, acc in m.get("eval", {}).items():
+                self.tb.add_scalar(f"eval/accuracy/{length}", acc, m["step"])
+        if self.bar is not None:
+            self.bar.update(1)
+            post = {"loss": f"{m['loss']:.3f}", "len": m["prompt_length"]}
+            if "reward" in m:
+                post["reward"] = f"{m['reward']:.2f}"
+            self.bar.set_postfix(post, refresh=False)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,235 @@
+"""Rollout: a step's prompts → scored responses with advantages (no gradients anywhere).
+
+For each prompt:
+1. capture its durable state once (`longstraw.capture`);
+2. sample G responses from that one state (`state.sample`: their log-probs are the "old" ones), or let
+   a rollout hook build them (multi-turn, tool output) through the same state's `TurnSampler`;
+3. score them with the reward functions (`RewardSet`);
+4. with `beta > 0`, the reference policy's log-probs (adapters disabled, a second capture).
+Then the advantages are computed per group over the weighted rewards. The update stage
+(`longstraw.update`) replays what this stage returns.
+
+Memory: one prompt state at a time, except that with one prompt per step it is kept for the update
+(no second capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import capture
+from .losses import combine_rewards, group_advantages
+from .memory import MemoryMeter
+from .rewards import RewardSet
+from .sampler import Samples, sample
+from .state import PromptState
+from .tasks import Example
+
+
+@dataclass
+class Policy:
+    """What the stages need of the model: the model (PEFT-wrapped or not), its tokenizer, the stop token,
+    and the tokens sampling may choose (None: all)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    eos_token_id: int
+    allowed_token_ids: list[int] | None = None
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids `[P]` of a prompt (no special tokens added: a chat template writes its own)."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {text[:60]!r} encodes to no tokens")
+        return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class Response:
+    """One response: `tokens` `[R]`, its old log-probs `[R]` (float32, from sampling), `mask` `[R]` float32
+    (1: a token the policy wrote, in the loss; 0: a tool or environment token it only reads), whether it
+    was cut at max_completion_length, and the reference log-probs `[R]` when beta > 0."""
+
+    tokens: torch.Tensor
+    old_logprobs: torch.Tensor
+    mask: torch.Tensor
+    truncated: bool
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class Group:
+    """One prompt and its G responses; `rewards` `[G, F]` per reward function; `state` kept for the update."""
+
+    example: Example
+    prompt_ids: torch.Tensor
+    responses: list[Response]
+    rewards: torch.Tensor
+    state: PromptState | None = None
+
+
+@dataclass
+class Rollout:
+    """A step's groups, their weighted rewards `[N]` and advantages `[N]` (N = groups · G, group-major)."""
+
+    groups: list[Group]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    durable_bytes: int = 0
+    tokens: int = 0
+    per_function: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+
+    @property
+    def responses(self) -> list[Response]:
+        return [r for g in self.groups for r in g.responses]
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [gi for gi, g in enumerate(self.groups) for _ in g.responses]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are drawn (`TrainConfig`'s fields of the same names)."""
+
+    num_generations: int
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "SamplingSettings":
+        return cls(cfg.num_generations, cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
+                   cfg.ignore_eos)
+
+
+class TurnSampler:
+    """The captured prompt's sampler, as a rollout hook receives it.
+
+    `sample(num, max_new_tokens, prefix_ids)` continues after `prompt + prefix_ids` (the response so far:
+    earlier turns and tool output), with the run's temperature, top-p/top-k, stop token and seeded
+    generator; the returned log-probs are the old log-probs of the new tokens. `tokenizer` and
+    `eos_token_id` are there for hooks that decode or append text.
+    """
+
+    def __init__(self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator):
+        self.state, self.settings, self.generator = state, settings, generator
+        self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
+        self._allowed = policy.allowed_token_ids
+
+    def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
+        s = self.settings
+        return sample(self.state, num, max_new_tokens or s.max_completion_length, temperature=s.temperature,
+                      top_p=s.top_p, top_k=s.top_k, stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
+                      generator=self.generator, allowed_token_ids=self._allowed, prefix_ids=prefix_ids)
+
+
+def default_rollout(sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
+    """G single-turn responses sampled together from the prompt state: every token in the loss."""
+    s = sampler.sample(num_generations)
+    return [Response(t, lp, torch.ones(t.numel()), bool(tr)) for t, lp, tr in zip(s.tokens, s.logprobs, s.truncated)]
+
+
+def _as_response(item, where: str, max_len: int, eos: int) -> Response:
+    """A hook's item (a `Response`, or a dict with tokens, mask, logprobs [, truncated]) checked."""
+    if isinstance(item, dict):
+        tokens = torch.as_tensor(item["tokens"], dtype=torch.long).reshape(-1)
+        mask = torch.as_tensor(item.get("mask", torch.ones(tokens.numel())), dtype=torch.float32).reshape(-1)
+        logprobs = torch.as_tensor(item["logprobs"], dtype=torch.float32).reshape(-1)
+        truncated = bool(item.get("truncated", int(tokens[-1]) != eos if tokens.numel() else True))
+        item = Response(tokens, logprobs, mask, truncated)
+    if not isinstance(item, Response):
+        raise TypeError(f"{where}: a rollout hook returns Response objects or dicts with tokens, mask, logprobs")
+    n = item.tokens.numel()
+    if n == 0 or n > max_len:
+        raise ValueError(f"{where}: a response must hold 1..max_completion_length={max_len} tokens; got {n}")
+    if item.mask.numel() != n or item.old_logprobs.numel() != n:
+        raise ValueError(f"{where}: tokens, mask and logprobs differ in length ({n}, {item.mask.numel()}, "
+                         f"{item.old_logprobs.numel()})")
+    if not bool(((item.mask == 0) | (item.mask == 1)).all()):
+        raise ValueError(f"{where}: the mask must hold only 0 and 1")
+    if not bool(torch.isfinite(item.old_logprobs[item.mask > 0]).all()):
+        raise ValueError(f"{where}: old log-probs of policy tokens must be finite")
+    return item
+
+
+def reference_logprobs(model, prompt: torch.Tensor, responses: list[Response], temperature: float,
+                       chunk_size: int) -> list[torch.Tensor]:
+    """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled."""
+    if not hasattr(model, "disable_adapter"):
+        raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
+    with torch.no_grad(), model.disable_adapter():
+        with capture(model, prompt, chunk_size=chunk_size) as ref_state:
+            return [ref_state.replay(r.tokens, temperature=temperature).logprobs for r in responses]
+
+
+@dataclass
+class RolloutStage:
+    """The rollout stage of a run: `collect(examples, step)` → `Rollout`.
+
+    `rollout_func(sampler, example, num_generations) -> list[Response | dict]` replaces the default
+    single-turn sampling (see `TurnSampler`). `generator(step, b)` seeds prompt b of step `step`.
+    """
+
+    policy: Policy
+    rewards: RewardSet
+    settings: SamplingSettings
+    generator: Callable[[int, int], torch.Generator]
+    chunk_size: int = 1024
+    prompt_grad: str = "detached"
+    beta: float = 0.0
+    scale_rewards: str = "group"
+    rollout_func: Callable | None = None
+
+    def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
+        keep_state = len(examples) == 1  # its state serves the update too (no second capture)
+        groups, durable = [], 0
+        for b, ex in enumerate(examples):
+            group, nbytes = self._group(ex, step, b, keep_state, meter)
+            groups.append(group)
+            durable = max(durable, nbytes)
+        per_f = torch.cat([g.rewards for g in groups])
+        total = combine_rewards(per_f, self.rewards.weights)
+        adv = group_advantages(total, self.settings.num_generations, self.scale_rewards)
+        tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in groups)
+        return Rollout(groups, total, adv, durable, tokens, per_f)
+
+    def _group(self, ex: Example, step: int, b: int, keep_state: bool, meter: MemoryMeter) -> tuple[Group, int]:
+        prompt = self.policy.encode(ex.prompt)
+        model = self.policy.model
+        with meter.stage("capture"):
+            mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
+            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode)
+        nbytes = state.nbytes
+        with meter.stage("sample"):
+            sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b))
+            responses = self._responses(sampler, ex)
+        with meter.stage("reward"):
+            texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
+            rewards = self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
+        if self.beta > 0:
+            with meter.stage("reference"):
+                refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size)
+            for r, ref in zip(responses, refs):
+                r.ref_logprobs = ref
+        if not keep_state:
+            state.release()
+            state = None
+        return Group(ex, prompt, responses, rewards, state), nbytes
+
+    def _responses(self, sampler: TurnSampler, ex: Example) -> list[Response]:
+        g = self.settings.num_generations
+        if self.rollout_func is None:
+            return default_rollout(sampler, ex, g)
+        name = getattr(self.rollout_func, "__name__", "rollout_func")
+        items = list(self.rollout_func(sampler, ex, g))
+        if len(items) != g:
+            raise ValueError(f"rollout hook {name!r} returned {len(items)} responses for num_generations={g} "
+                             f"on {ex.source or 'the example'}")
+        return [_as_response(it, f"rollout hook {name!r}, response {i}", self.settings.max_completion_length,
+                             self.policy.eos_token_id) for i, it in enumerate(items)]

@@ -1,0 +1,51 @@
+"""Step memory cannot read 0 for a step that allocated, on the second step as on the first."""
+
+import torch
+
+from longstraw.config import TrainConfig
+from longstraw.memory import MemoryMeter
+from longstraw.trainer import Trainer
+
+
+def _allocate_and_free(n_small: int = 20000) -> None:
+    xs = [torch.ones(256) for _ in range(n_small)]  # ~20 MiB of 1 KiB tensors: the allocator's heap, not mmap
+    del xs
+
+
+def test_meter_sees_a_repeated_allocation_every_time():
+    """The trap: memory freed by step 1 stays resident, so "peak − RSS before" reads ~0 from step 2 on."""
+    meter = MemoryMeter("cpu")
+    seen = []
+    for _ in range(3):
+        meter.start_step()
+        with meter.stage("replay"):
+            _allocate_and_free()
+        seen.append(meter.results()["mem_replay_mb"])
+    assert all(s >= 10.0 for s in seen), seen
+
+
+def test_every_grpo_step_reports_memory_per_stage(tmp_path):
+    """Capture (the prompt state) and replay (one response's graph) allocate fresh memory every step. Sampling
+    at this size fits in heap pages already resident (RSS cannot see it), so it is only required present."""
+    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=512, num_steps=3,
+                      task_options={"num_pairs": 4, "num_values": 8}, num_generations=8, max_completion_length=8,
+                      ignore_eos=True, progress=False, threads=1, lora=False)
+    rows = Trainer(cfg).train()
+    for r in rows:
+        assert r["step_mem_mb"] > 0 and r["mem_capture_mb"] > 0 and r["mem_replay_mb"] > 0, r
+        assert r["mem_sample_mb"] >= 0
+        assert r["step_mem_mb"] == max(v for k, v in r.items() if k.startswith("mem_"))
+
+
+def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path):
+    import pytest
+
+    from longstraw.metrics import tensorboard_available
+
+    if tensorboard_available():
+        pytest.skip("tensorboard is installed here")
+    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=24, num_steps=1,
+                      task_options={"num_pairs": 4, "num_values": 8}, num_generations=2, max_completion_length=1,
+                      progress=False, threads=1, lora=False, report_to=["tensorboard"])
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        Trainer(cfg).train()

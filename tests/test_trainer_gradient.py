@@ -1,0 +1,121 @@
+"""One trainer step's parameter gradient is the gradient of the GRPO loss it claims.
+
+The trainer's rollout (2 prompts × 4 sampled responses of different lengths, rewards, reference
+log-probs) is kept; the policy is then moved (as after earlier updates: ratios ≠ 1, clipping active);
+the trainer's update (exact prompt gradients, serial replay) is compared with
+(a) a plain batched GRPO loss written here from TRL's documented definitions over full-sequence
+    forwards of [prompt + response], and
+(b) TRL 1.16's own `GRPOTrainer._compute_loss` fed the same full-sequence log-probs.
+"""
+
+import pytest
+import torch
+
+from longstraw.config import TrainConfig
+from longstraw.trainer import Trainer
+
+from .conftest import assert_grads_close, rel_err
+from .trl_oracle import trl_config, trl_loss
+
+EPS, BETA, ENT = 0.2, 0.1, 0.01
+
+
+def _trainer(tmp_path, loss_type):
+    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / loss_type), prompt_length=20,
+                      task_options={"num_pairs": 4, "num_values": 8}, num_steps=1, num_generations=4,
+                      prompts_per_step=2, max_completion_length=4, restrict_to_answer_tokens=True, lora=True,
+                      beta=BETA, epsilon=EPS, loss_type=loss_type, prompt_grad="exact", temperature=0.9,
+                      entropy_coef=ENT, progress=False, threads=1, seed=3)
+    return Trainer(cfg, reward_funcs=[_token_sum_reward])
+
+
+def _token_sum_reward(prompts, completions, completion_ids, **kw):
+    """A reward that varies within a group (an untrained model rarely gets the task's answer)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _full_sequence(model, rollout, temperature):
+    """Per-token log-probs and entropies `[N, L]` of every response from one forward of [prompt + response],
+    padded with zeros, and the mask `[N, L]`."""
+    lps, ents, masks = [], [], []
+    length = max(r.tokens.numel() for r in rollout.responses)
+    for g in rollout.groups:
+        for r in g.responses:
+            seq = torch.cat([g.prompt_ids, r.tokens])
+            logits = model(input_ids=seq[None]).logits[0, g.prompt_ids.numel() - 1 : -1].float() / temperature
+            logp = torch.log_softmax(logits, -1)
+            pad = length - r.tokens.numel()
+            lps.append(torch.nn.functional.pad(logp.gather(-1, r.tokens[:, None])[:, 0], (0, pad)))
+            ents.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, pad)))
+            masks.append(torch.nn.functional.pad(torch.ones(r.tokens.numel()), (0, pad)))
+    return torch.stack(lps), torch.stack(ents), torch.stack(masks)
+
+
+def _padded(rows, length):
+    return torch.stack([torch.nn.functional.pad(x, (0, length - x.numel())) for x in rows])
+
+
+def _plain_grpo_loss(loss_type, logp, ent, mask, old, ref, adv, max_len):
+    """TRL's documented GRPO loss (docs: "Loss types", "Computing the KL"), one batch, no accumulation."""
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
+    per_token = per_token + BETA * ratio * (torch.exp(ref - logp) - (ref - logp) - 1)  # bias-corrected k3
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum()
+    else:  # dr_grpo
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_len)
+    return loss - ENT * (ent * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, loss_type):
+    trainer = _trainer(tmp_path, loss_type)
+    model, params = trainer.model, trainer.params
+    rollout = trainer.rollout(0)
+    lengths = [r.tokens.numel() for r in rollout.responses]
+    assert len(set(lengths)) > 1, lengths  # responses of different lengths
+    with torch.no_grad():  # the policy moves after sampling: ratios ≠ 1
+        g = torch.Generator().manual_seed(0)
+        for p in params:
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+    for p in params:
+        p.grad = None
+    trainer.update(rollout)
+    got = [p.grad.clone() for p in params]
+
+    # independent inputs: advantages from the raw rewards, reference log-probs from the model, adapters off
+    rewards = rollout.rewards.view(2, 4)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    assert adv.abs().sum() > 0
+    length = max(lengths)
+    old = _padded([r.old_logprobs for r in rollout.responses], length)
+    with torch.no_grad(), model.disable_adapter():
+        ref = _full_sequence(model, rollout, 0.9)[0]
+
+    def grads(loss_fn):
+        for p in params:
+            p.grad = None
+        loss_fn().backward()
+        return [p.grad.clone() for p in params]
+
+    def plain():
+        logp, ent, mask = _full_sequence(model, rollout, 0.9)
+        ratio = torch.exp(logp - old)
+        clipped = ((ratio < 1 - EPS) & (adv[:, None] < 0)) | ((ratio > 1 + EPS) & (adv[:, None] > 0))
+        assert int((clipped * mask).sum()) > 0  # clipping is active
+        return _plain_grpo_loss(loss_type, logp, ent, mask, old, ref, adv, 4)
+
+    want = grads(plain)
+    assert_grads_close(got, want, tol=1e-5)
+
+    args = trl_config(tmp_path, loss_type=loss_type, beta=BETA, epsilon=EPS, max_completion_length=4,
+                      entropy_coef=ENT, temperature=0.9)
+    mask = _full_sequence(model, rollout, 0.9)[2]
+    trl = grads(lambda: trl_loss(args, lambda: _full_sequence(model, rollout, 0.9)[:2], mask, adv, old, ref))
+    assert_grads_close(got, trl, tol=1e-5)
+    flat = lambda gs: torch.cat([x.flatten() for x in gs])  # noqa: E731
+    print(f"{loss_type}: rel err vs plain {rel_err(flat(got), flat(want)):.2e}, vs TRL {rel_err(flat(got), flat(trl)):.2e}")
