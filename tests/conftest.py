@@ -18,8 +18,9 @@ def lora(model, seed: int = 0):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
+    routers = any(name.endswith("router") for name, _ in model.named_modules())
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
-                                            exclude_modules=r".*router"))
+                                            exclude_modules=r".*router" if routers else None))
 
 
 def make_model(arch: str, use_lora: bool = False):
