@@ -12,6 +12,14 @@ def _deterministic():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _nan_poisoned_state(monkeypatch):
+    """Fresh durable-state buffers start as NaN: a slot capture never writes makes replays NaN, not plausible."""
+    from longstraw.layers import base
+
+    monkeypatch.setattr(base, "empty_state", lambda like, shape: like.new_full(shape, float("nan")))
+
+
 def lora(model, seed: int = 0):
     """Wrap in a PEFT LoRA adapter with non-zero B (so adapter gradients are informative). MoE routers stay
     unwrapped: Llama 4's router is an `nn.Linear` that returns a tuple, which PEFT 0.21's LoRA layer rejects."""
@@ -49,3 +57,56 @@ def assert_grads_close(got, want, tol: float, floor: float = 1e-3):
     for a, b in pairs:
         assert (a - b).norm().item() <= tol * max(b.norm().item(), floor * scale)
     assert rel_err(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs])) <= tol
+
+
+def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
+    """DSA models: run the full-sequence forward, recompute every indexer's scores from its inputs and check the
+    top-k boundary has a gap (tests/test_latent_attention.py says why); returns how many queries had more
+    visible keys than top-k. Other models: 0, nothing to check."""
+    import longstraw
+    from longstraw.archs import family
+    from longstraw.latent_attention import index_scores
+    from longstraw.layers.latent_attention import indexer_inputs
+
+    base = longstraw.models.base_model(model)
+    layers = longstraw.models.decoder_of(base).layers
+    if not any(getattr(getattr(b, "self_attn", None), "indexer", None) is not None for b in layers):
+        return 0
+    seen, handles = [], []
+    for block in layers:
+        indexer = getattr(block.self_attn, "indexer", None)
+        if indexer is not None:
+            rotary = family(base.config.model_type).latent_rotary(block.self_attn)[1]
+            handles.append(indexer.register_forward_hook(
+                lambda mod, args, out, rotary=rotary: seen.append((mod, args, rotary))))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[None])
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen
+    sparse = 0
+    for indexer, args, rotary in seen:
+        q, k, w = indexer_inputs(indexer, args[0], args[1], args[2], rotary)
+        scores = index_scores(q, w, k, indexer.softmax_scale)[0]
+        for i in range(scores.shape[0]):
+            v = scores[i, : i + 1].sort(descending=True).values
+            if v.numel() > indexer.index_topk:
+                sparse += 1
+                kth, nxt = v[indexer.index_topk - 1], v[indexer.index_topk]
+                assert (kth - nxt).item() > margin * kth.abs().item() + 1e-7, f"tie at query {i}"
+    return sparse
+
+
+def tie_free_tokens(model, p: int, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt, response) of lengths p, r from `seed`, or for DSA models from the first of the next seeds whose
+    full sequence has no top-k near-tie (`assert_tie_free`)."""
+    for s in range(seed, seed + 20):
+        prompt, response = tokens(p, s), tokens(r, s + 1000)
+        try:
+            assert_tie_free(model, torch.cat([prompt, response]))
+        except AssertionError:
+            continue
+        return prompt, response
+    raise AssertionError("no tie-free tokens in 20 seeds")

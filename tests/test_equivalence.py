@@ -7,7 +7,7 @@ import longstraw
 from longstraw.support import layer_plan
 from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
 
-from .conftest import ARCHS, make_model, rel_err, tokens
+from .conftest import ARCHS, make_model, rel_err, tie_free_tokens, tokens
 
 # (P, R, chunk_size): P not a multiple of chunk, P < chunk, P = 1, R = 1, chunk = 1
 SHAPES = [
@@ -24,7 +24,7 @@ SHAPES = [
 @pytest.mark.parametrize("arch", ARCHS)
 def test_forward_equals_full_sequence(arch, use_lora, p, r, chunk):
     model = make_model(arch, use_lora)
-    prompt, response = tokens(p, 1), tokens(r, 2)
+    prompt, response = tie_free_tokens(model, p, r, seed=1)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response)
         with longstraw.capture(model, prompt, chunk_size=chunk, block_size=4) as state:
@@ -48,7 +48,7 @@ def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
     if dtype == torch.float64:
         model.set_experts_implementation("eager")  # grouped_mm (the default) has no float64 kernel
     params = [p for p in model.parameters() if p.requires_grad]
-    prompt, response = tokens(19, 3), tokens(7, 4)
+    prompt, response = tie_free_tokens(model, 19, 7, seed=3)
     adv = torch.linspace(-1.0, 1.5, 7, dtype=dtype)
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         ref = cache_reference_logprobs(model, prompt, response)

@@ -6,7 +6,7 @@ import torch
 import longstraw
 from longstraw.reference import full_sequence_logprobs
 
-from .conftest import ARCHS, assert_grads_close, make_model, rel_err, tokens
+from .conftest import ARCHS, assert_grads_close, assert_tie_free, make_model, rel_err, tokens
 
 EXACT_ARCHS = ARCHS
 
@@ -25,6 +25,8 @@ def test_exact_gradients_equal_naive_full_sequence_grpo(arch, use_lora):
     model = make_model(arch, use_lora)
     prompt = tokens(23, 1)  # 22 captured tokens in chunks of 5: not a multiple
     responses = [tokens(n, 10 + n) for n in (5, 1, 8)]  # different lengths
+    for r in responses:
+        assert_tie_free(model, torch.cat([prompt, r]))
     adv = [0.7, -1.2, 0.4]
 
     def naive():

@@ -19,17 +19,15 @@ from longstraw.latent_attention import (
     absorb_query,
     absorbed_weights,
     expand_output,
-    index_scores,
     latent_attention,
     reference_latent_attention,
     reference_topk,
     select_topk,
     sparse_latent_attention,
 )
-from longstraw.archs import family
-from longstraw.layers.latent_attention import indexer_inputs
 from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
 
+from .conftest import assert_tie_free as _assert_tie_free
 from .conftest import lora, rel_err, tokens
 
 MLA_ARCHS = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
@@ -39,37 +37,6 @@ DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 def _model(arch, use_lora=False, **overrides):
     model = longstraw.models.tiny_model(arch, **overrides)
     return lora(model) if use_lora else model
-
-
-def _assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
-    """Run the full-sequence forward, recompute every indexer's scores from its inputs and check the top-k
-    boundary has a gap; returns how many queries actually had more visible keys than top-k."""
-    base = longstraw.models.base_model(model)
-    seen, handles = [], []
-    for block in base.model.layers:
-        indexer = getattr(block.self_attn, "indexer", None)
-        if indexer is not None:
-            rotary = family(base.config.model_type).latent_rotary(block.self_attn)[1]
-            handles.append(indexer.register_forward_hook(
-                lambda mod, args, out, rotary=rotary: seen.append((mod, args, rotary))))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids[None])
-    finally:
-        for h in handles:
-            h.remove()
-    assert seen
-    sparse = 0
-    for indexer, args, rotary in seen:
-        q, k, w = indexer_inputs(indexer, args[0], args[1], args[2], rotary)
-        scores = index_scores(q, w, k, indexer.softmax_scale)[0]
-        for i in range(scores.shape[0]):
-            v = scores[i, : i + 1].sort(descending=True).values
-            if v.numel() > indexer.index_topk:
-                sparse += 1
-                kth, nxt = v[indexer.index_topk - 1], v[indexer.index_topk]
-                assert (kth - nxt).item() > margin * kth.abs().item() + 1e-7, f"tie at query {i}"
-    return sparse
 
 
 # ---------------------------------------------------------------------------------------------- kernels

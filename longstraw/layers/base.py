@@ -19,6 +19,13 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
 
+def empty_state(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised durable-state buffer of `shape` with `like`'s dtype and device (filled chunk by chunk
+    during capture). Tests replace this function with one that fills the buffer with NaN, so that a slot
+    capture never writes cannot go unnoticed."""
+    return like.new_empty(shape)
+
+
 class PromptBranchLayer(CacheLayerMixin):
     """What every attention-like branch layer reports to transformers: `prompt_length` prompt tokens read from
     the durable state, then `own_length` tokens of the branch's own (longstraw attention builds its masks from

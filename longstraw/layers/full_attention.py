@@ -9,6 +9,7 @@ what it already holds. A branch keeps its own K/V apart and attention merges the
 from __future__ import annotations
 
 import torch
+from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 
 
@@ -99,8 +100,8 @@ class KVState(LayerState):
         if k.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {k.shape[-2]} keys")
         if self.keys is None:
-            self.keys = k.new_empty((*k.shape[:2], self.capacity, k.shape[3]))
-            self.values = v.new_empty((*v.shape[:2], self.capacity, v.shape[3]))
+            self.keys = base.empty_state(k, (*k.shape[:2], self.capacity, k.shape[3]))
+            self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))
         if self.length + n > self.capacity:
             raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
         self.keys[:, :, self.length : self.length + n] = k

@@ -30,6 +30,7 @@ from ..latent_attention import (
     sparse_latent_attention,
 )
 from ..hf_attention import active_cache
+from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 
 @functools.cache
@@ -202,7 +203,7 @@ class LatentState(LayerState):
         if self.length + n > self.capacity:
             raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
         if self.latent is None:
-            self.latent = own.new_empty((1, 1, self.capacity, own.shape[-1]))
+            self.latent = base.empty_state(own, (1, 1, self.capacity, own.shape[-1]))
         self.latent[:, :, self.length : self.length + n] = own
         self.length += n
 
@@ -255,7 +256,7 @@ class IndexedLatentState(LatentState):
             if keys is None or keys.shape[-2] != n:
                 raise RuntimeError(f"layer {self.layer_idx}: the indexer produced no keys for a chunk of {n} tokens")
             if self.index_keys is None:
-                self.index_keys = keys.new_empty((1, self.capacity, keys.shape[-1]))
+                self.index_keys = base.empty_state(keys, (1, self.capacity, keys.shape[-1]))
             self.index_keys[:, start : start + n] = keys
 
     def tensors(self) -> list[torch.Tensor]:
