@@ -26,13 +26,15 @@ def untested_model(model_type: str, seed: int = 0, **fields):
 
     defaults = CONFIG_MAPPING[model_type]()
     kw = {k: v for k, v in {**TINY_COMMON, **TINY_MOE}.items() if _has(defaults, k)}
+    kw.update(fields)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(defaults, name, None), int) and getattr(defaults, name) >= kw["vocab_size"]:
+        default = getattr(defaults, name, None)
+        if name not in fields and isinstance(default, int) and default >= kw["vocab_size"]:
             kw[name] = None
     if getattr(defaults, "sliding_window", None):
         kw["sliding_window"] = 5
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**kw, **fields)).eval()
+    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**kw)).eval()
 
 
 @pytest.fixture(autouse=True)
@@ -253,3 +255,31 @@ def test_check_command_on_a_local_folder(tmp_path, capsys):
     assert main(["check", str(tmp_path / "refused")]) == 1
     assert "'moe'" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "missing")]) == 2
+
+
+def test_an_untested_family_trains_with_longstraw_train(tmp_path, monkeypatch):
+    """A local folder of a family without a spec (Helium) trains through the CLI unchanged, LoRA, after its
+    self-check ran once."""
+    from longstraw import cli
+    from longstraw.tasks import build_tokenizer
+
+    runs = []
+    real = self_check.check
+    monkeypatch.setattr(self_check, "check", lambda model, **kw: runs.append(1) or real(model, **kw))
+    tok = build_tokenizer(num_keys=16, num_values=8)
+    model = untested_model("helium", vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "helium")
+    tok.save_pretrained(tmp_path / "helium")
+    rows = [{"prompt": f"k{i} v{i % 8} k{i + 1} v{(i + 3) % 8} ? k{i} =", "answer": f"v{i % 8}"} for i in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tmp_path / 'helium'}\ndataset: {tmp_path / 'data.jsonl'}\neval_fraction: 0.25\n"
+                      "reward_funcs: [exact_match]\nnum_generations: 4\nmax_completion_length: 2\nnum_steps: 2\n"
+                      "prompts_per_step: 2\nprogress: false\nthreads: 1\nlora: true\n")
+    assert cli.main(["train", str(config), "--output_dir", str(tmp_path / "run")]) == 0
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["phase"] for m in metrics] == ["grpo"] * 2
+    assert all(m["loss"] == m["loss"] for m in metrics)  # finite, not NaN
+    assert len(runs) >= 1
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
