@@ -37,15 +37,41 @@ def test_every_grpo_step_reports_memory_per_stage(tmp_path):
         assert r["step_mem_mb"] == max(v for k, v in r.items() if k.startswith("mem_"))
 
 
-def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path):
+def _tb_config(tmp_path, steps=2):
+    return TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=24, num_steps=steps,
+                       task_options={"num_pairs": 4, "num_values": 8}, num_generations=2, max_completion_length=1,
+                       progress=False, threads=1, lora=False, report_to=["tensorboard"])
+
+
+def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import pytest
 
-    from longstraw.metrics import tensorboard_available
+    from longstraw import metrics
 
-    if tensorboard_available():
-        pytest.skip("tensorboard is installed here")
-    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=24, num_steps=1,
-                      task_options={"num_pairs": 4, "num_values": 8}, num_generations=2, max_completion_length=1,
-                      progress=False, threads=1, lora=False, report_to=["tensorboard"])
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
     with pytest.raises(ValueError, match="pip install tensorboard"):
-        Trainer(cfg).train()
+        Trainer(_tb_config(tmp_path)).train()
+
+
+def test_report_to_tensorboard_writes_the_metrics_of_every_step(tmp_path):
+    """The event files (read back with tensorboard's own reader) hold each step's loss and reward as
+    metrics.jsonl does."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = Trainer(_tb_config(tmp_path)).train()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    jsonl = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in jsonl] == [r["step"] for r in rows] == [1, 2]
+    for key, tag in (("loss", "grpo/loss"), ("reward", "reward")):
+        scalars = events.Scalars(tag)
+        assert [e.step for e in scalars] == [1, 2]
+        assert [e.value for e in scalars] == pytest_approx([r[key] for r in jsonl])
+
+
+def pytest_approx(values):
+    import pytest
+
+    return pytest.approx(values, rel=1e-6, abs=1e-7)
