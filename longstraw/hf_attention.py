@@ -13,7 +13,8 @@ which capture, replay and sampling run the decoder: inside it the configs of the
 outside it they say what they said before, so the model's own code paths (transformers 5.24 branches
 on the implementation name, e.g. DeepSeek-V3.2 applies its top-k mask only for "eager"/"sdpa") and
 generation, evaluation and saving behave as without longstraw. `longstraw.prepare` checks once that
-transformers accepts the switch for the model.
+transformers accepts the switch for the model. (The name lives on the shared config objects: another
+thread running the same model outside longstraw during a longstraw forward would see it too.)
 """
 
 from __future__ import annotations

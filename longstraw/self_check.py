@@ -60,6 +60,9 @@ class CheckReport:
     worst_kind: str | None = None
     #: what capture / replay raised, if anything (an attention variant longstraw does not implement, ...)
     error: str | None = None
+    #: whether the prompt reached past every sliding window / attention chunk (False: a window longer than
+    #: `MAX_CHECK_PROMPT`, whose edge the check did not exercise)
+    covers_windows: bool = True
     seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -76,6 +79,8 @@ class CheckReport:
                 lines.append(f"  {kind} layers: worst relative output error {err:.2e}")
             if self.first_bad_layer is not None:
                 lines.append(f"  first layer off: {self.first_bad_layer} ({self.worst_kind})")
+        if not self.covers_windows:
+            lines.append("  note: the prompt did not reach past the longest sliding window / attention chunk")
         lines.append(f"  {self.seconds:.2f} s")
         return "\n".join(lines)
 
@@ -96,7 +101,12 @@ def _reach(cfg) -> int:
     return reach
 
 
-def check_shape(cfg, max_prompt: int = 4096) -> tuple[int, int]:
+#: longest self-check prompt: past the sliding windows (4,096 for Mistral 7B) and attention chunks (8,192
+#: for Llama 4) of the models people train, at the cost of one such forward and backward, once
+MAX_CHECK_PROMPT = 16384
+
+
+def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT) -> tuple[int, int]:
     """(prompt length, chunk size): several chunks, past every window, a chunk that does not divide the
     captured length, within `max_prompt` tokens."""
     p = min(max(24, _reach(cfg) + 9), max_prompt)
@@ -149,7 +159,8 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
     param = next(parts.model.parameters())
     tol = _tolerance(param.dtype)
     report = CheckReport(ok=False, model_type=cfg.model_type, dtype=str(param.dtype).replace("torch.", ""),
-                         tolerance=tol, prompt_length=p, chunk_size=chunk, response_length=response_length)
+                         tolerance=tol, prompt_length=p, chunk_size=chunk, response_length=response_length,
+                         covers_windows=p > _reach(cfg) + 1)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (p,), generator=gen).to(param.device)
     response = torch.randint(0, cfg.vocab_size, (response_length,), generator=gen).to(param.device)
