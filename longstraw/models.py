@@ -8,6 +8,7 @@ logits (`ModelParts`), and per decoder layer a layer kind that keeps its durable
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,28 @@ class ModelParts:
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
+class _TinyConfigs(Mapping):
+    """model_type → fields of its tiny random config (`longstraw.archs`), computed at first use."""
+
+    def __init__(self):
+        self._fields: dict[str, dict] = {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in FAMILIES:
+            raise KeyError(name)
+        if name not in self._fields:
+            self._fields[name] = tiny_fields(FAMILIES[name])
+        return self._fields[name]
+
+    def __iter__(self):
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+
 #: model_type → fields of its tiny random config (`longstraw.archs`: one spec per tested family).
-TINY_CONFIGS: dict[str, dict] = {name: tiny_fields(fam) for name, fam in FAMILIES.items()}
+TINY_CONFIGS = _TinyConfigs()
 #: Multimodal wrappers served through their text model: wrapper model_type → (text model_type, wrapper fields).
 TINY_MULTIMODAL: dict[str, tuple[str, dict]] = {
     fam.wrapper[0]: (name, fam.wrapper[1]) for name, fam in FAMILIES.items() if fam.wrapper is not None

@@ -80,8 +80,14 @@ def _has(cfg, name: str) -> bool:
 def tiny_fields(fam: Family) -> dict:
     """Config fields of `fam`'s tiny model: the common ones its config class knows, then its own."""
     from transformers import CONFIG_MAPPING
+    from transformers.utils import logging
 
-    defaults = CONFIG_MAPPING[fam.model_type]()
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the default config's full-size token ids may not fit its vocabulary: noise here
+    try:
+        defaults = CONFIG_MAPPING[fam.model_type]()
+    finally:
+        logging.set_verbosity(verbosity)
     common = {**TINY_COMMON, **(TINY_MOE if fam.moe else {})}
     known = {k: v for k, v in common.items() if _has(defaults, k) or k in ("head_dim",)}
     fields = {**known, **fam.tiny}
