@@ -16,7 +16,9 @@ Kernels for one part (out, lse) and its backward:
   present in torch 2.11–2.13), used on CPU when the part needs no mask (the prompt part of a
   full-attention layer) or a square causal mask (the own part), without softcap.
 
-Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, H a multiple of Hkv. Positions are
+Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, H a multiple of Hkv. The prompt part's
+k / v may also be a compressed state (`longstraw.quant.QuantizedTokens`), which the blockwise kernel
+dequantizes one key block at a time. Positions are
 contiguous: query i sits at `q_start + i`, key j at `k_start + j`; a key is visible when it is not in
 the future and, with a sliding window W, when `q_pos − k_pos < W` (W keys including the query's own,
 as transformers counts).
@@ -30,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .quant import read_block
 
 DEFAULT_BLOCK = 1024
 #: Upper bound on the elements of one blockwise score tile (query rows × keys): 8 MiB in float32.
@@ -131,13 +135,13 @@ def blockwise_forward(q, k, v, part: Part):
     l = torch.zeros((b, hkv, rows), dtype=acc_dtype, device=q.device)
     acc = torch.zeros((b, hkv, rows, dv), dtype=acc_dtype, device=q.device)
     for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
-        s, _ = _scores(qf, k[:, :, s0 : s0 + n].to(acc_dtype), part, mask, h // hkv)
+        s, _ = _scores(qf, read_block(k, s0, n, acc_dtype), part, mask, h // hkv)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])
         alpha = torch.exp(m - m_safe)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.matmul(p, v[:, :, s0 : s0 + n].to(acc_dtype))
+        acc = acc * alpha[..., None] + torch.matmul(p, read_block(v, s0, n, acc_dtype))
         m = m_new
     empty = l == 0
     out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
@@ -165,8 +169,8 @@ def blockwise_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_ls
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device) if need_kv else None
     dvv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device) if need_kv else None
     for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
-        kb = k[:, :, s0 : s0 + n].to(acc_dtype)
-        vb = v[:, :, s0 : s0 + n].to(acc_dtype)
+        kb = read_block(k, s0, n, acc_dtype)
+        vb = read_block(v, s0, n, acc_dtype)
         s, tanh = _scores(qf, kb, part, mask, h // hkv)
         p = torch.exp(s - lse_safe[..., None])
         ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., None])
@@ -189,8 +193,8 @@ def _flash_mode(q, k, v, part: Part) -> str | None:
     """'full' / 'causal' when the fused CPU kernel computes this part exactly, else None."""
     if _flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or q.dtype == torch.float64:
         return None
-    if part.chunk is not None:
-        return None
+    if part.chunk is not None or not isinstance(k, torch.Tensor):
+        return None  # a compressed state (`longstraw.quant`) is read block by block by the blockwise kernel
     if q.dtype != k.dtype or v.shape[-1] != q.shape[-1]:
         return None
     r, t = q.shape[2], k.shape[2]
@@ -268,13 +272,18 @@ class SplitAttention(torch.autograd.Function):
                 out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
             lse = torch.logaddexp(lse_p, lse_o)
-        ctx.save_for_backward(q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p)
+        stored = isinstance(prompt_k, torch.Tensor)  # else a compressed state: a constant, kept by reference
+        ctx.save_for_backward(q, own_k, own_v, prompt_k if stored else None, prompt_v if stored else None, out, lse_o,
+                              lse_p)
+        ctx.compressed = None if stored else (prompt_k, prompt_v)
         ctx.parts = (own, prompt)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p = ctx.saved_tensors
+        if ctx.compressed is not None:
+            prompt_k, prompt_v = ctx.compressed
         own, prompt = ctx.parts
         need = ctx.needs_input_grad
         if dout is None:

@@ -134,8 +134,11 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     return Selection(idx, vals > float("-inf"), p)
 
 
-def _gather(latents: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows `idx` `[B, n, K]` of latents `[1|B, 1, T, D]` (batch 1 shared by all B) → `[B, n, K, D]`."""
+def _gather(latents, idx: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` `[B, n, K]` of latents `[1|B, 1, T, D]` (batch 1 shared by all B) → `[B, n, K, D]`; a compressed
+    state (`longstraw.quant.QuantizedTokens`) dequantizes only those rows."""
+    if not isinstance(latents, torch.Tensor):
+        return latents.gather_rows(idx)
     bl, _, t, d = latents.shape
     flat = latents[:, 0].reshape(bl * t, d)
     if bl > 1:

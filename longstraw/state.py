@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DEFAULT_BLOCK
+from . import quant
 from .archs import family
 from .hf_attention import BranchCache, running
 from .layers import LayerState
@@ -202,7 +203,7 @@ def _check_length(cfg, total: int) -> None:
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
-            block_size: int = DEFAULT_BLOCK, verify: bool | None = None) -> PromptState:
+            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
@@ -210,6 +211,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     states at each chunk boundary). `block_size`: key block of the split attention.
 
     `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
+    `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
+    K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.quant`), quantized once
+    here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.
+
     `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
     (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
     families (`longstraw.archs`); True: always; False: never.
@@ -220,6 +225,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    compressed = quant.state_dtype(state_dtype)
+    if compressed is not None and prompt_grad == "exact":
+        raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
+                         "the model's dtype; use prompt_grad='detached' or state_dtype=None")
     parts = model_parts(model)
     device = next(parts.model.parameters()).device
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
@@ -231,6 +240,11 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         ensure_verified(model)
     captured = prompt.numel() - 1
     layers = layer_states(parts.config, captured)
+    if compressed is not None:
+        quant.check_device(compressed, device)
+        for layer in layers:
+            if layer.supports_compression:
+                layer.state_dtype = compressed
     exact = prompt_grad == "exact"
     if exact:
         unsupported = sorted({type(layer).__name__ for layer in layers if not layer.supports_exact})

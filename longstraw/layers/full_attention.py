@@ -9,6 +9,7 @@ what it already holds. A branch keeps its own K/V apart and attention merges the
 from __future__ import annotations
 
 import torch
+from ..quant import QuantizedTokens
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 
@@ -88,6 +89,8 @@ class KVState(LayerState):
     def stored(self):
         if self.keys is None:
             return None, None
+        if isinstance(self.keys, QuantizedTokens):
+            return self.keys, self.values
         n = self.length - self.start
         return self.keys[:, :, :n], self.values[:, :, :n]
 
@@ -95,10 +98,20 @@ class KVState(LayerState):
         k, v = self.stored()  # batch 1, shared by all `batch` sequences (split attention folds them)
         return AttentionBranchLayer(k, v, self.length, self.start, self.window, self.chunk)
 
+    supports_compression = True
+
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
         if k.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {k.shape[-2]} keys")
+        if self.state_dtype is not None:  # 8-bit keys and values with per-block scales
+            if self.keys is None:
+                self.keys = QuantizedTokens(k, self.capacity, self.state_dtype)
+                self.values = QuantizedTokens(v, self.capacity, self.state_dtype)
+            self.keys.append(k)
+            self.values.append(v)
+            self.length += n
+            return
         if self.keys is None:
             self.keys = base.empty_state(k, (*k.shape[:2], self.capacity, k.shape[3]))
             self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))
@@ -109,6 +122,8 @@ class KVState(LayerState):
         self.length += n
 
     def tensors(self) -> list[torch.Tensor]:
+        if isinstance(self.keys, QuantizedTokens):
+            return self.keys.tensors() + self.values.tensors()
         return [t for t in (self.keys, self.values) if t is not None]
 
     def release(self) -> None:

@@ -30,6 +30,7 @@ from ..latent_attention import (
     sparse_latent_attention,
 )
 from ..hf_attention import active_cache
+from ..quant import QuantizedTokens
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 
@@ -190,7 +191,11 @@ class LatentState(LayerState):
         super().__init__(config, layer_idx, capacity)
         self.latent: torch.Tensor | None = None
 
+    supports_compression = True
+
     def _prompt(self, n: int):
+        if isinstance(self.latent, QuantizedTokens):
+            return self.latent
         return None if self.latent is None else self.latent[:, :, :n]
 
     def branch(self, batch: int = 1) -> LatentBranchLayer:
@@ -202,12 +207,20 @@ class LatentState(LayerState):
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {own.shape[-2]} latents")
         if self.length + n > self.capacity:
             raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
+        if self.state_dtype is not None:  # 8-bit latents with per-block scales
+            if self.latent is None:
+                self.latent = QuantizedTokens(own, self.capacity, self.state_dtype)
+            self.latent.append(own)
+            self.length += n
+            return
         if self.latent is None:
             self.latent = base.empty_state(own, (1, 1, self.capacity, own.shape[-1]))
         self.latent[:, :, self.length : self.length + n] = own
         self.length += n
 
     def tensors(self) -> list[torch.Tensor]:
+        if isinstance(self.latent, QuantizedTokens):
+            return self.latent.tensors()
         return [] if self.latent is None else [self.latent]
 
     def release(self) -> None:

@@ -20,6 +20,7 @@ class SlidingKVState(KVState):
     """Last `window − 1` prompt K/V of a sliding-window layer, with their absolute start position."""
 
     layer_types = ("sliding_attention",)
+    supports_compression = False  # at most W − 1 tokens: nothing to gain
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
