@@ -191,7 +191,10 @@ def cmd_eval(args) -> int:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise SystemExit(f"{run} holds no config.yaml: not a longstraw run folder")
-    cfg = TrainConfig.from_yaml(run / "config.yaml", {"output_dir": str(run), "progress": False})
+    overrides = {"output_dir": str(run), "progress": False}
+    if args.state_dtype is not None:
+        overrides["state_dtype"] = None if args.state_dtype == "none" else args.state_dtype
+    cfg = TrainConfig.from_yaml(run / "config.yaml", overrides)
     trainer = Trainer(cfg)
     if not trainer.load_checkpoint():
         raise SystemExit(f"{run} holds no checkpoint to evaluate")
@@ -279,6 +282,8 @@ def main(argv=None) -> int:
     e.add_argument("run", help="the run's output folder")
     e.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default: the run's)")
     e.add_argument("--examples", type=int, default=None, help="held-out prompts per length (default: the run's)")
+    e.add_argument("--state-dtype", dest="state_dtype", choices=["fp8", "int8", "none"], default=None,
+                   help="evaluate with the prompt state in 8 bits (default: as the run was trained)")
     c = sub.add_parser("compare", help="memory and time of one GRPO step: naive batched, naive serial, longstraw")
     c.add_argument("--model", choices=["dense", "hybrid", "dsa"], default="dense",
                    help="built-in tiny model (dsa: glm_moe_dsa, MLA + DSA + MoE)")

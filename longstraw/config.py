@@ -83,6 +83,8 @@ class TrainConfig:
     prompt_grad: str = _f("detached", "gradient through the prompt: 'detached' (LongStraw as published: the "
                                       "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)")
     chunk_size: int = _f(1024, "capture chunk size in tokens")
+    state_dtype: str | None = _f(None, "keep the prompt's growing state (K/V, MLA latents) in 8 bits: 'fp8' or "
+                                       "'int8' (per-block scales; detached prompt_grad only); null: the model's dtype")
     checkpoint_layers: bool = _f(False, "recompute each decoder layer in backward during replay (activation "
                                         "checkpointing: less memory for long responses and MoE, one more forward)")
     # ------------------------------------------------------------------ optimizer
@@ -134,6 +136,9 @@ class TrainConfig:
              "reward_weights needs one weight per reward function")
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
+        need(self.state_dtype in (None, "fp8", "int8"), "state_dtype must be 'fp8', 'int8' or null")
+        need(self.state_dtype is None or self.prompt_grad == "detached",
+             "state_dtype (a quantized prompt state) needs prompt_grad: detached")
         need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
              "curriculum_steps needs one entry per curriculum stage but the last")
         need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")

@@ -159,12 +159,12 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
 
 
 def reference_logprobs(model, prompt: torch.Tensor, responses: list[Response], temperature: float,
-                       chunk_size: int) -> list[torch.Tensor]:
+                       chunk_size: int, state_dtype: str | None = None) -> list[torch.Tensor]:
     """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled."""
     if not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
     with torch.no_grad(), model.disable_adapter():
-        with capture(model, prompt, chunk_size=chunk_size) as ref_state:
+        with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype) as ref_state:
             return [ref_state.replay(r.tokens, temperature=temperature).logprobs for r in responses]
 
 
@@ -182,6 +182,7 @@ class RolloutStage:
     generator: Callable[[int, int], torch.Generator]
     chunk_size: int = 1024
     prompt_grad: str = "detached"
+    state_dtype: str | None = None
     beta: float = 0.0
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
@@ -204,7 +205,7 @@ class RolloutStage:
         model = self.policy.model
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
-            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode)
+            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode, state_dtype=self.state_dtype)
         nbytes = state.nbytes
         with meter.stage("sample"):
             sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b))
@@ -214,7 +215,8 @@ class RolloutStage:
             rewards = self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
         if self.beta > 0:
             with meter.stage("reference"):
-                refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size)
+                refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size,
+                                          self.state_dtype)
             for r, ref in zip(responses, refs):
                 r.ref_logprobs = ref
         if not keep_state:

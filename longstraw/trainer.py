@@ -145,7 +145,8 @@ class Trainer:
         self.policy = Policy(self.model, self.tok, self.eos, allowed)
         self.rollout_stage = RolloutStage(
             self.policy, self.rewards, SamplingSettings.from_config(cfg), lambda step, b: _generator(cfg.seed, step, b),
-            chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad, beta=cfg.beta, scale_rewards=cfg.scale_rewards,
+            chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad, state_dtype=cfg.state_dtype, beta=cfg.beta,
+            scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func)
         self.update_settings = UpdateSettings.from_config(cfg)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
@@ -226,7 +227,8 @@ class Trainer:
 
         out = []
         for ex in examples:
-            with capture(self.model, self.encode(ex.prompt), chunk_size=self.cfg.chunk_size) as state:
+            with capture(self.model, self.encode(ex.prompt), chunk_size=self.cfg.chunk_size,
+                         state_dtype=self.cfg.state_dtype) as state:
                 s = state.sample(1, self.cfg.max_completion_length, temperature=0, stop_token_ids=[self.eos],
                                  allowed_token_ids=self.allowed)
             out.append(s.tokens[0].tolist())

@@ -41,11 +41,12 @@ class UpdateSettings:
     prompt_grad: str = "detached"
     chunk_size: int = 1024
     checkpoint_layers: bool = False
+    state_dtype: str | None = None
 
     @classmethod
     def from_config(cls, cfg) -> "UpdateSettings":
         return cls(cfg.max_completion_length, cfg.temperature, cfg.mask_truncated_completions, cfg.entropy_coef,
-                   cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers)
+                   cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers, cfg.state_dtype)
 
 
 def loss_mask(response: Response, settings: UpdateSettings) -> torch.Tensor:
@@ -76,7 +77,7 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
         if state is None:
             with meter.stage("capture"):
                 state = capture(model, group.prompt_ids, chunk_size=settings.chunk_size,
-                                prompt_grad=settings.prompt_grad)
+                                prompt_grad=settings.prompt_grad, state_dtype=settings.state_dtype)
         with meter.stage("replay"):
             for response in group.responses:
                 _response_backward(state, response, masks[i], float(rollout.advantages[i]), norm[i], entropy_scale,

@@ -138,3 +138,22 @@ def test_no_full_precision_copy_of_the_compressed_state():
 def test_bad_state_dtype(kwargs, match):
     with pytest.raises(ValueError, match=match):
         longstraw.capture(make_model("llama"), tokens(9, 0), **kwargs)
+
+
+def test_trainer_with_a_compressed_state(tmp_path):
+    """`state_dtype: fp8` in a run: the logged durable state is smaller than in the same run at full precision;
+    exact prompt gradients with a quantized state are refused at configuration."""
+    from longstraw.config import TrainConfig
+    from longstraw.trainer import Trainer
+
+    def run(name, **kw):
+        cfg = TrainConfig(model="llama", output_dir=str(tmp_path / name), prompt_length=300, num_steps=2,
+                          task_options={"num_pairs": 4, "num_values": 8}, num_generations=2,
+                          max_completion_length=2, progress=False, threads=1, lora=True, **kw)
+        return Trainer(cfg).train()
+
+    full, small = run("full"), run("fp8", state_dtype="fp8")
+    assert all(s["durable_bytes"] < 0.5 * f["durable_bytes"] for s, f in zip(small, full))
+    assert all(s["loss"] == s["loss"] for s in small)
+    with pytest.raises(ValueError, match="prompt_grad: detached"):
+        TrainConfig(model="llama", state_dtype="fp8", prompt_grad="exact")
