@@ -205,9 +205,36 @@ def _flash_mode(q, k, v, part: Part) -> str | None:
     return None
 
 
+def _compressed_flash(q, k, v, part: Part):
+    """(out, lse) of a fully visible compressed prompt part on the fused CPU kernel, one dequantized tile of
+    `part.block` keys at a time, merged by log-sum-exp (transient: one tile of K/V); None where the fused
+    kernel does not apply."""
+    if (_flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or part.chunk is not None
+            or part.window is not None or q.dtype == torch.float64 or v.shape[-1] != q.shape[-1]):
+        return None
+    t = k.shape[2]
+    if part.k_start + t - 1 > part.q_start:
+        return None
+    out = lse = None
+    for s0 in range(0, t, part.block):
+        n = min(part.block, t - s0)
+        o, l = _flash_cpu(q, read_block(k, s0, n, q.dtype), read_block(v, s0, n, q.dtype), 0.0, False,
+                          scale=part.scale)
+        if out is None:
+            out, lse = o, l
+        else:
+            out, _ = merge_by_lse(o, l, out, lse)
+            lse = torch.logaddexp(lse, l)
+    return out, lse
+
+
 def part_forward(q, k, v, part: Part):
     mode = _flash_mode(q, k, v, part)
     if mode is None:
+        if not isinstance(k, torch.Tensor):
+            fused = _compressed_flash(q, k, v, part)
+            if fused is not None:
+                return fused
         return blockwise_forward(q, k, v, part)
     out, lse = _flash_cpu(q, k, v, 0.0, mode == "causal", scale=part.scale)
     return out, lse
