@@ -157,6 +157,16 @@ BENCH_DSA = dict(
 )
 
 
+#: The sliding-window model of the planner benchmark (gemma3_text): the dense benchmark model with 3 sliding layers
+#: (window 1,024) and 1 global layer.
+BENCH_SLIDING = dict(BENCH_DENSE, sliding_window=1024, query_pre_attn_scalar=32,
+                     layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+#: The MLA model of the planner benchmark (deepseek_v3): BENCH_DSA's attention without the indexer, MoE from layer 2.
+BENCH_MLA = {k: v for k, v in BENCH_DSA.items() if k not in ("index_n_heads", "index_head_dim", "index_topk",
+                                                             "indexer_types", "mlp_layer_types")}
+BENCH_MLA.update(first_k_dense_replace=1, head_dim=16)
+
+
 def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
     """A tiny random-initialisable config of a supported architecture (fp32 unless overridden)."""
     if arch in TINY_MULTIMODAL:

@@ -1,0 +1,73 @@
+"""The planner against measured steps: predicted step memory vs peak RSS of one GRPO step, side by side.
+
+Each configuration (model family, P, G, detached / exact) is measured in a fresh process with
+`longstraw.compare` (one torch thread, R = 64, chunk 4096, LoRA r = 8 on the attention projections,
+glibc's mmap threshold fixed at 64 KiB so RSS follows live tensors): step memory = peak RSS during the
+step − RSS before it, i.e. what the step adds to a loaded model (`Plan.step`). The planner sees only the
+model's config.
+
+    python bench/plan_accuracy.py        # → bench/results/plan_accuracy.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from _bench import record
+
+from longstraw.compare import bench_model, measure_in_fresh_process
+from longstraw.plan import PlanConfig, plan
+
+HERE = Path(__file__).resolve().parent
+
+CONFIGS = [  # (model, P, G, method)
+    ("dense", 4096, 2, "longstraw"), ("dense", 16384, 8, "longstraw"), ("dense", 65536, 2, "longstraw"),
+    ("dense", 16384, 8, "longstraw_exact"),
+    ("sliding", 16384, 2, "longstraw"), ("sliding", 65536, 8, "longstraw"),
+    ("hybrid", 16384, 8, "longstraw"), ("hybrid", 65536, 2, "longstraw"), ("hybrid", 16384, 2, "longstraw_exact"),
+    ("mla", 16384, 2, "longstraw"), ("mla", 65536, 8, "longstraw"),
+    ("dsa", 16384, 8, "longstraw"), ("dsa", 65536, 2, "longstraw"),
+]
+
+
+def predicted(model: str, p: int, g: int, method: str, r: int) -> dict:
+    cfg = bench_model(model).config
+    pl = plan(PlanConfig(cfg, p, num_generations=g, completion_length=r, dtype="fp32", lora_rank=8,
+                         prompt_grad="exact" if method == "longstraw_exact" else "detached", chunk_size=4096))
+    return dict(predicted_step_mb=round(pl.step / 2**20, 1), predicted_state_mb=round(pl.durable_state / 2**20, 2))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--R", type=int, default=64)
+    ap.add_argument("--only", nargs="*", default=None, help="model names to run (default: all)")
+    ap.add_argument("--out", default=str(HERE / "results" / "plan_accuracy"))
+    args = ap.parse_args(argv)
+    rows: list[dict] = []
+    out = Path(args.out)
+    for model, p, g, method in CONFIGS:
+        if args.only and model not in args.only:
+            continue
+        row = measure_in_fresh_process(model, method, p, g, args.R, threads=1, chunk_size=4096, limit_gb=16,
+                                       mmap_threshold=65536)
+        row.update(predicted(model, p, g, method, args.R))
+        if "step_mem_mb" in row:
+            row["error"] = round(row["predicted_step_mb"] / row["step_mem_mb"] - 1, 3)
+        record(rows, row, out)
+    lines = ["| model | P | G | mode | durable state MiB (measured / planned) | step MiB measured | planned | error |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "step_mem_mb" not in r:
+            continue
+        mode = "exact" if r["method"] == "longstraw_exact" else "detached"
+        lines.append(f"| {r['model']} | {r['P']} | {r['G']} | {mode} | {r['durable_mb']:.2f} / "
+                     f"{r['predicted_state_mb']:.2f} | {r['step_mem_mb']:.1f} | {r['predicted_step_mb']:.1f} | "
+                     f"{100 * r['error']:+.0f} % |")
+    text = "\n".join(lines)
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
