@@ -25,7 +25,7 @@ from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import DEFAULT_BLOCK, split_attention
@@ -46,6 +46,13 @@ class BranchCache(Cache):
         self.checkpoint_layers = checkpoint_layers
         #: the model's configs (`ModelParts.configs`), for the recomputation of checkpointed layers in backward
         self.configs = ()
+        #: the layer of the latest `update` (the attention that follows reads it)
+        self.last_updated = -1
+        #: tokens before the current forward (set by `run_decoder`)
+        self.past_length = 0
+        #: ids of recurrent-state copies handed to the model (and the copies, so the ids stay theirs)
+        self._written: set[int] = set()
+        self._keep: list = []
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         """Always None, so that linear-attention layers take their functional conv path
@@ -53,6 +60,61 @@ class BranchCache(Cache):
         Given a conv state, single-token steps update it in place (Kimi's KDA does regardless of
         `is_recording_past`, transformers 5.24), which would write the shared captured state."""
         return None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """`Cache.update`, remembering the layer: Zamba2's shared attention module is built with `layer_idx=-1`
+        and passes the index of the decoder layer it runs in to the cache only (transformers 5.24)."""
+        self.last_updated = layer_idx
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        """A copy of the branch's recurrent state, which becomes the branch's own state.
+
+        Mamba-2 / Mamba layers take a single-token step by updating the state they were given in place
+        (transformers 5.24: `mamba2_selective_state_update` / `selective_state_update` do `state.copy_`),
+        then never call `update_recurrent_state`. Handing them a copy keeps the captured state (and
+        its G-fold views in the sampler) untouched; the copy, updated or not, is what the branch
+        continues from. The copy is O(1) in P (one recurrent state). Autograd: the copy is saved for
+        backward before it is written; `run_decoder` saves such copies by value (`inplace_safe`).
+        """
+        layer = self.layers[layer_idx]
+        if not layer.has_previous_state[state_idx] or layer.recurrent_states[state_idx] is None:
+            return None
+        own = layer.recurrent_states[state_idx].clone()
+        layer.recurrent_states[state_idx] = own
+        self._written.add(id(own))
+        self._keep.append(own)
+        return own
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens before this forward. transformers 5.24 answers it from an attention layer and fails on a layer
+        that has none (Nemotron-H's MoE / MLP layers, an all-SSM stack): the positions of the forward say it."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], CacheLayerMixin):
+            return super().get_seq_length(layer_idx)
+        return self.past_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """As `get_seq_length`: a layer without attention has seen `past_length` tokens (longstraw attention builds
+        its own masks; transformers only asks to build one it then drops)."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], CacheLayerMixin):
+            return super().get_mask_sizes(query_length, layer_idx)
+        return self.past_length + query_length, 0
+
+    @contextmanager
+    def inplace_safe(self):
+        """Scope of a forward with autograd: a recurrent-state copy (`get_recurrent_state`) that autograd saves
+        is saved as a further copy, so the model's in-place update of it leaves the saved value intact."""
+        written = self._written
+
+        def pack(t):
+            return t.clone() if id(t) in written else t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            written.clear()
+            self._keep.clear()
 
     def batch_select_indices(self, indices) -> None:
         """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
@@ -117,7 +179,8 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
             f"{type(module).__name__} passes attention arguments longstraw does not implement: {unknown}")
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
-    layer = cache.layers[module.layer_idx]
+    layer_idx = module.layer_idx if module.layer_idx >= 0 else cache.last_updated  # Zamba2: see BranchCache.update
+    layer = cache.layers[layer_idx]
     if sliding_window is not None and layer.window != sliding_window:
         raise RuntimeError(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "

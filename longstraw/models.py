@@ -125,6 +125,23 @@ BENCH_HYBRID = dict(
     decoder_sparse_step=1,
 )
 
+#: The Mamba-2 hybrid of the memory benchmark (granitemoehybrid): 3 Mamba-2 layers (4 heads of 64, state 16, conv 4)
+#: + 1 full attention layer, MoE. Durable bytes: per Mamba-2 layer 4 · ((256 + 2 · 16) · 4 + 256 · 16) = 20,992
+#: whatever P; per prompt token the attention layer's K/V, 2 · 2 · 32 · 4 = 512.
+BENCH_SSM = dict(
+    BENCH_DENSE,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    mamba_n_heads=4,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=64,
+)
+
 #: The compressed-attention model of the memory benchmark (glm_moe_dsa): 4 layers of MLA (16 heads, latent 64 +
 #: rotary 16) with DSA (8 indexer heads of 32, top-256; layers 2 and 4 share the selection of the layer before),
 #: MoE from layer 2. Per token and layer it keeps 112 values where the expanded K/V would take 16 × (48 + 32) = 1280.

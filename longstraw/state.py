@@ -188,7 +188,8 @@ def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Ten
     stands in for transformers' own activation checkpointing when the model has it on in training mode."""
     cache.checkpoint_layers = checkpoint_layers
     cache.configs = parts.configs
-    with running(cache, parts.configs):
+    cache.past_length = int(positions[0])
+    with running(cache, parts.configs), cache.inplace_safe():
         out = parts.decoder(input_ids=input_ids, position_ids=positions[None], cache=cache, use_cache=True)
     return out.last_hidden_state
 

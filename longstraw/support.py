@@ -32,6 +32,12 @@ from .models import ModelParts, UnsupportedArchitectureError, base_model, decode
 #: layer kinds whose attention math goes through transformers' attention interface
 _INTERFACE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 _LATENT_KINDS = ("latent_attention", "indexed_attention")
+#: SSM mixers whose multi-token forward drops the state a cache hands them (transformers 5.24)
+_STATE_DROPPING_MIXERS = {
+    "JambaMambaMixer": "its multi-token forward restarts the selective scan from zero instead of the cached SSM "
+                       "state (`mamba_selective_scan` has no initial state), so a chunked capture or a replay of more "
+                       "than one token would silently forget the prompt's SSM state",
+}
 
 
 def tested_families() -> list[str]:
@@ -95,7 +101,7 @@ def _own_cache_classes(module_name: str) -> tuple[str, ...]:
 
 
 def _attention_module(block):
-    for name in ("self_attn", "attention", "attn"):
+    for name in ("self_attn", "attention", "attn", "mixer"):  # Nemotron-H: `mixer`
         module = getattr(block, name, None)
         if module is not None:
             return module
@@ -142,6 +148,12 @@ def check_capability(model) -> PreTrainedConfig:
                 raise UnsupportedArchitectureError(
                     f"{cfg.model_type!r} layer {i} ({kind}): {what} does not run its attention through transformers' "
                     f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}")
+        for module in block.modules():
+            reason = _STATE_DROPPING_MIXERS.get(type(module).__name__)
+            if reason is not None:
+                raise UnsupportedArchitectureError(
+                    f"{cfg.model_type!r} layer {i}: {type(module).__name__}: {reason} (transformers "
+                    f"{transformers.__version__}); {_families_hint()}")
         if kind in _LATENT_KINDS and (family(cfg.model_type) is None or family(cfg.model_type).latent_rotary is None):
             raise UnsupportedArchitectureError(
                 f"{cfg.model_type!r} layer {i} is latent attention without a family spec; {_families_hint()}")

@@ -27,8 +27,11 @@ def lora(model, seed: int = 0):
 
     torch.manual_seed(seed)
     routers = any(name.endswith("router") for name, _ in model.named_modules())
+    exclude = [r".*router"] if routers else []
+    if model.config.model_type in ("falcon_h1", "nemotron_h"):  # PEFT 0.21 refuses LoRA on their Mamba out_proj
+        exclude.append(r".*out_proj")
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
-                                            exclude_modules=r".*router" if routers else None))
+                                            exclude_modules="|".join(exclude) or None))
 
 
 def make_model(arch: str, use_lora: bool = False):

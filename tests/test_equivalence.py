@@ -64,7 +64,8 @@ def test_detached_gradients_equal_cache_reference(arch, use_lora, dtype):
     # Likewise the DeepSeek / GLM / MiniMax MoE routers score experts in float32 (`hidden_states.type(torch.float32)`),
     # and Gemma 2's eager attention (the reference's) takes its softmax in float32.
     cfg = model.config.get_text_config()
-    float32_inside = "linear_attention" in (getattr(cfg, "layer_types", None) or []) or cfg.model_type in (
+    # The Mamba-2 scan (transformers 5.24 `mamba2_chunk_scan`) runs in float32 too (`hidden_states.float()`).
+    float32_inside = {"linear_attention", "hybrid"} & set(getattr(cfg, "layer_types", None) or []) or cfg.model_type in (
         "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "minimax_m2", "gemma2")
     tol = 1e-4 if dtype == torch.float32 else (1e-5 if float32_inside else 1e-9)
     scale = max(b.norm().item() for _, b in pairs)
@@ -89,6 +90,21 @@ def test_state_is_read_only_across_replays(arch):
     assert all(torch.equal(x, y) for x, y in zip(snapshot, after))
 
 
+def _mamba2_nbytes(cfg) -> int:
+    """fp32 bytes of a Mamba-2 layer's state, from its config fields (names per family, transformers 5.24): conv
+    window of K inputs over [x | B | C] (heads · head_dim + 2 · groups · state channels) + SSM state heads × head_dim ×
+    state."""
+    def first(*names):
+        return next(getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None)
+
+    heads = first("mamba_num_heads", "mamba_n_heads", "n_mamba_heads")
+    head_dim = first("mamba_head_dim", "mamba_d_head", "mamba_headdim")
+    state = first("ssm_state_size", "mamba_d_state")
+    groups = first("n_groups", "mamba_n_groups", "mamba_ngroups")
+    kernel = first("conv_kernel", "mamba_d_conv")
+    return 4 * ((heads * head_dim + 2 * groups * state) * kernel + heads * head_dim * state)
+
+
 def _expected_nbytes(model, captured: int) -> int:
     cfg = model.config.get_text_config()
     total = 0
@@ -104,6 +120,15 @@ def _expected_nbytes(model, captured: int) -> int:
             total += kv * min(captured, cfg.sliding_window - 1)
         elif kind == "chunked_attention":
             total += kv * (captured % cfg.attention_chunk_size)
+        elif kind in ("moe", "mlp"):  # no token mixer: nothing
+            pass
+        elif kind == "conv":  # LFM2 short convolution: the last kernel − 1 inputs
+            total += 4 * cfg.hidden_size * (cfg.conv_L_cache - 1)
+        elif kind == "hybrid":  # Falcon-H1 / Zamba2: attention K/V + Mamba-2 state
+            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            total += 2 * heads * cfg.head_dim * 4 * captured + _mamba2_nbytes(cfg)
+        elif not hasattr(cfg, "linear_num_key_heads"):  # Mamba-2 layers
+            total += _mamba2_nbytes(cfg)
         elif cfg.model_type == "kimi_linear":  # KDA: conv window over q, k, v + per-head d×d state
             d = cfg.linear_num_heads * cfg.linear_head_dim
             total += 4 * (3 * d * cfg.linear_conv_kernel_dim + cfg.linear_num_heads * cfg.linear_head_dim**2)

@@ -2,22 +2,30 @@
 
 from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind, registered_layer_types
 from .full_attention import AttentionBranchLayer, KVState
+from .hybrid import HybridBranchLayer, HybridState
 from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
+from .mixerless import MixerlessBranchLayer, MixerlessState
+from .short_conv import ShortConvState
 from .sliding_window import ChunkedKVState, SlidingKVState
 
 __all__ = [
     "AttentionBranchLayer",
     "ChunkedKVState",
+    "HybridBranchLayer",
+    "HybridState",
     "IndexedLatentState",
     "KVState",
     "LatentAttention",
     "LatentBranchLayer",
     "LatentState",
     "LayerState",
+    "MixerlessBranchLayer",
+    "MixerlessState",
     "PromptBranchLayer",
     "RecurrentBranchLayer",
     "RecurrentState",
+    "ShortConvState",
     "SlidingKVState",
     "layer_kind",
     "register_layer_kind",

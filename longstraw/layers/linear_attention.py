@@ -23,16 +23,18 @@ from .base import LayerState, register_layer_kind
 class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
     """transformers linear-attention cache layer of one branch, starting from captured states."""
 
-    def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int):
-        super().__init__(number_of_states=number_of_states)
+    def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int, conv_trim: int = 0):
+        LinearAttentionCacheLayerMixin.__init__(self, number_of_states=number_of_states)
         self.record_past = True
+        #: how many of the oldest `conv_kernel_size` inputs the window drops (short convolutions keep K − 1)
+        self.conv_trim = conv_trim
         for i in range(number_of_states):
             c, r = conv_states.get(i), recurrent_states.get(i)
             self.conv_states[i], self.recurrent_states[i] = c, r
             self.is_conv_states_initialized[i] = c is not None
             self.is_recurrent_states_initialized[i] = r is not None
             self.has_previous_state[i] = c is not None or r is not None
-            self.conv_kernel_size[i] = None if c is None else c.shape[-1]
+            self.conv_kernel_size[i] = None if c is None else c.shape[-1] + conv_trim
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, conv_kernel_size=None):
         ref = conv_states if conv_states is not None else recurrent_states
@@ -47,11 +49,12 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
     def update_conv_state(self, conv_states, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs):
         """Return [previous window | new inputs] for the causal conv; keep the last K inputs (rebinding)."""
         if not self.is_conv_states_initialized[state_idx]:
-            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+            RecurrentBranchLayer.lazy_initialization(self, conv_states=conv_states, state_idx=state_idx,
+                                                     conv_kernel_size=conv_kernel_size)
         prev = self.conv_states[state_idx] if self.has_previous_state[state_idx] else None
         full = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
-        k = self.conv_kernel_size[state_idx]
-        window = full[..., -k:]
+        k = self.conv_kernel_size[state_idx] - self.conv_trim
+        window = full[..., full.shape[-1] - min(k, full.shape[-1]):]
         if window.shape[-1] < k:
             window = F.pad(window, (k - window.shape[-1], 0))
         self.conv_states[state_idx] = window
@@ -60,7 +63,7 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
         if not self.is_recurrent_states_initialized[state_idx]:
-            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+            RecurrentBranchLayer.lazy_initialization(self, recurrent_states=recurrent_states, state_idx=state_idx)
         self.recurrent_states[state_idx] = recurrent_states
         self.has_previous_state[state_idx] = True
         return recurrent_states
@@ -89,6 +92,8 @@ class RecurrentState(LayerState):
     """Conv window and recurrent state of a linear-attention layer after the captured prompt."""
 
     layer_types = ("linear_attention",)
+    #: oldest conv inputs the window drops (`RecurrentBranchLayer.conv_trim`)
+    conv_trim = 0
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
@@ -99,7 +104,7 @@ class RecurrentState(LayerState):
         self.boundaries: list[tuple[dict, dict]] = []
 
     def branch(self, batch: int = 1) -> RecurrentBranchLayer:
-        layer = RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states)
+        layer = RecurrentBranchLayer(self.conv_states, self.recurrent_states, self.number_of_states, self.conv_trim)
         return layer.expand(batch) if batch > 1 else layer
 
     def commit(self, branch_layer: RecurrentBranchLayer, n: int) -> None:
@@ -131,7 +136,7 @@ class RecurrentState(LayerState):
 
     def reverse_branch(self, chunk: int, start: int) -> RecurrentBranchLayer:
         conv, rec = self.boundaries[chunk]
-        return RecurrentBranchLayer(conv, rec, self.number_of_states)
+        return RecurrentBranchLayer(conv, rec, self.number_of_states, self.conv_trim)
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
         # the states this chunk ends in are what the next chunk (or the replays) started from

@@ -1,0 +1,76 @@
+"""Attention and an SSM in one decoder layer (Falcon-H1's and Zamba2's `hybrid` layers): both states.
+
+Falcon-H1 runs attention and a Mamba-2 mixer side by side on the same input; Zamba2 runs a shared
+attention block before the layer's own Mamba-2 mixer. Both talk to the cache under the one layer
+index (transformers 5.24: `cache.update` for K/V, `update_conv_state` / `update_recurrent_state` for
+the SSM), so the branch layer is both kinds at once. Durable: the prompt K/V (2 · kv_heads · head_dim
+per prompt token) plus the conv window and SSM state (O(1) in P).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LayerState, register_layer_kind
+from .full_attention import AttentionBranchLayer, KVState
+from .linear_attention import RecurrentBranchLayer, RecurrentState
+
+
+class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):
+    """An attention branch layer over the prompt K/V that also carries the SSM's conv and recurrent states."""
+
+    def __init__(self, attention: AttentionBranchLayer, recurrent: RecurrentBranchLayer):
+        vars(self).update(vars(recurrent))
+        vars(self).update(vars(attention))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        AttentionBranchLayer.batch_select_indices(self, indices)
+        RecurrentBranchLayer.batch_select_indices(self, indices)
+
+    def crop(self, tokens_to_remove: int):
+        RecurrentBranchLayer.crop(self, tokens_to_remove)
+
+
+@register_layer_kind
+class HybridState(LayerState):
+    """Prompt K/V of the attention part and conv + SSM state of the Mamba part of one layer."""
+
+    layer_types = ("hybrid",)
+
+    def __init__(self, config, layer_idx: int, capacity: int):
+        super().__init__(config, layer_idx, capacity)
+        self.kv = KVState(config, layer_idx, capacity)
+        self.ssm = RecurrentState(config, layer_idx, capacity)
+
+    def branch(self, batch: int = 1) -> HybridBranchLayer:
+        return HybridBranchLayer(self.kv.branch(batch), self.ssm.branch(batch))
+
+    def commit(self, branch_layer: HybridBranchLayer, n: int) -> None:
+        self.kv.commit(branch_layer, n)
+        self.ssm.commit(branch_layer, n)
+        self.length += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.kv.tensors() + self.ssm.tensors()
+
+    def release(self) -> None:
+        self.kv.release()
+        self.ssm.release()
+
+    # ------------------------------------------------------------------ exact mode
+    supports_exact = True
+
+    def mark_boundary(self) -> None:
+        self.kv.mark_boundary()
+        self.ssm.mark_boundary()
+
+    def require_grad(self) -> None:
+        self.kv.require_grad()
+        self.ssm.require_grad()
+
+    def reverse_branch(self, chunk: int, start: int) -> HybridBranchLayer:
+        return HybridBranchLayer(self.kv.reverse_branch(chunk, start), self.ssm.reverse_branch(chunk, start))
+
+    def chunk_outputs(self, chunk, start, end, branch_layer):
+        return self.kv.chunk_outputs(chunk, start, end, branch_layer) + self.ssm.chunk_outputs(
+            chunk, start, end, branch_layer)
