@@ -267,6 +267,19 @@ def cmd_check(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_plan(args) -> int:
+    """Per-rank memory breakdown of a run from a model's config (see `longstraw.plan`)."""
+    from longstraw.plan import PlanConfig, plan
+
+    result = plan(PlanConfig(
+        args.model, args.P, num_generations=args.G, completion_length=args.R, prompt_grad=args.prompt_grad,
+        dtype=args.dtype, state_dtype=args.state_dtype, state_offload=args.offload, lora_rank=args.lora_rank,
+        chunk_size=args.chunk_size, context_parallel=args.context_parallel, fsdp=args.fsdp,
+        checkpoint_layers=args.checkpoint_layers, device_memory_gib=args.device_memory_gib))
+    print(result.to_json() if args.json else result)
+    return 1 if result.fits is False else 0
+
+
 def main(argv=None) -> int:
     _quiet()
     ap = argparse.ArgumentParser(prog="longstraw", description="GRPO on very long prompts: capture once, replay "
@@ -300,12 +313,28 @@ def main(argv=None) -> int:
     k.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1, ...)")
     k.add_argument("--no-gradients", dest="gradients", action="store_false",
                    help="skip the gradient comparison (log-probs and layer outputs only)")
+    pl = sub.add_parser("plan", help="predict per-rank memory of a run from a model config; exit 1 if it does not fit")
+    pl.add_argument("model", help="a model folder, a config.json, or a built-in tiny family name")
+    pl.add_argument("--P", type=int, required=True, help="prompt tokens")
+    pl.add_argument("--G", type=int, default=8, help="responses per prompt")
+    pl.add_argument("--R", type=int, default=256, help="tokens per response")
+    pl.add_argument("--prompt-grad", dest="prompt_grad", choices=["detached", "exact"], default="detached")
+    pl.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="model dtype")
+    pl.add_argument("--state-dtype", dest="state_dtype", choices=["fp8", "int8"], default=None)
+    pl.add_argument("--offload", action="store_true", help="durable state in host memory")
+    pl.add_argument("--lora-rank", dest="lora_rank", type=int, default=16, help="0: full fine-tuning")
+    pl.add_argument("--chunk-size", dest="chunk_size", type=int, default=4096)
+    pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
+    pl.add_argument("--fsdp", type=int, default=1)
+    pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
+    pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     from .rewards import RewardFunctionError
 
     try:
         return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
-                "check": cmd_check}[args.command](args)
+                "check": cmd_check, "plan": cmd_plan}[args.command](args)
     except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .attention import TILE_ELEMENTS
@@ -104,7 +104,10 @@ def load_config(model):
 
 
 def _get(cfg, name, default=0):
-    value = getattr(cfg, name, None)
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4): read layer 0's
+        value = getattr(cfg.per_layer_config[0], name, None)
     return default if value is None else value
 
 
@@ -230,7 +233,8 @@ def plan(pc: PlanConfig) -> Plan:
     peak = weights + optimizer + step
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
     suggestions = _suggest(pc, fits, state, capture_transient, replay_graph)
-    return Plan(asdict(pc) | {"model": str(getattr(cfg, "model_type", pc.model))}, weights, optimizer, state,
+    settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {"model": str(getattr(cfg, "model_type", pc.model))}
+    return Plan(settings, weights, optimizer, state,
                 state_grad, capture_transient, sampler, replay_graph, step, peak, fits, suggestions)
 
 

@@ -127,11 +127,11 @@ def _expected_nbytes(model, captured: int) -> int:
         elif kind == "hybrid":  # Falcon-H1 / Zamba2: attention K/V + Mamba-2 state
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             total += 2 * heads * cfg.head_dim * 4 * captured + _mamba2_nbytes(cfg)
-        elif not hasattr(cfg, "linear_num_key_heads"):  # Mamba-2 layers
-            total += _mamba2_nbytes(cfg)
         elif cfg.model_type == "kimi_linear":  # KDA: conv window over q, k, v + per-head d×d state
             d = cfg.linear_num_heads * cfg.linear_head_dim
             total += 4 * (3 * d * cfg.linear_conv_kernel_dim + cfg.linear_num_heads * cfg.linear_head_dim**2)
+        elif not hasattr(cfg, "linear_num_key_heads"):  # Mamba-2 layers
+            total += _mamba2_nbytes(cfg)
         else:  # linear attention: conv window + recurrent state, independent of P
             conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
             rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim

@@ -66,10 +66,44 @@ def _latent(config, layer_idx, tokens, elem, state_dtype):
     return total
 
 
+def _first(config, *names):
+    return next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
+
+
+def _mamba2(config, elem) -> int:
+    """Mamba-2: conv window of K inputs over [x | B | C] + SSM state heads × head_dim × state (field names per
+    family, transformers 5.24)."""
+    heads = _first(config, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads")
+    head_dim = _first(config, "mamba_head_dim", "mamba_d_head", "mamba_headdim")
+    state = _first(config, "ssm_state_size", "mamba_d_state")
+    groups = _first(config, "n_groups", "mamba_n_groups", "mamba_ngroups")
+    kernel = _first(config, "conv_kernel", "mamba_d_conv")
+    return elem * ((heads * head_dim + 2 * groups * state) * kernel + heads * head_dim * state)
+
+
+@formula("moe", "mlp")
+def _mixerless(config, layer_idx, tokens, elem, state_dtype):
+    return 0
+
+
+@formula("conv")
+def _short_conv(config, layer_idx, tokens, elem, state_dtype):
+    return 0 if tokens == 0 else elem * config.hidden_size * (config.conv_L_cache - 1)
+
+
+@formula("hybrid")
+def _hybrid(config, layer_idx, tokens, elem, state_dtype):
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = 2 * _grown(tokens, heads, config.head_dim, elem, None)
+    return kv + (_mamba2(config, elem) if tokens else 0)
+
+
 @formula("linear_attention")
 def _linear(config, layer_idx, tokens, elem, state_dtype):
     if tokens == 0:
         return 0
+    if not hasattr(config, "linear_num_key_heads") and config.model_type != "kimi_linear":
+        return _mamba2(config, elem)
     if config.model_type == "kimi_linear":  # Kimi delta attention: conv over q, k, v + a d × d state per head
         d = config.linear_num_heads * config.linear_head_dim
         return elem * (3 * d * config.linear_conv_kernel_dim + config.linear_num_heads * config.linear_head_dim ** 2)

@@ -1,0 +1,69 @@
+"""The planner: its durable-state formulas equal what capture keeps; its verdicts and errors."""
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.layers.sizes import state_bytes
+from longstraw.plan import PlanConfig, plan
+from longstraw.support import layer_plan
+
+from .conftest import ARCHS, make_model, tokens
+
+
+@pytest.mark.parametrize("state_dtype", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_state_formulas_equal_the_captured_state(arch, state_dtype):
+    """Per layer kind, from the config alone: exactly `PromptState.nbytes` (P − 1 = 130: two 64-token scale blocks
+    and a tail); and the planner's durable state is the same number."""
+    model = make_model(arch)
+    cfg = model.config.get_text_config()
+    with torch.no_grad():
+        state = longstraw.capture(model, tokens(131, 1), chunk_size=50, state_dtype=state_dtype)
+    q = None if state_dtype is None else torch.int8
+    predicted = sum(state_bytes(k, cfg, i, 130, 4, q if getattr(layer, "supports_compression", False) else None)
+                    for (i, k), layer in zip(enumerate(layer_plan(cfg)), state.layers))
+    assert predicted == state.nbytes
+    if state_dtype is None and arch not in ("gemma3", "qwen3_5"):
+        assert plan(PlanConfig(cfg, 131, dtype="fp32")).durable_state == state.nbytes
+
+
+def test_verdict_and_knobs():
+    cfg = longstraw.models.tiny_config("llama", num_hidden_layers=16, num_key_value_heads=8, head_dim=128,
+                                       num_attention_heads=32, hidden_size=4096, intermediate_size=14336)
+    big = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", device_memory_gib=80))
+    assert big.durable_state == 16 * 2 * 8 * 128 * 2 * 2_097_151
+    assert big.fits is False and any("state_dtype='fp8'" in s for s in big.suggestions)
+    split = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", context_parallel=8, state_dtype="fp8",
+                            device_memory_gib=80))
+    assert split.durable_state < big.durable_state / 8 / 1.9
+    assert split.fits is True and split.suggestions == []
+    assert "fits" in str(split)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        pytest.param(dict(prompt_length=0), "prompt_length", id="P0"),
+        pytest.param(dict(prompt_length=8, dtype="fp64"), "dtype", id="dtype"),
+        pytest.param(dict(prompt_length=8, state_dtype="fp8", prompt_grad="exact"), "quantized", id="exact-fp8"),
+        pytest.param(dict(prompt_length=8, context_parallel=0), "context_parallel", id="cp0"),
+    ],
+)
+def test_bad_plan_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanConfig("llama", **kwargs)
+
+
+def test_plan_command(tmp_path, capsys):
+    from longstraw.cli import main
+
+    longstraw.models.tiny_config("qwen3").save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--P", "65536", "--G", "8", "--device-memory-gib", "0.01"]) == 1
+    out = capsys.readouterr().out
+    assert "durable state" in out and "does NOT fit" in out
+    assert main(["plan", str(tmp_path / "config.json"), "--P", "4096", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["durable_state"] > 0
+    assert main(["plan", str(tmp_path / "nothing"), "--P", "4096"]) == 2
