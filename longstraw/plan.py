@@ -13,7 +13,8 @@ per rank, in bytes:
 - the step's transients, of which one is live at a time: `capture_transient` (one chunk through the model
   without autograd: its activations and its own K/V before they are committed), `sampler` (G sequences'
   own K/V while decoding R tokens, their logits), `replay_graph` (one response's autograd graph; with
-  replay checkpointing, each layer's input plus one layer's graph).
+  replay checkpointing, each layer's input plus one layer's graph), and in exact mode the reverse pass's
+  graph of one chunk.
 `step` = durable state + state gradient + the largest transient: the memory a step adds to a loaded model
 and optimizer (what `longstraw compare` and the planner benchmark measure). `peak` adds weights and
 optimizer. The activation terms are estimates (documented per term); the state terms are exact.
@@ -225,11 +226,17 @@ def plan(pc: PlanConfig) -> Plan:
     capture_transient = c * (own_per_token + act) + attn_tile
     r, g = pc.completion_length, pc.num_generations
     sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
-    saved = d["layers"] * (d["h"] * elem if pc.checkpoint_layers else act) + (act if pc.checkpoint_layers else 0)
+    # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
+    # gate / up / activation), about 2.5 × the live activations (calibrated on the dense benchmark model)
+    graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"]) + (act - elem * (
+        2 * d["h"] + d["q"] + 2 * d["kv"] + 3 * d["i"]))
+    saved = d["layers"] * (d["h"] * elem if pc.checkpoint_layers else graph) + (graph if pc.checkpoint_layers else 0)
     replay_graph = r * (saved + own_per_token) + 4 * min(r, 1024) * min(d["vocab"], 32768)
+    # exact mode's reverse pass recomputes one chunk with autograd
+    reverse_graph = c * (d["layers"] * graph + own_per_token) if pc.prompt_grad == "exact" else 0
     if pc.state_offload:
         state = 0
-    step = state + state_grad + max(capture_transient, sampler, replay_graph)
+    step = state + state_grad + max(capture_transient, sampler, replay_graph, reverse_graph)
     peak = weights + optimizer + step
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
     suggestions = _suggest(pc, fits, state, capture_transient, replay_graph)
