@@ -7,11 +7,13 @@ step − RSS before it, i.e. what the step adds to a loaded model (`Plan.step`).
 model's config.
 
     python bench/plan_accuracy.py        # → bench/results/plan_accuracy.{json,md}
+    python bench/plan_accuracy.py --repredict   # the same measurements, the current planner
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from _bench import record
@@ -43,10 +45,19 @@ def main(argv=None) -> None:
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--only", nargs="*", default=None, help="model names to run (default: all)")
     ap.add_argument("--out", default=str(HERE / "results" / "plan_accuracy"))
+    ap.add_argument("--repredict", action="store_true",
+                    help="keep the measured rows of OUT.json, recompute the planner's predictions")
     args = ap.parse_args(argv)
     rows: list[dict] = []
     out = Path(args.out)
-    for model, p, g, method in CONFIGS:
+    if args.repredict:
+        rows = json.loads(out.with_suffix(".json").read_text())
+        for row in rows:
+            row.update(predicted(row["model"], row["P"], row["G"], row["method"], row["R"]))
+            if "step_mem_mb" in row:
+                row["error"] = round(row["predicted_step_mb"] / row["step_mem_mb"] - 1, 3)
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    for model, p, g, method in [] if args.repredict else CONFIGS:
         if args.only and model not in args.only:
             continue
         row = measure_in_fresh_process(model, method, p, g, args.R, threads=1, chunk_size=4096, limit_gb=16,
