@@ -1,6 +1,7 @@
 """Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
 
 from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind, registered_layer_types
+from .compressed_attention import CompressedAttention, CompressedBranchLayer, CompressedKVState
 from .full_attention import AttentionBranchLayer, KVState
 from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
@@ -9,6 +10,9 @@ from .sliding_window import ChunkedKVState, SlidingKVState
 __all__ = [
     "AttentionBranchLayer",
     "ChunkedKVState",
+    "CompressedAttention",
+    "CompressedBranchLayer",
+    "CompressedKVState",
     "IndexedLatentState",
     "KVState",
     "LatentAttention",
