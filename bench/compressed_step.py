@@ -9,7 +9,7 @@ captured tokens (window keys once, entries, tails, CSA overlaps; see `expected_b
 the G-largest row of each P and method) the step memory's change from the smallest G: max(5 %, 8 MiB) is
 the bar.
 
-    python bench/compressed_step.py                    # → bench/results/dsv4_step.{json,md,png}
+    python bench/compressed_step.py --chunk-size 1024  # → bench/results/dsv4_step.{json,md,png}
     python bench/compressed_step.py --P 4096 --G 2 8 --out /tmp/quick
 """
 

@@ -212,6 +212,7 @@ def test_exact_gradients_equal_full_sequence_around_windows(use_lora):
 @pytest.mark.parametrize("rate", [0, 2.5])
 def test_unhandled_compression_rate_is_refused(rate):
     model = make_model("deepseek_v4")
-    model.config.compress_rates["heavily_compressed_attention"] = rate
+    # a new dict: the config's own is the family spec's (`longstraw.archs`), shared by every tiny model
+    model.config.compress_rates = {**model.config.compress_rates, "heavily_compressed_attention": rate}
     with pytest.raises(ValueError, match="compress_rates\\['heavily_compressed_attention'\\]"):
         longstraw.capture(model, tokens(10, 1))
