@@ -110,9 +110,9 @@ def entry_part(q, entries, scale: float, block: int):
     return _EntryPart.apply(q, entries, part)
 
 
-def _safe_softmax_part(scores, values, valid):
-    """(out, lse) of masked scores `[..., K]` over values `[..., K, D]`: rows with no valid key give out 0 and
-    lse −inf, with finite gradients."""
+def _safe_softmax_part(scores, valid, weigh):
+    """(out, lse) of scores `[..., K]` masked by `valid`, out = `weigh(p) / Σ p`: rows with no valid key give out 0
+    and lse −inf, with finite gradients (the merge then gives them weight 0)."""
     scores = scores.masked_fill(~valid, float("-inf"))
     mx = scores.amax(-1, keepdim=True)
     mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
@@ -120,10 +120,8 @@ def _safe_softmax_part(scores, values, valid):
     total = p.sum(-1)
     empty = total == 0
     safe = torch.where(empty, torch.ones_like(total), total)
-    out = torch.matmul(p.unsqueeze(-2), values).squeeze(-2) / safe[..., None] if values.dim() == p.dim() + 1 \
-        else torch.matmul(p, values) / safe[..., None]
     lse = torch.where(empty, torch.full_like(total, float("-inf")), mx[..., 0] + torch.log(safe))
-    return out, lse
+    return weigh(p) / safe[..., None], lse
 
 
 def dense_entry_part(q, entries, positions, q_start: int, scale: float):
@@ -134,7 +132,8 @@ def dense_entry_part(q, entries, positions, q_start: int, scale: float):
     scores = torch.matmul(q.to(acc), entries.to(acc).transpose(-1, -2)) * scale
     qpos = torch.arange(q_start, q_start + s, device=q.device)
     valid = positions[None, :] <= qpos[:, None]
-    out, lse = _safe_softmax_part(scores, entries.to(acc), valid)
+    values = entries.to(acc)
+    out, lse = _safe_softmax_part(scores, valid, lambda p: torch.matmul(p, values))
     return out.to(q.dtype), lse
 
 
@@ -146,7 +145,7 @@ def _gathered_block(q, prompt, own, idx, valid, n_prompt: int, scale: float):
     acc = _acc_dtype(q)
     keys = keys.to(acc)
     scores = torch.einsum("bhnd,bnkd->bhnk", q.to(acc), keys) * scale
-    out, lse = _safe_softmax_part(scores, keys[:, None], valid[:, None])
+    out, lse = _safe_softmax_part(scores, valid[:, None], lambda p: torch.einsum("bhnk,bnkd->bhnd", p, keys))
     return out.to(q.dtype), lse
 
 
