@@ -216,3 +216,21 @@ def test_unhandled_compression_rate_is_refused(rate):
     model.config.compress_rates = {**model.config.compress_rates, "heavily_compressed_attention": rate}
     with pytest.raises(ValueError, match="compress_rates\\['heavily_compressed_attention'\\]"):
         longstraw.capture(model, tokens(10, 1))
+
+
+def test_no_tensor_spans_the_compressed_prompt():
+    """At P = 1500 (374 CSA entries, more than any dimension of the tiny model), no tensor but the durable state
+    and its views has a dimension of 374 or more: capture (chunks of 64) holds no chunk × entries indexer or
+    attention scores, and a replay (forward and backward) no R × entries ones."""
+    from .test_latent_attention import _Outputs
+
+    model = make_model("deepseek_v4", use_lora=True)
+    p = 1500
+    n = (p - 1) // 4
+    with _Outputs() as capture_mode:
+        state = longstraw.capture(model, tokens(p, 16), chunk_size=64, block_size=32)
+    kept = [t for layer in state.layers for t in layer.tensors()]
+    assert capture_mode.spanning(n, kept) == []
+    with _Outputs() as replay_mode:
+        state.replay(tokens(8, 17)).logprobs.sum().backward()
+    assert replay_mode.spanning(n, kept) == []
