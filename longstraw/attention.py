@@ -355,6 +355,7 @@ def split_attention(
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
+    with_lse: bool = False,
 ):
     """Attention of q `[B, H, R, D]` over [prompt | own] keys: out `[B, H, R, Dv]`.
 
@@ -363,6 +364,8 @@ def split_attention(
     `chunk`: chunked local attention (`Part.chunk`). `sinks` `[H]`: a learned logit per head in the
     softmax denominator with no value (gpt-oss): a third part with lse = sink and output 0, merged by
     log-sum-exp, out · sigmoid(lse − sink); the sinks get their gradient from autograd.
+    `with_lse`: return (out, lse `[B, H, R]` float) without sinks, for a caller that merges more parts
+    (DeepSeek-V4's compressed entries, `longstraw.compressed_attention`); both are differentiable.
     """
     for k in (own_k, prompt_k):
         if k is not None and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):
@@ -384,6 +387,10 @@ def split_attention(
     if prompt is None:
         prompt_k = prompt_v = None
     out, lse = SplitAttention.apply(q, own_k, own_v, prompt_k, prompt_v, own, prompt)
+    if with_lse:
+        if sinks is not None:
+            raise ValueError("with_lse returns the parts' merge before sinks: apply the sinks after the last merge")
+        return out, lse
     if sinks is not None:
         keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
         out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)

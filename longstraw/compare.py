@@ -28,25 +28,28 @@ import torch
 
 METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact", "longstraw_ckpt")
 #: the benchmark's tiny models (see `bench_model`)
-MODELS = ("dense", "hybrid", "dsa", "sliding", "mla", "ssm")
+MODELS = ("dense", "hybrid", "dsa", "sliding", "mla", "ssm", "dsv4")
 
 
 def bench_model(name: str, seed: int = 0):
     """The benchmark's tiny model (`dense`: qwen3, `hybrid`: qwen3_next-like, `dsa`: glm_moe_dsa, `sliding`:
     gemma3_text with 3 sliding layers of 1,024 : 1 global, `mla`: deepseek_v3, `ssm`: granitemoehybrid,
-    Mamba-2 + attention) with a LoRA adapter on the attention projections, train mode."""
+    Mamba-2 + attention, `dsv4`: deepseek_v4) with a LoRA adapter on the attention projections, train mode."""
     from peft import LoraConfig, get_peft_model
 
-    from .models import BENCH_DENSE, BENCH_DSA, BENCH_HYBRID, BENCH_MLA, BENCH_SLIDING, BENCH_SSM, tiny_model
+    from .models import (BENCH_DENSE, BENCH_DSA, BENCH_DSV4, BENCH_HYBRID, BENCH_MLA, BENCH_SLIDING, BENCH_SSM,
+                         tiny_model)
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")
     arch, fields = {"dense": ("qwen3", BENCH_DENSE), "hybrid": ("qwen3_next", BENCH_HYBRID),
                     "dsa": ("glm_moe_dsa", BENCH_DSA), "sliding": ("gemma3_text", BENCH_SLIDING),
-                    "mla": ("deepseek_v3", BENCH_MLA), "ssm": ("granitemoehybrid", BENCH_SSM)}[name]
+                    "mla": ("deepseek_v3", BENCH_MLA), "ssm": ("granitemoehybrid", BENCH_SSM),
+                    "dsv4": ("deepseek_v4", BENCH_DSV4)}[name]
     model = tiny_model(arch, seed=seed, **fields)
-    targets = (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if name in ("dsa", "mla")
-               else ["q_proj", "k_proj", "v_proj", "o_proj"])
+    mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    targets = {"dsa": mla, "mla": mla, "dsv4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]}.get(
+        name, ["q_proj", "k_proj", "v_proj", "o_proj"])
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     return get_peft_model(model, lora).train()
 
@@ -73,6 +76,7 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
 
         with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
+            info["durable_bytes"] = state.nbytes
             info["capture_peak_rss_mb"] = round(peak_rss_mb(), 1)
             for a, resp in zip(advantages, responses):
                 lp = state.replay(resp, checkpoint_layers=method == "longstraw_ckpt").logprobs

@@ -97,9 +97,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
 
 
 def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q_start: int, own_start: int,
-                block: int) -> Selection:
+                block: int, own_positions: torch.Tensor | None = None) -> Selection:
     """Each query's `topk` best keys over [prompt keys `[1, P, Di]` | own keys `[B, T, Di]`] (own key j is
-    visible to query i when `own_start + j ≤ q_start + i`).
+    visible to query i when `own_start + j ≤ q_start + i`, or with `own_positions` `[T]` when
+    `own_positions[j] ≤ q_start + i`: DeepSeek-V4's compressed entries become visible when their window closes).
 
     Keys are scored in tiles of at most `block` keys (fewer where S · heads · keys would pass `TILE_ELEMENTS`),
     and the head-summed scores of up to min(`TILE_ELEMENTS` / S, 8 · `block`) keys are merged at once into a
@@ -125,7 +126,8 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
             scores.append(index_scores(q, weights, keys[:, s0 : min(s0 + tile, m0 + n)], scale))
         sc = torch.cat([vals] + scores, dim=-1)
         if pos is not None:
-            kpos = torch.arange(pos, pos + n, device=q.device)
+            kpos = (torch.arange(pos, pos + n, device=q.device) if own_positions is None
+                    else own_positions[pos - own_start : pos - own_start + n])
             sc[..., vals.shape[-1] :].masked_fill_(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         kept = vals.shape[-1]
         vals, pick = sc.topk(min(k, sc.shape[-1]), dim=-1)

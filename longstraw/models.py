@@ -140,6 +140,35 @@ BENCH_SSM = dict(
     num_local_experts=4,
     num_experts_per_tok=2,
     shared_intermediate_size=64,
+#: The DeepSeek-V4 model of the memory benchmark: hidden 64, 4 layers CSA / HCA / CSA / HCA at V4's own rates
+#: (4 and 128) and window (128), 4 heads of 32 sharing one K = V head, indexer of 4 heads × 16 with top-64, MoE
+#: of 4 experts (first layer hash-routed). Per token it keeps (32 + 16) / 4 values on a CSA layer and 32 / 128
+#: on an HCA layer, plus O(window + rate) per layer.
+BENCH_DSV4 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    layer_types=["compressed_sparse_attention", "heavily_compressed_attention"] * 2,
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    sliding_window=128,
+    partial_rotary_factor=0.5,
+    o_groups=2,
+    o_lora_rank=16,
+    hc_mult=2,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    scoring_func="sigmoid",
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
 )
 
 #: The compressed-attention model of the memory benchmark (glm_moe_dsa): 4 layers of MLA (16 heads, latent 64 +

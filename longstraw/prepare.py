@@ -7,7 +7,8 @@
   once to switch and verifies the switch on every config the model's modules read (a refused switch
   would otherwise only log a warning and replays would silently ignore the prompt), then switches back;
 - on MLA attention modules, `LatentAttention` in front of their class (attends in latent space
-  inside a longstraw forward, the module's own forward outside);
+  inside a longstraw forward, the module's own forward outside); on DeepSeek-V4 CSA / HCA attention
+  modules, `CompressedAttention` likewise (attends to compressed entries, `longstraw.layers.compressed_attention`);
 - on every decoder layer, `CheckpointedLayer` in front of its class: inside a longstraw forward it runs
   the layer under longstraw's activation checkpointing when the branch asks for it (or when
   transformers' own checkpointing is on, which would drop the cache), and the plain layer otherwise.
@@ -29,6 +30,7 @@ from transformers import PreTrainedConfig
 
 from .archs import family
 from .hf_attention import ATTN_IMPLEMENTATION, active_cache, running, snapshot
+from .layers.compressed_attention import CompressedAttention, CompressedKVState
 from .layers.latent_attention import LatentAttention
 from .models import UnsupportedArchitectureError, base_model, decoder_of
 from .support import check_capability, layer_plan
@@ -158,6 +160,8 @@ def prepare(model):
             attn = block.self_attn
             attn.longstraw_rotary = fam.latent_rotary(attn)  # looked up in the module of its own class
             attn.__class__ = _subclass(LatentAttention, type(attn))
+        if kind in CompressedKVState.layer_types:  # DeepSeek-V4 CSA / HCA
+            block.self_attn.__class__ = _subclass(CompressedAttention, type(block.self_attn))
     base._longstraw_prepared = True
     return model
 

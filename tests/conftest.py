@@ -26,10 +26,14 @@ def lora(model, seed: int = 0):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    routers = any(name.endswith("router") for name, _ in model.named_modules())
-    exclude = [r".*router"] if routers else []
+    names = [name for name, _ in model.named_modules()]
+    exclude = [r".*router"] if any(name.endswith("router") for name in names) else []
     if model.config.model_type in ("falcon_h1", "nemotron_h"):  # PEFT 0.21 refuses LoRA on their Mamba out_proj
         exclude.append(r".*out_proj")
+    if any(name.endswith("o_a_proj") for name in names):
+        # DeepSeek-V4's grouped output projection subclasses nn.Linear but multiplies block-diagonally (5.24,
+        # `DeepseekV4GroupedLinear`): PEFT 0.21 would wrap it as a plain Linear and break the model itself
+        exclude.append(r".*o_a_proj")
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
                                             exclude_modules="|".join(exclude) or None))
 
@@ -73,6 +77,9 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
 
     base = longstraw.models.base_model(model)
     layers = longstraw.models.decoder_of(base).layers
+    if any(getattr(getattr(getattr(b, "self_attn", None), "compressor", None), "indexer", None) is not None
+           for b in layers):
+        return _assert_compressed_tie_free(model, layers, ids, margin)
     if not any(getattr(getattr(b, "self_attn", None), "indexer", None) is not None for b in layers):
         return 0
     seen, handles = [], []
@@ -95,6 +102,35 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
         scores = index_scores(q, w, k, indexer.softmax_scale)[0]
         for i in range(scores.shape[0]):
             v = scores[i, : i + 1].sort(descending=True).values
+            if v.numel() > indexer.index_topk:
+                sparse += 1
+                kth, nxt = v[indexer.index_topk - 1], v[indexer.index_topk]
+                assert (kth - nxt).item() > margin * kth.abs().item() + 1e-7, f"tie at query {i}"
+    return sparse
+
+
+def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
+    """DeepSeek-V4 CSA: the same top-k gap check over the indexer's compressed entries (a query at t sees the
+    entries whose window closed by t), on the scores recomputed from each indexer's inputs."""
+    from longstraw.layers.compressed_attention import full_indexer_scores
+
+    seen, handles = [], []
+    for block in layers:
+        indexer = getattr(getattr(block.self_attn, "compressor", None), "indexer", None)
+        if indexer is not None:
+            handles.append(indexer.register_forward_hook(lambda mod, args, out: seen.append((mod, args))))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[None])
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen
+    sparse = 0
+    for indexer, args in seen:
+        scores = full_indexer_scores(indexer, args[0], args[1])[0]
+        for i in range(scores.shape[0]):
+            v = scores[i][scores[i] > float("-inf")].sort(descending=True).values
             if v.numel() > indexer.index_topk:
                 sparse += 1
                 kth, nxt = v[indexer.index_topk - 1], v[indexer.index_topk]

@@ -116,6 +116,16 @@ def _expected_nbytes(model, captured: int) -> int:
             total += 4 * captured * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if index else 0))
         elif kind == "full_attention":
             total += kv * captured
+        elif kind in ("compressed_sparse_attention", "heavily_compressed_attention"):  # DeepSeek-V4
+            m, d, w = cfg.compress_rates[kind], cfg.head_dim, min(captured, cfg.sliding_window - 1)
+            # window keys (K = V, once) + per stream: entries, raw tail kv + gate, CSA overlap kv + gate
+            streams = [(d, 2 * d), (cfg.index_head_dim, 2 * cfg.index_head_dim)] if kind == "compressed_sparse_attention" \
+                else [(d, d)]
+            total += 4 * d * w
+            for dim, width in streams:
+                total += 4 * (captured // m * dim + 2 * (captured % m) * width)
+                if kind == "compressed_sparse_attention" and captured >= m:
+                    total += 4 * 2 * m * dim
         elif kind == "sliding_attention":
             total += kv * min(captured, cfg.sliding_window - 1)
         elif kind == "chunked_attention":

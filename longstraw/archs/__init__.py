@@ -18,6 +18,7 @@ from .base import FAMILIES, Family, family, register, tiny_fields
 from . import (  # noqa: F401,E402  (each module registers its families)
     cohere,
     deepseek,
+    deepseek_v4,
     gemma,
     glm,
     gpt_oss,

@@ -1,6 +1,7 @@
 """Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
 
 from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind, registered_layer_types
+from .compressed_attention import CompressedAttention, CompressedBranchLayer, CompressedKVState
 from .full_attention import AttentionBranchLayer, KVState
 from .hybrid import HybridBranchLayer, HybridState
 from .latent_attention import IndexedLatentState, LatentAttention, LatentBranchLayer, LatentState
@@ -12,6 +13,9 @@ from .sliding_window import ChunkedKVState, SlidingKVState
 __all__ = [
     "AttentionBranchLayer",
     "ChunkedKVState",
+    "CompressedAttention",
+    "CompressedBranchLayer",
+    "CompressedKVState",
     "HybridBranchLayer",
     "HybridState",
     "IndexedLatentState",

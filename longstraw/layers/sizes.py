@@ -114,6 +114,23 @@ def _linear(config, layer_idx, tokens, elem, state_dtype):
     return elem * (conv_dim * config.linear_conv_kernel_dim + rec)
 
 
+@formula("compressed_sparse_attention", "heavily_compressed_attention")
+def _compressed(config, layer_idx, tokens, elem, state_dtype):
+    """DeepSeek-V4: window keys (K = V, once) + per compressed stream (CSA: entries and indexer keys; HCA: entries)
+    the entries written so far, the raw tail's kv + gate, and CSA's overlap kv + gate of the last window."""
+    kind = "compressed_sparse_attention" if layer_idx is not None and config.layer_types[layer_idx] == \
+        "compressed_sparse_attention" else "heavily_compressed_attention"
+    m, d = config.compress_rates[kind], config.head_dim
+    total = elem * d * min(tokens, config.sliding_window - 1)
+    sparse = kind == "compressed_sparse_attention"
+    streams = [(d, 2 * d), (config.index_head_dim, 2 * config.index_head_dim)] if sparse else [(d, d)]
+    for dim, width in streams:
+        total += elem * (tokens // m * dim + 2 * (tokens % m) * width)
+        if sparse and tokens >= m:
+            total += elem * 2 * m * dim
+    return total
+
+
 def state_bytes(kind: str, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
     try:
         fn = _FORMULAS[kind]
