@@ -140,6 +140,8 @@ BENCH_SSM = dict(
     num_local_experts=4,
     num_experts_per_tok=2,
     shared_intermediate_size=64,
+)
+
 #: The DeepSeek-V4 model of the memory benchmark: hidden 64, 4 layers CSA / HCA / CSA / HCA at V4's own rates
 #: (4 and 128) and window (128), 4 heads of 32 sharing one K = V head, indexer of 4 heads × 16 with top-64, MoE
 #: of 4 experts (first layer hash-routed). Per token it keeps (32 + 16) / 4 values on a CSA layer and 32 / 128
