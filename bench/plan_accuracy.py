@@ -7,6 +7,7 @@ step − RSS before it, i.e. what the step adds to a loaded model (`Plan.step`).
 model's config.
 
     python bench/plan_accuracy.py        # → bench/results/plan_accuracy.{json,md}
+    python bench/plan_accuracy.py --held-out    # then configurations the coefficients were not fitted on
     python bench/plan_accuracy.py --repredict   # the same measurements, the current planner
 """
 
@@ -31,6 +32,11 @@ CONFIGS = [  # (model, P, G, method)
     ("mla", 16384, 2, "longstraw"), ("mla", 65536, 8, "longstraw"),
     ("dsa", 16384, 8, "longstraw"), ("dsa", 65536, 2, "longstraw"),
 ]
+#: measured after the planner's coefficients were fitted to CONFIGS: an out-of-sample check
+HELD_OUT = [
+    ("sliding", 4096, 8, "longstraw_exact"), ("mla", 4096, 2, "longstraw_exact"), ("hybrid", 4096, 8, "longstraw"),
+    ("dsa", 4096, 2, "longstraw_exact"), ("dense", 32768, 4, "longstraw"), ("hybrid", 32768, 4, "longstraw_exact"),
+]
 
 
 def predicted(model: str, p: int, g: int, method: str, r: int) -> dict:
@@ -45,36 +51,39 @@ def main(argv=None) -> None:
     ap.add_argument("--R", type=int, default=64)
     ap.add_argument("--only", nargs="*", default=None, help="model names to run (default: all)")
     ap.add_argument("--out", default=str(HERE / "results" / "plan_accuracy"))
+    ap.add_argument("--held-out", action="store_true", help="measure HELD_OUT and append them to OUT.json")
     ap.add_argument("--repredict", action="store_true",
                     help="keep the measured rows of OUT.json, recompute the planner's predictions")
     args = ap.parse_args(argv)
     rows: list[dict] = []
     out = Path(args.out)
-    if args.repredict:
+    if args.repredict or args.held_out:
         rows = json.loads(out.with_suffix(".json").read_text())
+    if args.repredict:
         for row in rows:
             row.update(predicted(row["model"], row["P"], row["G"], row["method"], row["R"]))
             if "step_mem_mb" in row:
                 row["error"] = round(row["predicted_step_mb"] / row["step_mem_mb"] - 1, 3)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    for model, p, g, method in [] if args.repredict else CONFIGS:
+    todo = [] if args.repredict else HELD_OUT if args.held_out else CONFIGS
+    for model, p, g, method in todo:
         if args.only and model not in args.only:
             continue
         row = measure_in_fresh_process(model, method, p, g, args.R, threads=1, chunk_size=4096, limit_gb=16,
                                        mmap_threshold=65536)
-        row.update(predicted(model, p, g, method, args.R))
+        row.update(predicted(model, p, g, method, args.R), held_out=args.held_out)
         if "step_mem_mb" in row:
             row["error"] = round(row["predicted_step_mb"] / row["step_mem_mb"] - 1, 3)
         record(rows, row, out)
-    lines = ["| model | P | G | mode | durable state MiB (measured / planned) | step MiB measured | planned | error |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| model | P | G | mode | durable state MiB (measured / planned) | step MiB measured | planned | error "
+             "| fitted on it |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         if "step_mem_mb" not in r:
             continue
         mode = "exact" if r["method"] == "longstraw_exact" else "detached"
         lines.append(f"| {r['model']} | {r['P']} | {r['G']} | {mode} | {r['durable_mb']:.2f} / "
                      f"{r['predicted_state_mb']:.2f} | {r['step_mem_mb']:.1f} | {r['predicted_step_mb']:.1f} | "
-                     f"{100 * r['error']:+.0f} % |")
+                     f"{100 * r['error']:+.0f} % | {'no (held out)' if r.get('held_out') else 'yes'} |")
     text = "\n".join(lines)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)

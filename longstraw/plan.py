@@ -209,13 +209,18 @@ def plan(pc: PlanConfig) -> Plan:
     # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
     own_per_token = sum(state_bytes(k, cfg, i, 1, elem) if k in _ATTENTION + _GROWING else 0
                         for i, k in enumerate(kinds))
-    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"] + 3 * d["i"])  # one layer's live activations per token
-    if any(k in _LATENT for k in kinds):  # MLA: absorbed queries, latent-space output, per-head expansion
-        act += elem * cfg.num_attention_heads * 3 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
+    # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
+    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"] + 2 * d["i"])
+    if "latent_attention" in kinds or "indexed_attention" in kinds:
+        # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
+        # attention output; DSA gathers top-k latents instead)
+        factor = 5 if "latent_attention" in kinds else 3
+        act += elem * cfg.num_attention_heads * factor * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     if "linear_attention" in kinds and getattr(cfg, "linear_num_value_heads", None):
         # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
         # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
-        # live in transformers 5.24's torch path (calibrated on bench/plan_accuracy.py's hybrid model)
+        # live in transformers 5.24's torch path
         act += 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
     c = min(pc.chunk_size, captured) if captured else 1
     # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
@@ -228,8 +233,7 @@ def plan(pc: PlanConfig) -> Plan:
     sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
     # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
     # gate / up / activation), about 2.5 × the live activations (calibrated on the dense benchmark model)
-    graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"]) + (act - elem * (
-        2 * d["h"] + d["q"] + 2 * d["kv"] + 3 * d["i"]))
+    graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"])
     saved = d["layers"] * (d["h"] * elem if pc.checkpoint_layers else graph) + (graph if pc.checkpoint_layers else 0)
     replay_graph = r * (saved + own_per_token) + 4 * min(r, 1024) * min(d["vocab"], 32768)
     # exact mode's reverse pass recomputes one chunk with autograd
