@@ -66,6 +66,25 @@ def assert_grads_close(got, want, tol: float, floor: float = 1e-3):
     assert rel_err(torch.cat([a.flatten() for a, _ in pairs]), torch.cat([b.flatten() for _, b in pairs])) <= tol
 
 
+def _indexer_calls(model, layers, ids: torch.Tensor, indexer_of) -> list:
+    """(decoder layer, indexer module, its positional inputs) of every indexer call in one full-sequence forward
+    over `ids`; `indexer_of(layer)` finds a layer's indexer (or None)."""
+    seen, handles = [], []
+    for block in layers:
+        indexer = indexer_of(block)
+        if indexer is not None:
+            handles.append(indexer.register_forward_hook(
+                lambda mod, args, out, block=block: seen.append((block, mod, args))))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[None])
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen
+    return seen
+
+
 def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     """DSA models: run the full-sequence forward, recompute every indexer's scores from its inputs and check the
     top-k boundary has a gap (tests/test_latent_attention.py says why); returns how many queries had more
@@ -82,22 +101,10 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
         return _assert_compressed_tie_free(model, layers, ids, margin)
     if not any(getattr(getattr(b, "self_attn", None), "indexer", None) is not None for b in layers):
         return 0
-    seen, handles = [], []
-    for block in layers:
-        indexer = getattr(block.self_attn, "indexer", None)
-        if indexer is not None:
-            rotary = family(base.config.model_type).latent_rotary(block.self_attn)[1]
-            handles.append(indexer.register_forward_hook(
-                lambda mod, args, out, rotary=rotary: seen.append((mod, args, rotary))))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids[None])
-    finally:
-        for h in handles:
-            h.remove()
-    assert seen
+    seen = _indexer_calls(model, layers, ids, lambda block: getattr(block.self_attn, "indexer", None))
     sparse = 0
-    for indexer, args, rotary in seen:
+    for block, indexer, args in seen:
+        rotary = family(base.config.model_type).latent_rotary(block.self_attn)[1]
         q, k, w = indexer_inputs(indexer, args[0], args[1], args[2], rotary)
         scores = index_scores(q, w, k, indexer.softmax_scale)[0]
         for i in range(scores.shape[0]):
@@ -114,20 +121,10 @@ def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
     entries whose window closed by t), on the scores recomputed from each indexer's inputs."""
     from longstraw.layers.compressed_attention import full_indexer_scores
 
-    seen, handles = [], []
-    for block in layers:
-        indexer = getattr(getattr(block.self_attn, "compressor", None), "indexer", None)
-        if indexer is not None:
-            handles.append(indexer.register_forward_hook(lambda mod, args, out: seen.append((mod, args))))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids[None])
-    finally:
-        for h in handles:
-            h.remove()
-    assert seen
+    seen = _indexer_calls(model, layers, ids,
+                          lambda block: getattr(getattr(block.self_attn, "compressor", None), "indexer", None))
     sparse = 0
-    for indexer, args in seen:
+    for _, indexer, args in seen:
         scores = full_indexer_scores(indexer, args[0], args[1])[0]
         for i in range(scores.shape[0]):
             v = scores[i][scores[i] > float("-inf")].sort(descending=True).values
