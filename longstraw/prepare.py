@@ -31,6 +31,7 @@ from transformers import PreTrainedConfig
 from .archs import family
 from .hf_attention import ATTN_IMPLEMENTATION, active_cache, running, snapshot
 from .layers.compressed_attention import CompressedAttention, CompressedKVState
+from .layers.jamba import JambaMixer
 from .layers.latent_attention import LatentAttention
 from .models import UnsupportedArchitectureError, base_model, decoder_of
 from .support import check_capability, layer_plan
@@ -162,6 +163,9 @@ def prepare(model):
             attn.__class__ = _subclass(LatentAttention, type(attn))
         if kind in CompressedKVState.layer_types:  # DeepSeek-V4 CSA / HCA
             block.self_attn.__class__ = _subclass(CompressedAttention, type(block.self_attn))
+        mixer = getattr(block, "mamba", None)
+        if mixer is not None and type(mixer).__name__ == "JambaMambaMixer":  # its scan forgets the cached state
+            mixer.__class__ = _subclass(JambaMixer, type(mixer))
     base._longstraw_prepared = True
     return model
 

@@ -27,6 +27,12 @@ def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, 
     return _response_logprobs(logits[-r - 1 : -1], response)
 
 
+#: model types whose multi-token forward with a cache ignores the cached SSM state (transformers 5.24: Jamba's
+#: `mamba_selective_scan` takes no initial state); their cache reference feeds the response one token at a time,
+#: the path where transformers does continue from the state
+STEPWISE_REFERENCE = frozenset({"jamba"})
+
+
 def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
     """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad`, then
     `[prompt[-1]] + response[:-1]` with grad. log-probs `[R]`.
@@ -34,15 +40,26 @@ def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor
     transformers' linear-attention cache writes its recurrent state in place after reading it
     (5.24, `LinearAttentionLayer.update_recurrent_state`), which autograd rejects: run the forward
     and the backward of hybrid models inside `torch.autograd.graph.allow_mutation_on_saved_tensors()`,
-    under which torch clones a saved tensor before it is mutated.
+    under which torch clones a saved tensor before it is mutated. Models in `STEPWISE_REFERENCE` read the
+    response one token per forward (and the prompt too, which their multi-token forward would restart).
     """
     cfg = base_model(model).config
     cache = DynamicCache(config=cfg)
     p = prompt.numel()
+    stepwise = cfg.get_text_config().model_type in STEPWISE_REFERENCE
     if p > 1:
         with torch.no_grad():
-            model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+            if stepwise:
+                for i in range(p - 1):
+                    model(input_ids=prompt[None, i : i + 1], position_ids=torch.tensor([[i]]), cache=cache,
+                          use_cache=True)
+            else:
+                model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
     inputs = torch.cat([prompt[-1:], response[:-1]])
     positions = torch.arange(p - 1, p - 1 + inputs.numel(), device=inputs.device)
-    logits = model(input_ids=inputs[None], position_ids=positions[None], cache=cache, use_cache=True).logits[0]
+    if stepwise:
+        logits = torch.cat([model(input_ids=inputs[None, i : i + 1], position_ids=positions[None, i : i + 1],
+                                  cache=cache, use_cache=True).logits[0] for i in range(inputs.numel())])
+    else:
+        logits = model(input_ids=inputs[None], position_ids=positions[None], cache=cache, use_cache=True).logits[0]
     return _response_logprobs(logits, response)

@@ -32,12 +32,9 @@ from .models import ModelParts, UnsupportedArchitectureError, base_model, decode
 #: layer kinds whose attention math goes through transformers' attention interface
 _INTERFACE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 _LATENT_KINDS = ("latent_attention", "indexed_attention")
-#: SSM mixers whose multi-token forward drops the state a cache hands them (transformers 5.24)
-_STATE_DROPPING_MIXERS = {
-    "JambaMambaMixer": "its multi-token forward restarts the selective scan from zero instead of the cached SSM "
-                       "state (`mamba_selective_scan` has no initial state), so a chunked capture or a replay of more "
-                       "than one token would silently forget the prompt's SSM state",
-}
+#: SSM mixers whose multi-token forward drops the state a cache hands them (transformers 5.24) and that longstraw
+#: has no stand-in for (Jamba's has one: `longstraw.layers.jamba`)
+_STATE_DROPPING_MIXERS: dict[str, str] = {}
 
 
 def tested_families() -> list[str]:

@@ -97,6 +97,8 @@ def _mamba2_nbytes(cfg) -> int:
     def first(*names):
         return next(getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None)
 
+    if cfg.model_type == "jamba":  # Mamba-1: conv window over d_inner + SSM state d_inner × d_state
+        return 4 * cfg.mamba_expand * cfg.hidden_size * (cfg.mamba_d_conv + cfg.mamba_d_state)
     heads = first("mamba_num_heads", "mamba_n_heads", "n_mamba_heads")
     head_dim = first("mamba_head_dim", "mamba_d_head", "mamba_headdim")
     state = first("ssm_state_size", "mamba_d_state")

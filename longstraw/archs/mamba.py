@@ -1,4 +1,4 @@
-"""Mamba-2 hybrids: Nemotron-H, Granite 4 (granitemoehybrid), Falcon-H1, Bamba, Zamba2.
+"""Mamba hybrids: Nemotron-H, Granite 4 (granitemoehybrid), Falcon-H1, Bamba, Zamba2 (Mamba-2), Jamba (Mamba-1).
 
 Their SSM layers talk to the cache as gated DeltaNet does (transformers 5.24: `update_conv_state`,
 `update_recurrent_state`), so they keep the linear-attention kind's durable state: the causal-conv
@@ -6,9 +6,9 @@ window and the SSM state, O(1) in P. Nemotron-H's `moe` / `mlp` layers have no t
 nothing; Falcon-H1's `hybrid` layers run attention and an SSM side by side (both states); Zamba2's
 `hybrid` layers run a shared attention block before their own SSM (both states, one layer index).
 
-Jamba is refused (`longstraw.support`): its Mamba mixer (transformers 5.24, `JambaMambaMixer`) runs a
-multi-token forward without the cached SSM state (`mamba_selective_scan` takes no initial state), so
-any chunked prefill or multi-token continuation restarts the scan from zero, inside transformers too.
+Jamba's Mamba mixer (transformers 5.24, `JambaMambaMixer`) runs a multi-token forward without the cached
+SSM state (`mamba_selective_scan` takes no initial state): inside transformers a chunked prefill restarts
+the scan from zero. Inside longstraw `longstraw.layers.jamba.JambaMixer` continues it from the state.
 """
 
 from .base import Family, register
@@ -39,4 +39,8 @@ register(
            tiny=dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "linear_attention"],
                      n_mamba_heads=4, mamba_headdim=32, mamba_d_state=8, mamba_d_conv=4, chunk_size=8,
                      attention_head_dim=16, num_attention_heads=4, num_key_value_heads=4)),
+    Family("jamba", "Mamba-1 + full attention, MoE every other layer", moe=True,
+           tiny=dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                     expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                     mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)),
 )

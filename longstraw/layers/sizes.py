@@ -72,7 +72,10 @@ def _first(config, *names):
 
 def _mamba2(config, elem) -> int:
     """Mamba-2: conv window of K inputs over [x | B | C] + SSM state heads × head_dim × state (field names per
-    family, transformers 5.24)."""
+    family, transformers 5.24); Jamba's Mamba-1: conv window over d_inner + SSM state d_inner × d_state."""
+    if config.model_type == "jamba":
+        d_inner = config.mamba_expand * config.hidden_size
+        return elem * d_inner * (config.mamba_d_conv + config.mamba_d_state)
     heads = _first(config, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads")
     head_dim = _first(config, "mamba_head_dim", "mamba_d_head", "mamba_headdim")
     state = _first(config, "ssm_state_size", "mamba_d_state")
