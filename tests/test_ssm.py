@@ -1,12 +1,13 @@
 """Mamba-2 layers beyond what every family's tests cover: a stack without attention, single-token steps."""
 
+import pytest
 import torch
 
 import longstraw
 from longstraw.models import tiny_model
 from longstraw.reference import _response_logprobs, cache_reference_logprobs
 
-from .conftest import assert_grads_close, tokens
+from .conftest import assert_grads_close, make_model, tokens
 
 
 def _no_cache_logprobs(model, prompt, response):
@@ -61,3 +62,26 @@ def test_single_token_replay_leaves_the_state_and_gives_the_reference_gradient()
     assert all(torch.equal(a, b) for a, b in zip(before, [t for layer in state.layers for t in layer.tensors()]))
     assert (out - ref).abs().max().item() <= 1e-4
     assert_grads_close(list(g_out), list(g_ref), tol=1e-4)
+
+
+def _graph_tensors() -> int:
+    import gc
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "qwen3_next", "llama"])
+def test_no_graph_survives_its_backward(arch):
+    """After a replay's backward (and exact mode's reverse pass) no tensor of its graph stays alive: the count of
+    live tensors with history is the same after the 2nd and the 3rd step (a pack hook that returned the saved
+    tensor itself kept every graph alive through a reference cycle in autograd's graph)."""
+    model = make_model(arch, use_lora=True)
+    counts = []
+    for step in range(3):
+        state = longstraw.capture(model, tokens(30, step), chunk_size=8, prompt_grad="exact")
+        for r in (1, 5):
+            state.replay(tokens(r, 10 + step)).logprobs.sum().backward()
+        state.backward()
+        del state
+        counts.append(_graph_tensors())
+    assert counts[2] == counts[1], counts
