@@ -44,14 +44,14 @@ __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_to
 # ---------------------------------------------------------------------------------------------- setup
 
 
-def _tiny_base(cfg: TrainConfig, tok):
+def _tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
     """The built-in tiny model of `cfg`, random weights drawn from cfg.seed (the same every call)."""
     from transformers import AutoModelForCausalLM
 
     mcfg = tiny_config(cfg.model, **{**cfg.model_overrides, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
                                      "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id})
     torch.manual_seed(cfg.seed)
-    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32).to(dtype)
 
 
 def build_model_and_tokenizer(cfg: TrainConfig):
@@ -59,18 +59,23 @@ def build_model_and_tokenizer(cfg: TrainConfig):
     with `lora: true`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .devices import resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.model in TINY_CONFIGS:
         opts = cfg.task_options
         tok = build_tokenizer(num_keys=opts.get("num_keys", 64), num_values=opts.get("num_values", 16),
                               num_filler=opts.get("num_filler", 32))
-        model = _tiny_base(cfg, tok)
+        model = _tiny_base(cfg, tok, dtype)
     else:
         path = Path(cfg.model)
         if not path.is_dir():
             raise ValueError(f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} "
                              "nor a local folder")
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses could never stop")
     if cfg.lora:

@@ -1,0 +1,33 @@
+"""The one place that decides the device and the dtype of a run.
+
+`device: auto` is CUDA when a CUDA device is present, else the CPU. `dtype: auto` is bfloat16 on CUDA
+(what the models people train are stored and trained in) and float32 on the CPU (where bf16 matmuls are
+slow and the test suite's tolerances are fp32's). Whatever the model dtype, attention partials,
+log-sum-exps, log-probs and loss terms accumulate in float32 (`longstraw.attention`, `longstraw.logprobs`),
+and LoRA adapters stay float32 (PEFT keeps adapter weights in float32 by default), so their AdamW state is
+float32 too. Full fine-tuning in bf16 / fp16 would need float32 master weights, which the trainer does not
+keep: it refuses that combination.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is available here")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}; got {name!r}")
+    return DTYPES[name]
