@@ -103,8 +103,16 @@ class BranchCache(Cache):
     @contextmanager
     def inplace_safe(self):
         """Scope of a forward with autograd: a recurrent-state copy (`get_recurrent_state`) that autograd saves
-        is saved as a further copy, so the model's in-place update of it leaves the saved value intact."""
+        is saved as a further copy, so the model's in-place update of it leaves the saved value intact. Without
+        autograd, or without a layer that has recurrent states, there is nothing to protect and no hook is set."""
         written = self._written
+        if not torch.is_grad_enabled() or not any(hasattr(layer, "recurrent_states") for layer in self.layers):
+            try:
+                yield
+            finally:
+                written.clear()
+                self._keep.clear()
+            return
 
         def pack(t):
             # Never the tensor itself: a saved output that carries its own grad_fn would make a reference cycle in

@@ -34,7 +34,6 @@ from .support import layer_plan
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 _GROWING = ("full_attention", "latent_attention", "indexed_attention")
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
-_LATENT = ("latent_attention", "indexed_attention")
 
 
 @dataclass

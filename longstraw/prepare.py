@@ -34,9 +34,7 @@ from .layers.compressed_attention import CompressedAttention, CompressedKVState
 from .layers.jamba import JambaMixer
 from .layers.latent_attention import LatentAttention
 from .models import UnsupportedArchitectureError, base_model, decoder_of
-from .support import check_capability, layer_plan
-
-_LATENT_KINDS = ("latent_attention", "indexed_attention")
+from .support import LATENT_KINDS, check_capability, layer_plan
 
 
 @contextmanager
@@ -157,7 +155,7 @@ def prepare(model):
     for i, (kind, block) in enumerate(zip(layer_plan(cfg), decoder.layers)):
         block.__class__ = _subclass(CheckpointedLayer, type(block))
         block.longstraw_index = i
-        if kind in _LATENT_KINDS:
+        if kind in LATENT_KINDS:
             attn = block.self_attn
             attn.longstraw_rotary = fam.latent_rotary(attn)  # looked up in the module of its own class
             attn.__class__ = _subclass(LatentAttention, type(attn))

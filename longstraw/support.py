@@ -31,10 +31,8 @@ from .models import ModelParts, UnsupportedArchitectureError, base_model, decode
 
 #: layer kinds whose attention math goes through transformers' attention interface
 _INTERFACE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
-_LATENT_KINDS = ("latent_attention", "indexed_attention")
-#: SSM mixers whose multi-token forward drops the state a cache hands them (transformers 5.24) and that longstraw
-#: has no stand-in for (Jamba's has one: `longstraw.layers.jamba`)
-_STATE_DROPPING_MIXERS: dict[str, str] = {}
+#: layer kinds that keep MLA latents (their attention module gets a stand-in, `longstraw.prepare`)
+LATENT_KINDS = ("latent_attention", "indexed_attention")
 
 
 def tested_families() -> list[str]:
@@ -145,13 +143,7 @@ def check_capability(model) -> PreTrainedConfig:
                 raise UnsupportedArchitectureError(
                     f"{cfg.model_type!r} layer {i} ({kind}): {what} does not run its attention through transformers' "
                     f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}")
-        for module in block.modules():
-            reason = _STATE_DROPPING_MIXERS.get(type(module).__name__)
-            if reason is not None:
-                raise UnsupportedArchitectureError(
-                    f"{cfg.model_type!r} layer {i}: {type(module).__name__}: {reason} (transformers "
-                    f"{transformers.__version__}); {_families_hint()}")
-        if kind in _LATENT_KINDS and (family(cfg.model_type) is None or family(cfg.model_type).latent_rotary is None):
+        if kind in LATENT_KINDS and (family(cfg.model_type) is None or family(cfg.model_type).latent_rotary is None):
             raise UnsupportedArchitectureError(
                 f"{cfg.model_type!r} layer {i} is latent attention without a family spec; {_families_hint()}")
     shared = getattr(cfg, "num_kv_shared_layers", 0) or 0

@@ -14,7 +14,6 @@ TensorBoard with `report_to: tensorboard`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
