@@ -9,246 +9,26 @@ log-sum-exps. Backward recomputes each part: with w_a the merge weight of part a
 part a is ordinary attention backward with incoming gradient w_a·dO and the *merged* output in the
 softmax-correction term, so each part needs only its own (out, lse) kernel pair.
 
-Kernels for one part (out, lse) and its backward:
-- `blockwise`: plain PyTorch, any device, any mask (causal, sliding window), softcap. Walks the keys
-  in blocks with an online softmax; transient memory O(heads · R · block).
-- `flash_cpu`: PyTorch's fused CPU flash-attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
-  present in torch 2.11–2.13), used on CPU when the part needs no mask (the prompt part of a
-  full-attention layer) or a square causal mask (the own part), without softcap.
+The kernels that compute one part (`longstraw.kernels`: reference, blockwise, fused CPU and CUDA flash
+attention) and the table that picks one per part live in `longstraw.kernels`.
 
 Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, H a multiple of Hkv. The prompt part's
-k / v may also be a compressed state (`longstraw.quant.QuantizedTokens`), which the blockwise kernel
-dequantizes one key block at a time. Positions are
-contiguous: query i sits at `q_start + i`, key j at `k_start + j`; a key is visible when it is not in
-the future and, with a sliding window W, when `q_pos − k_pos < W` (W keys including the query's own,
-as transformers counts).
+k / v may also be a compressed state (`longstraw.quant.QuantizedTokens`) or live in host memory; the
+kernels read it tile by tile. Positions: see `longstraw.kernels.part`.
 
 `reference_attention` is the plain version (materialise all scores, mask, softmax) that the tests
-hold both kernels equal to.
+hold the kernels equal to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .quant import read_block
+# re-exported: the compressed and latent attention modules and the planner use them
+from .kernels import TILE_ELEMENTS, Part, part_backward, part_forward  # noqa: F401
+from .kernels.part import acc_dtype as _acc_dtype  # noqa: F401
 
 DEFAULT_BLOCK = 1024
-#: Upper bound on the elements of one blockwise score tile (query rows × keys): 8 MiB in float32.
-TILE_ELEMENTS = 1 << 21
-
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
-@dataclass(frozen=True)
-class Part:
-    """Where one part's keys sit relative to the queries, and how it is masked."""
-
-    q_start: int
-    k_start: int
-    window: int | None
-    softcap: float | None
-    scale: float
-    block: int
-    #: query positions repeat every `q_period` rows (queries of several sequences folded into one
-    #: batch row, see `SplitAttention`); None: all rows are consecutive positions.
-    q_period: int | None = None
-    #: chunked local attention (Llama 4): a query at p sees only keys of its own attention chunk,
-    #: positions ≥ (p // chunk) · chunk; None: no such bound
-    chunk: int | None = None
-
-    def q_positions(self, r: int, device) -> torch.Tensor:
-        idx = torch.arange(r, device=device)
-        return self.q_start + (idx if self.q_period is None else idx % self.q_period)
-
-    def q_last(self, r: int) -> int:
-        return self.q_start + min(r, self.q_period or r) - 1
-
-
-# ----------------------------------------------------------------------------------------- blockwise kernel
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 inputs (gradient checks), float32 otherwise."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _visible(part: Part, r: int, s0: int, n: int, device) -> torch.Tensor | None:
-    """Boolean mask `[R, n]` of visible keys s0..s0+n of the part, or None when all are visible."""
-    q_lo, q_hi = part.q_start, part.q_last(r)
-    k_lo, k_hi = part.k_start + s0, part.k_start + s0 + n - 1
-    w, c = part.window, part.chunk
-    if k_hi <= q_lo and (w is None or k_lo > q_hi - w) and (c is None or k_lo >= (q_hi // c) * c):
-        return None
-    qp = part.q_positions(r, device)[:, None]
-    kp = torch.arange(k_lo, k_hi + 1, device=device)[None, :]
-    vis = kp <= qp
-    if w is not None:
-        vis = vis & (kp > qp - w)
-    if c is not None:
-        vis = vis & (kp >= torch.div(qp, c, rounding_mode="floor") * c)
-    return vis
-
-
-def _blocks(part: Part, rows: int, r: int, t: int, device):
-    """Yield (s0, n, mask) over the key blocks that hold at least one visible key."""
-    block = min(part.block, max(16, TILE_ELEMENTS // max(rows, 1)))
-    for s0 in range(0, t, block):
-        n = min(block, t - s0)
-        mask = _visible(part, r, s0, n, device)
-        if mask is None or bool(mask.any()):
-            yield s0, n, mask
-
-
-def _scores(qf, kb, part: Part, mask, groups):
-    """Scores `[B, Hkv, g·R, n]` in the accumulation dtype, and tanh of the softcap (or None)."""
-    s = torch.matmul(qf, kb.transpose(-1, -2)) * part.scale
-    t = None
-    if part.softcap is not None:
-        t = torch.tanh(s / part.softcap)
-        s = t * part.softcap
-    if mask is not None:
-        s = s.masked_fill(~mask.repeat(groups, 1), float("-inf"))
-    return s, t
-
-
-def _grouped(x: torch.Tensor, hkv: int, dtype) -> torch.Tensor:
-    """`[B, H, R, D]` → `[B, Hkv, g·R, D]`: query heads grouped under their key head (no K/V repeat)."""
-    b, h, r, d = x.shape
-    return x.reshape(b, hkv, (h // hkv) * r, d).to(dtype)
-
-
-def blockwise_forward(q, k, v, part: Part):
-    """One part's (out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) by blocks over the keys.
-
-    A query that sees no key of the part gets out 0 and lse −inf.
-    """
-    b, h, r, _ = q.shape
-    hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
-    acc_dtype = _acc_dtype(q)
-    qf = _grouped(q, hkv, acc_dtype)
-    rows = qf.shape[2]
-    m = torch.full((b, hkv, rows), float("-inf"), dtype=acc_dtype, device=q.device)
-    l = torch.zeros((b, hkv, rows), dtype=acc_dtype, device=q.device)
-    acc = torch.zeros((b, hkv, rows, dv), dtype=acc_dtype, device=q.device)
-    for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
-        s, _ = _scores(qf, read_block(k, s0, n, acc_dtype), part, mask, h // hkv)
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe[..., None])
-        alpha = torch.exp(m - m_safe)
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.matmul(p, read_block(v, s0, n, acc_dtype))
-        m = m_new
-    empty = l == 0
-    out = acc / torch.where(empty, torch.ones_like(l), l)[..., None]
-    lse = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l))
-    return out.reshape(b, h, r, dv).to(q.dtype), lse.reshape(b, h, r)
-
-
-def blockwise_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
-    """Gradients (dq, dk, dv) of one part, given its incoming gradient `g_out` (= w·dO) and the output
-    `out` whose correction term applies (the merged output). dk, dv are None unless `need_kv`.
-
-    `g_lse` `[B, H, R]`: the gradient of the merged log-sum-exp (attention sinks read it). Since
-    ∂lse/∂s_j = p_j, it enters as a shift of the softmax-correction term: ds_j = p_j (dO·v_j − (Δ − g_lse))."""
-    b, h, r, _ = q.shape
-    hkv, t = k.shape[1], k.shape[2]
-    acc_dtype = _acc_dtype(q)
-    qf = _grouped(q, hkv, acc_dtype)
-    do = _grouped(g_out, hkv, acc_dtype)
-    delta = (do * _grouped(out, hkv, acc_dtype)).sum(-1)
-    if g_lse is not None:
-        delta = delta - g_lse.reshape(b, hkv, -1).to(acc_dtype)
-    lse_f = lse.reshape(b, hkv, -1).to(acc_dtype)
-    lse_safe = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
-    dq = torch.zeros_like(qf)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device) if need_kv else None
-    dvv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device) if need_kv else None
-    for s0, n, mask in _blocks(part, b * h * r, r, t, q.device):
-        kb = read_block(k, s0, n, acc_dtype)
-        vb = read_block(v, s0, n, acc_dtype)
-        s, tanh = _scores(qf, kb, part, mask, h // hkv)
-        p = torch.exp(s - lse_safe[..., None])
-        ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[..., None])
-        if tanh is not None:
-            ds = ds * (1 - tanh * tanh)
-        dq += torch.matmul(ds, kb) * part.scale
-        if need_kv:
-            dvv[:, :, s0 : s0 + n] = torch.matmul(p.transpose(-1, -2), do)
-            dk[:, :, s0 : s0 + n] = torch.matmul(ds.transpose(-1, -2), qf) * part.scale
-    dq = dq.reshape(q.shape).to(q.dtype)
-    if need_kv:
-        dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)
-    return dq, dk, dvv
-
-
-# ----------------------------------------------------------------------------------------- kernel choice
-
-
-def _flash_mode(q, k, v, part: Part) -> str | None:
-    """'full' / 'causal' when the fused CPU kernel computes this part exactly, else None."""
-    if _flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or q.dtype == torch.float64:
-        return None
-    if part.chunk is not None or not isinstance(k, torch.Tensor):
-        return None  # a compressed state (`longstraw.quant`) is read block by block by the blockwise kernel
-    if q.dtype != k.dtype or v.shape[-1] != q.shape[-1]:
-        return None
-    r, t = q.shape[2], k.shape[2]
-    if part.window is None and part.k_start + t - 1 <= part.q_start:
-        return "full"  # every key precedes every query: no mask
-    if part.window is None and r == t and part.q_start == part.k_start and part.q_period is None:
-        return "causal"  # own part: square causal mask
-    return None
-
-
-def _compressed_flash(q, k, v, part: Part):
-    """(out, lse) of a fully visible compressed prompt part on the fused CPU kernel, one dequantized tile of
-    `part.block` keys at a time, merged by log-sum-exp (transient: one tile of K/V); None where the fused
-    kernel does not apply."""
-    if (_flash_cpu is None or q.device.type != "cpu" or part.softcap is not None or part.chunk is not None
-            or part.window is not None or q.dtype == torch.float64 or v.shape[-1] != q.shape[-1]):
-        return None
-    t = k.shape[2]
-    if part.k_start + t - 1 > part.q_start:
-        return None
-    out = lse = None
-    for s0 in range(0, t, part.block):
-        n = min(part.block, t - s0)
-        o, l = _flash_cpu(q, read_block(k, s0, n, q.dtype), read_block(v, s0, n, q.dtype), 0.0, False,
-                          scale=part.scale)
-        if out is None:
-            out, lse = o, l
-        else:
-            out, _ = merge_by_lse(o, l, out, lse)
-            lse = torch.logaddexp(lse, l)
-    return out, lse
-
-
-def part_forward(q, k, v, part: Part):
-    mode = _flash_mode(q, k, v, part)
-    if mode is None:
-        if not isinstance(k, torch.Tensor):
-            fused = _compressed_flash(q, k, v, part)
-            if fused is not None:
-                return fused
-        return blockwise_forward(q, k, v, part)
-    out, lse = _flash_cpu(q, k, v, 0.0, mode == "causal", scale=part.scale)
-    return out, lse
-
-
-def part_backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
-    mode = _flash_mode(q, k, v, part)
-    if mode is None or not need_kv or g_lse is not None:
-        # the fused kernel always materialises dk, dv of the part's full size (skip it when unused) and
-        # takes no log-sum-exp gradient
-        return blockwise_backward(g_out, q, k, v, out, lse, part, need_kv, g_lse)
-    dq, dk, dv = _flash_cpu_backward(g_out.contiguous(), q, k, v, out, lse.contiguous(), 0.0, mode == "causal",
-                                     scale=part.scale)
-    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------- the Function

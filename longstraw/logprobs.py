@@ -12,6 +12,11 @@ transient, O(T) saved, instead of O(T · V) saved by `log_softmax(logits)`. Any 
 (e.g. a PEFT-wrapped one) goes through activation checkpointing per token chunk: O(token_chunk · V)
 transient.
 
+Precision: logits of a half-precision model come from the head's matrix product in that dtype (as the
+model computes them), then everything — log-sum-exp, log-probs, entropies, gradients' accumulation — is
+float32; float32 / float64 models compute in their own dtype throughout. Nothing in the walk reads a
+device value on the host (no synchronisation per chunk).
+
 Gradients: with z the logits of one token, ∂logp_y/∂z_k = 1[k=y] − p_k and
 ∂H/∂z_k = −p_k (log p_k + H), where H = −Σ p log p is the token entropy.
 
@@ -33,10 +38,17 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _mm_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """dtype of the head's matrix products: the model's when hidden and head are both half precision (as the
+    model itself computes its logits: tensor-core speed, no float32 copy of a weight tile), else float32 / 64."""
+    half = (torch.bfloat16, torch.float16)
+    return h.dtype if h.dtype in half and w.dtype == h.dtype else _acc(h)
+
+
 def _logits(h, w, b, temperature, softcap, scale=None):
     """Logits of one tile in the accumulation dtype, and tanh of the softcap (for backward) or None."""
-    acc = _acc(h)
-    u = F.linear(h.to(acc), w.to(acc), None if b is None else b.to(acc))
+    acc, mm = _acc(h), _mm_dtype(h, w)
+    u = F.linear(h.to(mm), w.to(mm), None if b is None else b.to(mm)).to(acc)
     if scale is not None:
         u = u * scale
     t = None
@@ -103,11 +115,11 @@ class ChunkedLogprobs(torch.autograd.Function):
                 logp_tile = z - lse[sl, None]
                 p = torch.exp(logp_tile)
                 dz = torch.zeros_like(z)
-                if glp is not None:
+                if glp is not None:  # (no data-dependent indexing: nothing waits on the device)
                     dz -= glp[:, None] * p
                     inside = (y >= v0) & (y < v0 + z.shape[1])
-                    rows = inside.nonzero().squeeze(1)
-                    dz[rows, y[rows] - v0] += glp[rows]
+                    idx = (y - v0).clamp(0, z.shape[1] - 1)
+                    dz.scatter_add_(1, idx[:, None], torch.where(inside, glp, torch.zeros_like(glp))[:, None])
                 if gen is not None:
                     dz -= gen[:, None] * p * (logp_tile + ent[sl, None])
                 du = dz / temperature
@@ -115,10 +127,11 @@ class ChunkedLogprobs(torch.autograd.Function):
                     du = du * (1 - tanh * tanh)
                 if scale is not None:
                     du = du * scale
+                mm = _mm_dtype(h, w)
                 if need_h:
-                    dh[sl] += du @ w.to(du.dtype)
+                    dh[sl] += (du.to(mm) @ w.to(mm)).to(dh.dtype)
                 if need_w:
-                    dw[v0 : v0 + vocab_chunk] += du.t() @ h.to(du.dtype)
+                    dw[v0 : v0 + vocab_chunk] += (du.t().to(mm) @ h.to(mm)).to(dw.dtype)
                 if need_b:
                     db[v0 : v0 + vocab_chunk] += du.sum(0)
         return (

@@ -60,21 +60,31 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block: int) -> tuple[torch.Ten
     return y.to(dtype).reshape(one, h, n, d), scale
 
 
+def host_or_device(shape, dtype, device, compute_device) -> torch.Tensor:
+    """An empty buffer on `device`: pinned when that is the host and the computation runs on a GPU."""
+    device = torch.device(device)
+    pin = device.type == "cpu" and torch.device(compute_device).type == "cuda"
+    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+
+
 class QuantizedTokens:
     """`[1, H, P, D]` prompt tokens in 8 bits, filled chunk by chunk during capture (see the module docstring)."""
 
     #: a constant of the replay graph
     requires_grad = False
 
-    def __init__(self, like: torch.Tensor, capacity: int, dtype: torch.dtype, block: int = QUANT_BLOCK):
+    def __init__(self, like: torch.Tensor, capacity: int, dtype: torch.dtype, block: int = QUANT_BLOCK, device=None):
+        """`device`: where the 8-bit blocks and their scales live (default: with `like`; "cpu" for a CUDA
+        model: pinned host memory, see `capture(state_device=...)`); the unfinished tail stays with `like`."""
         one, h, _, d = like.shape
         self.dtype = like.dtype  # what `read` returns by default: the model's dtype
-        self.device = like.device
+        self.device = like.device  # where `read` delivers by default
         self.block = block
         self.qdtype = dtype
         full = capacity - capacity % block
-        self.values = torch.empty((one, h, full, d), dtype=dtype, device=like.device)
-        self.scales = torch.empty((one, h, full // block), dtype=torch.float32, device=like.device)
+        self.values = host_or_device((one, h, full, d), dtype, like.device if device is None else device, like.device)
+        self.scales = host_or_device((one, h, full // block), torch.float32, like.device if device is None else device,
+                                     like.device)
         self.quantized = 0  # tokens in `values`
         self.tail = like[:, :, :0].clone()  # the unfinished block, in the model's dtype
 
@@ -106,18 +116,22 @@ class QuantizedTokens:
             self.quantized += full
         self.tail = pending[:, :, full:].clone()
 
-    def read(self, start: int, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Tokens start … start + n − 1, dequantized, `[1, H, n, D]` in `dtype` (default: the model's)."""
+    def read(self, start: int, n: int, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """Tokens start … start + n − 1, dequantized, `[1, H, n, D]` in `dtype` (default: the model's) on `device`
+        (default: where the state lives; a host-resident state's 8-bit block travels before it is dequantized)."""
         dtype = dtype or self.dtype
+        device = self.device if device is None else torch.device(device)
         end = start + n
         parts = []
         if start < self.quantized:
             a, b = start, min(end, self.quantized)
-            v = self.values[:, :, a:b].to(torch.float32)
-            idx = torch.arange(a, b, device=self.device) // self.block
-            parts.append((v * self.scales[:, :, idx, None]).to(dtype))
+            v = to_device(self.values[:, :, a:b], device).to(torch.float32)
+            s = to_device(self.scales[:, :, a // self.block : (b - 1) // self.block + 1], device)
+            idx = torch.arange(a, b, device=device) // self.block - a // self.block
+            parts.append((v * s[:, :, idx, None]).to(dtype))
         if end > self.quantized:
-            parts.append(self.tail[:, :, max(start, self.quantized) - self.quantized : end - self.quantized].to(dtype))
+            tail = self.tail[:, :, max(start, self.quantized) - self.quantized : end - self.quantized]
+            parts.append(to_device(tail, device).to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def gather_rows(self, idx: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -136,8 +150,25 @@ class QuantizedTokens:
         return self.read(0, self.length, dtype)
 
 
-def read_block(x, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values start … start + n − 1 of a tensor `[B, H, T, D]` or a `QuantizedTokens`, in `dtype`."""
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """`x` on `device`; from pinned host memory without waiting (a copy per leading index when the slice is not
+    contiguous, so no pageable staging copy is made on the host)."""
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if x.is_contiguous() or x.dim() < 3:
+        return x.to(device, non_blocking=True)
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    for i in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            out[i, h].copy_(x[i, h], non_blocking=True)
+    return out
+
+
+def read_block(x, start: int, n: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Keys or values start … start + n − 1 of a tensor `[B, H, T, D]` or a `QuantizedTokens`, in `dtype`, on
+    `device` (default: where they live)."""
     if isinstance(x, torch.Tensor):
-        return x[:, :, start : start + n].to(dtype)
-    return x.read(start, n, dtype)
+        block = x[:, :, start : start + n]
+        return (block if device is None else to_device(block, device)).to(dtype)
+    return x.read(start, n, dtype, device)

@@ -103,8 +103,12 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
         run_decoder(parts, read.expand(num, -1), torch.arange(start, start + read.numel(), device=device), cache)
         step_input = prefix[-1:].expand(num)[:, None]
         start += prefix.numel()
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the sampling generator lives on {generator.device}, the model on {device}: "
+                         f"create it with torch.Generator(device={str(device)!r})")
+    steps = torch.arange(start, start + max_new_tokens, device=device)  # positions, made once (no copy per token)
     for t in range(max_new_tokens):
-        positions = torch.tensor([start + t], device=device)
+        positions = steps[t : t + 1]
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
         logits = parts.logits(hidden).float()
         if temperature == 0:

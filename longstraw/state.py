@@ -204,7 +204,8 @@ def _check_length(cfg, total: int) -> None:
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
-            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None) -> PromptState:
+            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
+            state_device=None) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
@@ -215,6 +216,14 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
     K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.quant`), quantized once
     here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.
+
+    `state_device`: "cpu" for a model on a GPU keeps the full-attention K/V (the state that grows with P in
+    dense and hybrid models; with `state_dtype`, its 8-bit blocks) in pinned host memory; the attention
+    streams it to the GPU one tile of 65,536 keys at a time, copying the next tile on a side stream while
+    the current one is computed. GPU memory of the state falls to one tile per layer in flight; each replay
+    and each decoding step reads the whole state over the host link. Other kinds (MLA latents, windows,
+    recurrent states) stay on the GPU. Detached mode only. None, or the model's own device: no offload (on a
+    CPU model, "cpu" changes nothing).
 
     `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
     (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
@@ -231,7 +240,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
                          "the model's dtype; use prompt_grad='detached' or state_dtype=None")
     parts = model_parts(model)
-    device = next(parts.model.parameters()).device
+    device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     prepare(model)
@@ -246,6 +255,16 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         for layer in layers:
             if layer.supports_compression:
                 layer.state_dtype = compressed
+    offload = state_device is not None and torch.device(state_device) != device and device.type != "cpu"
+    if offload:
+        if torch.device(state_device).type != "cpu":
+            raise ValueError(f"state_device must be 'cpu' (host memory) or the model's device {device}; "
+                             f"got {state_device!r}")
+        if prompt_grad == "exact":
+            raise ValueError("state_device='cpu' (an offloaded prompt state) supports prompt_grad='detached' only")
+        for layer in layers:
+            if layer.supports_offload:
+                layer.state_device = torch.device("cpu")
     exact = prompt_grad == "exact"
     if exact:
         unsupported = sorted({type(layer).__name__ for layer in layers if not layer.supports_exact})
@@ -270,6 +289,21 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         for layer in layers[first:]:
             layer.require_grad()
     return state
+
+
+def model_device(model) -> torch.device:
+    """The one device all of `model`'s parameters live on; a clear error for the meta device or a model split
+    over several devices (which needs a process group: see the README's scale-out section)."""
+    devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError("the model has no parameters")
+    if any(d.type == "meta" for d in devices):
+        raise ValueError("the model has parameters on the meta device (not loaded): load its weights first, "
+                         "e.g. from_pretrained(...) without device_map='meta' / init_empty_weights")
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}: longstraw runs a model "
+                         f"on one device per process; move it with model.to(device)")
+    return devices.pop()
 
 
 def _first_trainable_layer(parts: ModelParts) -> int:

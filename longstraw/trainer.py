@@ -106,8 +106,9 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
-def _generator(seed: int, *parts: int) -> torch.Generator:
-    g = torch.Generator()
+def _generator(seed: int, *parts: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on the model's device (sampling draws where the logits are)."""
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + hash(parts)) % (2**63))
     return g
 
@@ -147,8 +148,10 @@ class Trainer:
             ids = self.tok.convert_tokens_to_ids(self.data.task.answer_words())
             allowed = sorted(set(ids) | {self.eos})
         self.policy = Policy(self.model, self.tok, self.eos, allowed)
+        device = next(self.model.parameters()).device
         self.rollout_stage = RolloutStage(
-            self.policy, self.rewards, SamplingSettings.from_config(cfg), lambda step, b: _generator(cfg.seed, step, b),
+            self.policy, self.rewards, SamplingSettings.from_config(cfg),
+            lambda step, b: _generator(cfg.seed, step, b, device=device),
             chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad, state_dtype=cfg.state_dtype, beta=cfg.beta,
             scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func)

@@ -6,6 +6,16 @@ from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip on machines without a CUDA device (CI); `bench/gpu.sh` runs them on one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw import attention
+from longstraw import kernels
 from longstraw.attention import reference_attention, split_attention
 
 # (heads, kv_heads, R, P, head_dim, v_dim, block, window, softcap)
@@ -49,10 +49,10 @@ def test_split_attention_matches_reference(dtype, tol, h, hkv, r, p, d, dv, bloc
 
 
 @pytest.mark.parametrize("h,hkv,r,p,d,dv,block,window,softcap", CASES[:4] + CASES[-1:])
-def test_blockwise_kernel_matches_reference_without_flash(monkeypatch, h, hkv, r, p, d, dv, block, window, softcap):
-    """The portable kernel alone (as on devices without the fused CPU kernel)."""
-    monkeypatch.setattr(attention, "_flash_cpu", None)
-    out, ref, g_out, g_ref = _run(torch.float32, h, hkv, r, p, d, dv, block, window, softcap)
+def test_blockwise_kernel_matches_reference_without_flash(h, hkv, r, p, d, dv, block, window, softcap):
+    """The portable kernel alone (as on devices without a fused kernel)."""
+    with kernels.use("blockwise"):
+        out, ref, g_out, g_ref = _run(torch.float32, h, hkv, r, p, d, dv, block, window, softcap)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
     for a, b in zip(g_out, g_ref):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
@@ -122,11 +122,13 @@ VARIANTS = [
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "blockwise"])
 @pytest.mark.parametrize("h,hkv,r,p,keep_from,chunk,window,use_sinks", VARIANTS)
-def test_chunked_attention_and_sinks_match_reference(monkeypatch, flash, h, hkv, r, p, keep_from, chunk, window,
-                                                     use_sinks):
+def test_chunked_attention_and_sinks_match_reference(flash, h, hkv, r, p, keep_from, chunk, window, use_sinks):
     """Values and gradients (sinks included) against the plain softmax over all keys with the same mask."""
-    if not flash:
-        monkeypatch.setattr(attention, "_flash_cpu", None)
+    with kernels.use(None if flash else "blockwise"):
+        _variant(h, hkv, r, p, keep_from, chunk, window, use_sinks)
+
+
+def _variant(h, hkv, r, p, keep_from, chunk, window, use_sinks):
     g = torch.Generator().manual_seed(r * 100 + p)
     dtype = torch.float64
 

@@ -85,6 +85,10 @@ class LayerState(ABC):
     #: with P support it (`supports_compression`), the O(1) states stay in the model's dtype
     state_dtype: torch.dtype | None = None
     supports_compression: bool = False
+    #: where the state lives when set by `capture(state_device="cpu")` for a model on a GPU (pinned host
+    #: memory, streamed to the GPU tile by tile by the attention kernels); kinds that support it say so
+    state_device: torch.device | None = None
+    supports_offload: bool = False
 
     # ------------------------------------------------------------------ exact mode
     #: whether this kind supports `prompt_grad="exact"`

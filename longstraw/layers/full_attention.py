@@ -9,7 +9,7 @@ what it already holds. A branch keeps its own K/V apart and attention merges the
 from __future__ import annotations
 
 import torch
-from ..quant import QuantizedTokens
+from ..quant import QuantizedTokens, host_or_device
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 
@@ -99,6 +99,7 @@ class KVState(LayerState):
         return AttentionBranchLayer(k, v, self.length, self.start, self.window, self.chunk)
 
     supports_compression = True
+    supports_offload = True
 
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
@@ -106,12 +107,15 @@ class KVState(LayerState):
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {k.shape[-2]} keys")
         if self.state_dtype is not None:  # 8-bit keys and values with per-block scales
             if self.keys is None:
-                self.keys = QuantizedTokens(k, self.capacity, self.state_dtype)
-                self.values = QuantizedTokens(v, self.capacity, self.state_dtype)
+                self.keys = QuantizedTokens(k, self.capacity, self.state_dtype, device=self.state_device)
+                self.values = QuantizedTokens(v, self.capacity, self.state_dtype, device=self.state_device)
             self.keys.append(k)
             self.values.append(v)
             self.length += n
             return
+        if self.keys is None and self.state_device is not None:  # host memory, pinned for a GPU model
+            self.keys = host_or_device((*k.shape[:2], self.capacity, k.shape[3]), k.dtype, self.state_device, k.device)
+            self.values = host_or_device((*v.shape[:2], self.capacity, v.shape[3]), v.dtype, self.state_device, v.device)
         if self.keys is None:
             self.keys = base.empty_state(k, (*k.shape[:2], self.capacity, k.shape[3]))
             self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))

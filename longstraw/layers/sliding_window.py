@@ -21,6 +21,7 @@ class SlidingKVState(KVState):
 
     layer_types = ("sliding_attention",)
     supports_compression = False  # at most W − 1 tokens: nothing to gain
+    supports_offload = False  # likewise
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)

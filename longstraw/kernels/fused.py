@@ -1,0 +1,250 @@
+"""Fused kernels: PyTorch's flash-attention entry points that return the log-sum-exp.
+
+Each computes a mask-free part exactly (`part.mask_free_mode`): 'full', every key visible to every
+query (the prompt part of a full-attention layer), or 'causal', a square causal block (the own part).
+Grouped-query attention: in 'full' mode the query heads of one key head are folded into rows
+(`[B, H, R, D]` → `[B, Hkv, g·R, D]`), exact and free, and dK / dV come out in the key layout; in
+'causal' mode the own K/V (R tokens) are repeated per query head and their gradients summed back.
+
+Keys that are not a plain tensor on the queries' device (an 8-bit `QuantizedTokens` state, a state
+in host memory) and key gradients that are not wanted (detached replay: dq only) go tile by tile over
+the keys: forward merges the tiles by log-sum-exp, backward sums each tile's dq (a tile's backward
+with the part's whole log-sum-exp gives exactly that tile's share of dq). Transient memory: one tile
+of K/V (and of its dK / dV), never a copy of the part.
+
+- `flash_cpu`: `aten._scaled_dot_product_flash_attention_for_cpu` (+ backward), torch 2.11–2.13; float32,
+  bfloat16, float16; tiles of `part.block` keys.
+- `flash_cuda`: `aten._scaled_dot_product_flash_attention` (FlashAttention-2 in PyTorch), bfloat16 /
+  float16, head dim ≤ 256 and a multiple of 8; tiles of `CUDA_TILE` keys.
+- `efficient_cuda`: `aten._scaled_dot_product_efficient_attention` (memory-efficient attention), float32
+  and half precision; tiles of `CUDA_TILE` keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import read_block
+from .part import Part, mask_free_mode
+
+aten = torch.ops.aten
+#: keys per tile when a CUDA part is read tile by tile (compressed / host state, dq-only backward)
+CUDA_TILE = 1 << 16
+
+
+def _fold(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """`[B, H, R, ...]` → `[B, Hkv, g·R, ...]` (query heads of one key head as rows)."""
+    b, h, r = x.shape[:3]
+    return x.reshape(b, hkv, (h // hkv) * r, *x.shape[3:])
+
+
+def _plain(k, device) -> bool:
+    return isinstance(k, torch.Tensor) and k.device == device
+
+
+def _on_host(x) -> bool:
+    return (x.device if isinstance(x, torch.Tensor) else x.values.device).type == "cpu"
+
+
+_COPY_STREAMS: dict = {}
+
+
+def tiles(k, v, tile: int, dtype, device):
+    """Yield (s0, n, k tile, v tile) on `device` in `dtype`. From host memory to a GPU, the next tile is copied
+    on a side stream while the caller computes on the current one (two tiles in flight)."""
+    t = k.shape[2]
+    if device.type != "cuda" or not _on_host(k):
+        for s0 in range(0, t, tile):
+            n = min(tile, t - s0)
+            yield s0, n, read_block(k, s0, n, dtype, device), read_block(v, s0, n, dtype, device)
+        return
+    side = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    main = torch.cuda.current_stream(device)
+
+    def fetch(s0):
+        n = min(tile, t - s0)
+        side.wait_stream(main)  # the tiles' memory may come from blocks the main stream just released
+        with torch.cuda.stream(side):
+            kb, vb = read_block(k, s0, n, dtype, device), read_block(v, s0, n, dtype, device)
+        done = torch.cuda.Event()
+        done.record(side)
+        return s0, n, kb, vb, done
+
+    pending = fetch(0)
+    while pending is not None:
+        s0, n, kb, vb, done = pending
+        pending = fetch(s0 + n) if s0 + n < t else None
+        main.wait_event(done)
+        kb.record_stream(main)
+        vb.record_stream(main)
+        yield s0, n, kb, vb
+
+
+class FusedKernel:
+    """A fused (out, lse) kernel: subclasses give the raw calls on `[B, Hq, Rq, D]` / `[B, Hq, T, D]`."""
+
+    name = "fused"
+    device_type = "cpu"
+    dtypes: tuple[torch.dtype, ...] = ()
+
+    def available(self) -> bool:
+        raise NotImplementedError
+
+    def head_dim_ok(self, d: int) -> bool:
+        return True
+
+    def tile(self, part: Part) -> int:
+        return CUDA_TILE
+
+    def raw_forward(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+    def raw_backward(self, do, q, k, v, out, lse, causal: bool, scale: float):
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------- interface
+    def why_not(self, q, k, v, part: Part) -> str | None:
+        """None when this kernel computes the part exactly, else the reason it does not."""
+        if not self.available():
+            return "not available in this torch build"
+        if q.device.type != self.device_type:
+            return f"runs on {self.device_type}, not {q.device.type}"
+        if q.dtype not in self.dtypes:
+            return f"dtype {q.dtype} not in {self.dtypes}"
+        if part.softcap is not None:
+            return "no softcap"
+        if mask_free_mode(part, q.shape[2], k.shape[2]) is None:
+            return "the part needs a mask (window, chunk, or keys after some query)"
+        if v.shape[-1] != q.shape[-1] or not self.head_dim_ok(q.shape[-1]):
+            return f"head dims q {q.shape[-1]} / v {v.shape[-1]}"
+        if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
+            return "keys in another dtype"
+        return None
+
+    def forward(self, q, k, v, part: Part):
+        mode = mask_free_mode(part, q.shape[2], k.shape[2])
+        b, h, r, _ = q.shape
+        hkv = k.shape[1]
+        if mode == "causal":
+            g = h // hkv
+            out, lse = self.raw_forward(q, _repeat(k, g), _repeat(v, g), True, part.scale)
+            return out, lse
+        qf = _fold(q, hkv)
+        if _plain(k, q.device):
+            out, lse = self.raw_forward(qf, k, v, False, part.scale)
+        else:
+            out = lse = None
+            for _, _, kb, vb in tiles(k, v, self.tile(part), q.dtype, q.device):
+                o, l = self.raw_forward(qf, kb, vb, False, part.scale)
+                if out is None:
+                    out, lse = o, l
+                else:
+                    w = torch.sigmoid(l - lse)
+                    out = out + w[..., None].to(out.dtype) * (o - out)
+                    lse = torch.logaddexp(lse, l)
+        return out.reshape(b, h, r, -1), lse.reshape(b, h, r)
+
+    def backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+        mode = mask_free_mode(part, q.shape[2], k.shape[2])
+        b, h, r, _ = q.shape
+        hkv = k.shape[1]
+        lse = lse.float().contiguous()
+        if mode == "causal":
+            g = h // hkv
+            dq, dk, dv = self.raw_backward(g_out, q, _repeat(k, g), _repeat(v, g), out, lse, True, part.scale)
+            if not need_kv:
+                return dq, None, None
+            return dq, _unrepeat(dk, hkv), _unrepeat(dv, hkv)
+        qf, dof, outf, lsef = _fold(q, hkv), _fold(g_out, hkv), _fold(out, hkv), _fold(lse, hkv)
+        if need_kv:  # exact mode: the whole part's dK / dV are wanted anyway
+            dq, dk, dv = self.raw_backward(dof, qf, k, v, outf, lsef, False, part.scale)
+            return dq.reshape(q.shape), dk, dv
+        dq = None
+        for _, _, kb, vb in tiles(k, v, self.tile(part), q.dtype, q.device):
+            d, _, _ = self.raw_backward(dof, qf, kb, vb, outf, lsef, False, part.scale)
+            dq = d.float() if dq is None else dq + d.float()
+        return dq.to(q.dtype).reshape(q.shape), None, None
+
+
+def _repeat(x, g):
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _unrepeat(dx, hkv):
+    b, h, t, d = dx.shape
+    return dx if h == hkv else dx.reshape(b, hkv, h // hkv, t, d).sum(2)
+
+
+class FlashCPU(FusedKernel):
+    name = "flash_cpu"
+    device_type = "cpu"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def available(self):
+        return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+    def tile(self, part):
+        return part.block
+
+    def raw_forward(self, q, k, v, causal, scale):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    def raw_backward(self, do, q, k, v, out, lse, causal, scale):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale)
+
+
+class FlashCUDA(FusedKernel):
+    name = "flash_cuda"
+    device_type = "cuda"
+    dtypes = (torch.bfloat16, torch.float16)
+
+    def available(self):
+        return torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available()
+
+    def head_dim_ok(self, d):
+        return d % 8 == 0 and d <= 256
+
+    def raw_forward(self, q, k, v, causal, scale):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+
+    def raw_backward(self, do, q, k, v, out, lse, causal, scale):
+        z = torch.empty(0, dtype=torch.long, device=q.device)
+        seed = torch.zeros((), dtype=torch.long, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            do.contiguous(), q, k, v, out.contiguous(), lse, z, z, q.shape[2], k.shape[2], 0.0, causal,
+            seed, seed, scale=scale)
+
+
+class EfficientCUDA(FusedKernel):
+    name = "efficient_cuda"
+    device_type = "cuda"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def available(self):
+        return torch.cuda.is_available()
+
+    def head_dim_ok(self, d):
+        return d % 4 == 0 and d <= 512
+
+    #: whether this build pads the log-sum-exp's rows to a multiple of 32 (read off the first forward)
+    padded_lse = False
+
+    def raw_forward(self, q, k, v, causal, scale):
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        if lse.shape[-1] != q.shape[2]:
+            EfficientCUDA.padded_lse = True
+        return out, lse[..., : q.shape[2]]
+
+    def raw_backward(self, do, q, k, v, out, lse, causal, scale):
+        if self.padded_lse:
+            lse = torch.nn.functional.pad(lse, (0, (-q.shape[2]) % 32))
+        seed = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do.contiguous(), q, k, v, None, out.contiguous(), lse.contiguous(), seed, seed, 0.0,
+            [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+
+
+FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA = FlashCPU(), FlashCUDA(), EfficientCUDA()

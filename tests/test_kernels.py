@@ -1,0 +1,173 @@
+"""Every attention kernel against the plain reference kernel, at the kernel interface: (out, lse) and the
+gradients (dq, dk, dv) given a merged output and a log-sum-exp gradient, on odd shapes, GQA / MQA, folded
+sequences, windows, chunks, softcap, value dims that differ, 8-bit and host-resident keys.
+
+The reference runs in float64 on the same inputs; fused kernels are held to 1e-5 in float32 and to the
+dtype's tolerance in bf16 / fp16. CUDA cases carry the `cuda` marker and skip without a GPU."""
+
+import pytest
+import torch
+
+from longstraw import kernels
+from longstraw.attention import reference_attention, split_attention
+from longstraw.kernels import KERNELS, Part
+from longstraw.quant import QuantizedTokens
+
+# name: (B, H, Hkv, R, T, D, Dv, q_start, k_start, window, softcap, chunk, q_period, block)
+PARTS = {
+    "full-gqa-odd": (1, 4, 2, 7, 37, 16, 16, 40, 0, None, None, None, None, 8),
+    "full-mqa-long": (1, 8, 1, 5, 300, 64, 64, 300, 0, None, None, None, None, 64),
+    "full-folded-seqs": (1, 4, 2, 12, 50, 32, 32, 50, 0, None, None, None, 4, 16),
+    "full-batch2": (2, 4, 4, 3, 19, 8, 8, 19, 0, None, None, None, None, 4),
+    "causal-own-gqa": (1, 6, 2, 9, 9, 16, 16, 40, 40, None, None, None, None, 4),
+    "causal-d128": (2, 2, 2, 33, 33, 128, 128, 7, 7, None, None, None, None, 16),
+    "window": (1, 4, 2, 6, 20, 16, 16, 20, 0, 8, None, None, None, 4),
+    "softcap": (1, 4, 2, 5, 30, 16, 16, 30, 0, None, 20.0, None, None, 8),
+    "chunk": (1, 4, 2, 6, 10, 8, 8, 10, 0, None, None, 8, None, 4),
+    "dv-differs": (1, 4, 1, 5, 24, 24, 16, 24, 0, None, None, None, None, 8),
+}
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _inputs(name, device, dtype, seed=0):
+    b, h, hkv, r, t, d, dv, qs, ks, window, softcap, chunk, period, block = PARTS[name]
+    g = torch.Generator().manual_seed(seed + sum(map(ord, name)))
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    part = Part(qs, ks, window, softcap, d ** -0.5, block, period, chunk)
+    q, k, v = rnd(b, h, r, d), rnd(b, hkv, t, d), rnd(b, hkv, t, dv)
+    g_out, merged, g_lse = rnd(b, h, r, dv), rnd(b, h, r, dv), rnd(b, h, r).float()
+    return q, k, v, part, g_out, merged, g_lse
+
+
+def _ref(q, k, v, part, g_out, merged, g_lse, need_kv):
+    d = [x.double() for x in (q, k, v, g_out, merged)]
+    out, lse = KERNELS["reference"].forward(d[0], d[1], d[2], part)
+    grads = KERNELS["reference"].backward(d[3], d[0], d[1], d[2], d[4], lse, part, need_kv,
+                                          None if g_lse is None else g_lse.double())
+    return out, lse, grads
+
+
+def _close(got, want, tol, what):
+    assert got.shape == want.shape, what
+    err = (got.double() - want).abs().max().item()
+    bar = tol * max(1.0, want.abs().max().item())
+    assert err <= bar, f"{what}: max error {err:.3g} > {bar:.3g}"
+
+
+def _kernels_on(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return [k for k in KERNELS.values() if k.name in ("reference", "blockwise")
+            or (getattr(k, "device_type", None) == device and k.available())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(PARTS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_equals_reference(device, name, dtype):
+    ran = []
+    for kernel in _kernels_on(device):
+        q, k, v, part, g_out, merged, g_lse = _inputs(name, device, dtype)
+        if kernel.why_not(q, k, v, part) is not None:
+            with pytest.raises(ValueError, match=kernel.name), kernels.use(kernel.name):
+                kernels.part_forward(q, k, v, part)
+            continue
+        fused = kernel.name not in ("reference", "blockwise")
+        tol = TOL[dtype]
+        out, lse = kernel.forward(q, k, v, part)
+        r_out, r_lse, _ = _ref(q, k, v, part, g_out, merged, None, False)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        _close(out, r_out, tol, f"{kernel.name} out")
+        _close(lse, r_lse, tol, f"{kernel.name} lse")
+        for need_kv in (False, True):
+            gl = None if fused else g_lse
+            grads = (kernel.backward(g_out, q, k, v, merged, lse, part, need_kv) if fused
+                     else kernel.backward(g_out, q, k, v, merged, lse, part, need_kv, gl))
+            _, _, want = _ref(q, k, v, part, g_out, merged, gl, need_kv)
+            for got, ref, what in zip(grads, want, ("dq", "dk", "dv")):
+                if ref is None:
+                    assert got is None
+                    continue
+                _close(got, ref, 4 * tol, f"{kernel.name} {what} need_kv={need_kv}")
+        ran.append(kernel.name)
+    assert "reference" in ran and "blockwise" in ran
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chosen_kernels(device):
+    """The choice table: fused where the part is mask-free, blockwise where it needs a mask or float64."""
+    _kernels_on(device)
+    fused = {"cpu": "flash_cpu", "cuda": "flash_cuda"}[device]
+    for name, want in (("full-gqa-odd", fused), ("causal-own-gqa", fused), ("window", "blockwise"),
+                       ("softcap", "blockwise"), ("chunk", "blockwise"), ("dv-differs", "blockwise")):
+        q, k, v, part, *_ = _inputs(name, device, torch.bfloat16)
+        assert kernels.choose(q, k, v, part).name == want, name
+    q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float64)
+    assert kernels.choose(q, k, v, part).name == "blockwise"
+    q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float32)
+    assert kernels.choose(q, k, v, part).name == {"cpu": "flash_cpu", "cuda": "efficient_cuda"}[device]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_keys_read_tile_by_tile(device, dtype):
+    """An 8-bit prompt state: each fused kernel reads it one dequantized tile at a time and equals the
+    reference over the same dequantized keys."""
+    q, k, v, part, g_out, merged, _ = _inputs("full-mqa-long", device, dtype)
+    qk = QuantizedTokens(k, k.shape[2], torch.int8, block=64)
+    qv = QuantizedTokens(v, v.shape[2], torch.int8, block=64)
+    qk.append(k), qv.append(v)
+    kd, vd = qk.dequantize(), qv.dequantize()
+    for kernel in _kernels_on(device):
+        if kernel.why_not(q, qk, qv, part) is not None:
+            continue
+        out, lse = kernel.forward(q, qk, qv, part)
+        r_out, r_lse, want = _ref(q, kd, vd, part, g_out, merged, None, False)
+        _close(out, r_out, TOL[dtype], f"{kernel.name} out")
+        _close(lse, r_lse, TOL[dtype], f"{kernel.name} lse")
+        args = (g_out, q, qk, qv, merged, lse, part, False)
+        dq = kernel.backward(*args)[0] if kernel.name not in ("reference", "blockwise") else kernel.backward(*args, None)[0]
+        _close(dq, want[0], 4 * TOL[dtype], f"{kernel.name} dq")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_host_resident_keys_stream_to_the_gpu(dtype):
+    """Keys and values in pinned host memory: the fused CUDA kernels stream them tile by tile."""
+    q, k, v, part, g_out, merged, _ = _inputs("full-mqa-long", "cuda", dtype)
+    hk, hv = k.cpu().pin_memory(), v.cpu().pin_memory()
+    for kernel in _kernels_on("cuda"):
+        if kernel.why_not(q, hk, hv, part) is not None:
+            continue
+        out, lse = kernel.forward(q, hk, hv, part)
+        r_out, r_lse, want = _ref(q, k, v, part, g_out, merged, None, False)
+        _close(out, r_out, TOL[dtype], f"{kernel.name} out")
+        args = (g_out, q, hk, hv, merged, lse, part, False)
+        dq = kernel.backward(*args)[0] if kernel.name not in ("reference", "blockwise") else kernel.backward(*args, None)[0]
+        _close(dq, want[0], 4 * TOL[dtype], f"{kernel.name} dq")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0)], ids=["full", "window", "softcap"])
+def test_split_attention_bf16_on_device(device, window, softcap):
+    """The automatic choice end to end (split + merge + backward) in bf16 against the float64 reference."""
+    _kernels_on(device)
+    g = torch.Generator().manual_seed(11)
+    h, hkv, r, p, d = 8, 2, 17, 300, 64
+    x = [torch.randn(*s, generator=g, dtype=torch.float64) for s in
+         [(1, h, r, d), (1, hkv, r, d), (1, hkv, r, d), (1, hkv, p, d), (1, hkv, p, d)]]
+    dev = [t.to(device=device, dtype=torch.bfloat16).requires_grad_() for t in x]
+    out = split_attention(*dev, q_start=p, own_start=p, window=window, softcap=softcap, block=64)
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in dev]
+    ref = reference_attention(ref_in[0], torch.cat([ref_in[3], ref_in[1]], 2), torch.cat([ref_in[4], ref_in[2]], 2),
+                              p, 0, window=window, softcap=softcap)
+    _close(out.cpu(), ref, 3e-2, "out")
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out.float() * w.to(device, torch.float32)).sum(), dev)
+    want = torch.autograd.grad((ref * w).sum(), ref_in)
+    for a, b, what in zip(got, want, ("dq", "dk_own", "dv_own", "dk_prompt", "dv_prompt")):
+        _close(a.cpu(), b, 6e-2, what)
