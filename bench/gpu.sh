@@ -43,11 +43,11 @@ PYEOF
 echo "# (a) CUDA tests"
 TESTS=(tests/test_kernels.py tests/test_cuda.py)
 if [ -n "${SMOKE:-}" ]; then TESTS=(tests/test_cuda.py); fi
-timeout 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rfE "${TESTS[@]}" > "$OUT/cuda_tests.log" 2>&1
-tail -25 "$OUT/cuda_tests.log"
+timeout 240 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rfE --durations=12 "${TESTS[@]}" > "$OUT/cuda_tests.log" 2>&1
+tail -45 "$OUT/cuda_tests.log"
 echo "# (b) kernels, LM head, sampler, offload ($(( $(date +%s) - T0 )) s so far)"
 timeout 110 "$PY" bench/gpu_kernels.py --out "$OUT" "${SMOKE_ARGS[@]}" 2>&1 | grep -v '^{'
-LEFT=$(( 450 - ($(date +%s) - T0) ))
+LEFT=$(( 460 - ($(date +%s) - T0) ))
 echo "# (c) GRPO step grid, time box ${LEFT} s"
 timeout $(( LEFT + 20 )) "$PY" bench/gpu_step.py --out "$OUT" --budget-s $(( LEFT - 10 )) "${SMOKE_ARGS[@]}" 2>&1 \
     | grep -v '^{'

@@ -109,7 +109,17 @@ def lm_head_section(smoke, device, emit):
         lp, _ = reference_logprobs(hidden, head, y)
         (-lp.sum()).backward()
 
-    candidates = [("longstraw chunked", ours), ("plain log_softmax", plain)]
+    def frozen(fn):  # LoRA: the head does not train, only the hidden states get a gradient
+        def run():
+            head.weight.requires_grad_(False)
+            try:
+                fn()
+            finally:
+                head.weight.requires_grad_(True)
+        return run
+
+    candidates = [("longstraw chunked", ours), ("plain log_softmax", plain),
+                  ("longstraw chunked, frozen head", frozen(ours)), ("plain log_softmax, frozen head", frozen(plain))]
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 

@@ -210,10 +210,12 @@ class FlashCUDA(FusedKernel):
         return out, lse
 
     def raw_backward(self, do, q, k, v, out, lse, causal, scale):
-        z = torch.empty(0, dtype=torch.long, device=q.device)
+        # dense (not variable-length) inputs: no cumulative sequence lengths (None → undefined tensors, as the
+        # forward returns them; a defined empty tensor selects the variable-length kernel); no dropout, so the
+        # RNG state is not read
         seed = torch.zeros((), dtype=torch.long, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
-            do.contiguous(), q, k, v, out.contiguous(), lse, z, z, q.shape[2], k.shape[2], 0.0, causal,
+            do.contiguous(), q, k, v, out.contiguous(), lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
             seed, seed, scale=scale)
 
 
