@@ -123,7 +123,10 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         tokens[active, t] = chosen
         logps[active, t] = scored.gather(-1, chosen[:, None]).squeeze(-1)
-        done = torch.isin(chosen, stop) if stop.numel() else torch.zeros_like(chosen, dtype=torch.bool)
+        if not stop.numel():  # nothing can stop a row: no check, no host synchronisation per token
+            step_input = chosen[:, None]
+            continue
+        done = torch.isin(chosen, stop)
         if done.any():
             finished = active[done]
             lengths[finished] = t + 1

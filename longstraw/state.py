@@ -255,11 +255,14 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         for layer in layers:
             if layer.supports_compression:
                 layer.state_dtype = compressed
-    offload = state_device is not None and torch.device(state_device) != device and device.type != "cpu"
-    if offload:
-        if torch.device(state_device).type != "cpu":
+    offload = False
+    if state_device is not None:
+        where = torch.device(state_device)
+        if where.type != "cpu" and where != device:
             raise ValueError(f"state_device must be 'cpu' (host memory) or the model's device {device}; "
                              f"got {state_device!r}")
+        offload = where.type == "cpu" and device.type != "cpu"
+    if offload:
         if prompt_grad == "exact":
             raise ValueError("state_device='cpu' (an offloaded prompt state) supports prompt_grad='detached' only")
         for layer in layers:

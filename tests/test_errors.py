@@ -52,11 +52,31 @@ def test_bad_response_ids(model):
         pytest.param({"chunk_size": 0}, "chunk_size", id="chunk-0"),
         pytest.param({"chunk_size": 2.5}, "chunk_size", id="chunk-float"),
         pytest.param({"block_size": -1}, "block_size", id="block"),
+        pytest.param({"state_device": "cuda"}, "state_device", id="state-device-not-host"),
     ],
 )
 def test_bad_options(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         longstraw.capture(model, tokens(5, 0), **kwargs)
+
+
+def test_model_on_the_meta_device_or_split_is_refused(model):
+    with torch.device("meta"):
+        empty = tiny_model("llama")
+    with pytest.raises(ValueError, match="meta device"):
+        longstraw.capture(empty, tokens(5, 0))
+    half = tiny_model("llama")
+    half.lm_head.to("meta")  # the nearest thing to a model split over devices on a machine with one
+    with pytest.raises(ValueError, match="meta"):
+        longstraw.capture(half, tokens(5, 0))
+
+
+def test_host_state_on_a_cpu_model_changes_nothing(model):
+    prompt, response = tokens(9, 1), tokens(4, 2)
+    with torch.no_grad():
+        a = longstraw.capture(model, prompt, chunk_size=4).replay(response).logprobs
+        b = longstraw.capture(model, prompt, chunk_size=4, state_device="cpu").replay(response).logprobs
+    assert torch.equal(a, b)
 
 
 def test_prompt_longer_than_the_model_supports():
