@@ -39,11 +39,13 @@ def merge_by_lse(out_a, lse_a, out_b, lse_b):
 
     out = (e^lse_a·out_a + e^lse_b·out_b) / (e^lse_a + e^lse_b); returns (out, w_a) with w_a the
     weight of part a `[B, H, R]`. `lse_b` must be finite (every query sees itself in the own part);
-    `lse_a` may be −inf (no visible key), giving out_b.
+    `lse_a` may be −inf (no visible key), giving out_b. The merge runs in float32 (float64 for float64
+    inputs) and returns out in out_b's dtype: a half-precision merge would round each part once more.
     """
     w_a = torch.sigmoid(lse_a - lse_b)
-    out = out_b + w_a[..., None].to(out_b.dtype) * (out_a - out_b)
-    return out, w_a
+    acc = w_a.dtype
+    out = out_b.to(acc) + w_a[..., None] * (out_a.to(acc) - out_b.to(acc))
+    return out.to(out_b.dtype), w_a
 
 
 def _fold(x: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,11 @@ METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact", "lon
 MODELS = ("dense", "hybrid", "dsa", "sliding", "mla", "ssm", "dsv4")
 
 
-def bench_model(name: str, seed: int = 0):
+def bench_model(name: str, seed: int = 0, fields: dict | None = None):
     """The benchmark's tiny model (`dense`: qwen3, `hybrid`: qwen3_next-like, `dsa`: glm_moe_dsa, `sliding`:
     gemma3_text with 3 sliding layers of 1,024 : 1 global, `mla`: deepseek_v3, `ssm`: granitemoehybrid,
-    Mamba-2 + attention, `dsv4`: deepseek_v4) with a LoRA adapter on the attention projections, train mode."""
+    Mamba-2 + attention, `dsv4`: deepseek_v4) with a LoRA adapter on the attention projections, train mode.
+    `fields`: config fields that replace the family's benchmark fields (e.g. narrower attention)."""
     from peft import LoraConfig, get_peft_model
 
     from .models import (BENCH_DENSE, BENCH_DSA, BENCH_DSV4, BENCH_HYBRID, BENCH_MLA, BENCH_SLIDING, BENCH_SSM,
@@ -42,11 +43,12 @@ def bench_model(name: str, seed: int = 0):
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")
+    extra = fields
     arch, fields = {"dense": ("qwen3", BENCH_DENSE), "hybrid": ("qwen3_next", BENCH_HYBRID),
                     "dsa": ("glm_moe_dsa", BENCH_DSA), "sliding": ("gemma3_text", BENCH_SLIDING),
                     "mla": ("deepseek_v3", BENCH_MLA), "ssm": ("granitemoehybrid", BENCH_SSM),
                     "dsv4": ("deepseek_v4", BENCH_DSV4)}[name]
-    model = tiny_model(arch, seed=seed, **fields)
+    model = tiny_model(arch, seed=seed, **(fields if extra is None else extra))
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     targets = {"dsa": mla, "mla": mla, "dsv4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]}.get(
         name, ["q_proj", "k_proj", "v_proj", "o_proj"])

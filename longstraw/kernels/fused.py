@@ -137,11 +137,12 @@ class FusedKernel:
             for _, _, kb, vb in tiles(k, v, self.tile(part), q.dtype, q.device):
                 o, l = self.raw_forward(qf, kb, vb, False, part.scale)
                 if out is None:
-                    out, lse = o, l
-                else:
+                    out, lse = o.float(), l
+                else:  # merged in float32, rounded to q's dtype once at the end
                     w = torch.sigmoid(l - lse)
-                    out = out + w[..., None].to(out.dtype) * (o - out)
+                    out = out + w[..., None] * (o.float() - out)
                     lse = torch.logaddexp(lse, l)
+            out = out.to(q.dtype)
         return out.reshape(b, h, r, -1), lse.reshape(b, h, r)
 
     def backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
