@@ -188,28 +188,45 @@ def test_trainer_runs_on_cuda_in_bf16(tmp_path):
 
 
 def test_flash_linear_attention_path_equals_torch_path():
-    """With flash-linear-attention installed, transformers runs its fused gated-DeltaNet kernels: capture, replay
-    and detached gradients through them equal the torch path (fp32 within 1e-3: the fused kernels use TF32)."""
+    """With flash-linear-attention installed, transformers runs its fused gated-DeltaNet kernels: capture, replay,
+    detached and exact-mode gradients (the latter through the gradient into each chunk's initial state) and greedy
+    sampling through them equal the torch path (log-probs within 1e-3, gradients 1e-2 relative: the fused kernels
+    use TF32)."""
     pytest.importorskip("fla")
     import transformers.models.qwen3_next.modeling_qwen3_next as mod
 
-    fused = mod.torch_chunk_gated_delta_rule
-    if not hasattr(fused, "__wrapped__"):
+    names = ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+    fused = {n: getattr(mod, n) for n in names}
+    if not all(hasattr(f, "__wrapped__") for f in fused.values()):
         pytest.skip("transformers did not wrap the gated delta rule")
     model = _model("qwen3_next", use_lora=True)
     params = [p for p in model.parameters() if p.requires_grad]
     prompt, response = tokens(200, 8).to(CUDA), tokens(12, 9).to(CUDA)
 
     def run():
+        out = {}
         state = longstraw.capture(model, prompt, chunk_size=64)
         lp = state.replay(response).logprobs
-        return lp.detach(), torch.autograd.grad(lp.sum(), params)
+        out["lp"], out["detached"] = lp.detach(), torch.autograd.grad(lp.sum(), params)
+        with torch.no_grad():
+            out["greedy"] = state.sample(2, 8, temperature=0).tokens[0]
+        for p in params:
+            p.grad = None
+        with longstraw.capture(model, prompt, chunk_size=64, prompt_grad="exact") as ex:
+            ex.replay(response).logprobs.sum().backward()
+            ex.backward()
+        out["exact"] = [p.grad.clone() for p in params]
+        return out
 
-    lp_fused, g_fused = run()
-    mod.torch_chunk_gated_delta_rule = fused.__wrapped__
+    with_fla = run()
+    for n in names:
+        setattr(mod, n, fused[n].__wrapped__)
     try:
-        lp_torch, g_torch = run()
+        torch_path = run()
     finally:
-        mod.torch_chunk_gated_delta_rule = fused
-    assert (lp_fused - lp_torch).abs().max().item() <= 1e-3
-    assert max(rel_err(a, b) for a, b in zip(g_fused, g_torch)) <= 1e-2
+        for n in names:
+            setattr(mod, n, fused[n])
+    assert (with_fla["lp"] - torch_path["lp"]).abs().max().item() <= 1e-3
+    for key in ("detached", "exact"):
+        assert max(rel_err(a, b) for a, b in zip(with_fla[key], torch_path[key])) <= 1e-2, key
+    assert torch.equal(with_fla["greedy"], torch_path["greedy"])
