@@ -54,6 +54,7 @@ timeout 110 "$PY" bench/gpu_kernels.py --out "$OUT" --sections ${SECTIONS:-kerne
     "${SMOKE_ARGS[@]}" 2>&1 | grep -v '^{'
 LEFT=$(( ${TOTAL_S:-460} - ($(date +%s) - T0) ))
 echo "# (c) GRPO step grid, time box ${LEFT} s"
+if [ "$LEFT" -lt 40 ]; then echo "# no time left for the grid"; exit 0; fi
 timeout $(( LEFT + 20 )) "$PY" bench/gpu_step.py --out "$OUT" --budget-s $(( LEFT - 10 )) "${SMOKE_ARGS[@]}" 2>&1 \
     | grep -v '^{'
 echo "# done in $(( $(date +%s) - T0 )) s"
