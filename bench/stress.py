@@ -7,7 +7,8 @@ P = 2,097,152 (the fp8 run), 4 query heads of 32 / 2 KV heads at P = 1,048,576 (
 
 One step = capture (chunks of 65,536), G = 8 responses of 128 tokens sampled from the state (temperature
 1, seeded), G replays with backward (random advantages), one AdamW step. Each run in its own fresh process
-(`--run NAME` in a child), one torch thread per run unless --threads; time per stage, the durable state,
+(`--child NAME`), 2 torch threads unless --threads; time per stage (and the process's CPU time and the
+machine's load average, since wall time on a shared machine includes what others ran), the durable state,
 and step memory = peak RSS during the step − RSS before it, against the planner's figures
 (`longstraw.plan`) for the same configuration.
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -100,10 +103,12 @@ def child(name: str, run: dict, threads: int, out: Path) -> None:
     opt.zero_grad(set_to_none=True)
     progress("optimizer_s")
     step_s = time.perf_counter() - t0
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
     peak = peak_rss_mb() - before
     row.update(stages, step_s=round(step_s, 1), state_mib=round(state.nbytes / 2**20, 2),
                capture_mem_mib=round(capture_peak, 1), step_mem_mib=round(peak, 1),
-               state_vs_plan=round(state.nbytes / pl.durable_state, 4), torch=torch.__version__)
+               state_vs_plan=round(state.nbytes / pl.durable_state, 4), process_cpu_s=round(cpu.ru_utime + cpu.ru_stime, 1),
+               load_avg_1m=round(os.getloadavg()[0], 2), torch=torch.__version__)
     state.release()
     with out.open("a") as f:
         f.write(json.dumps(row) + "\n")
@@ -114,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--P", type=int, default=None, help="override the prompt length (rehearsal)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "stress.jsonl"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
