@@ -1,0 +1,221 @@
+"""Context parallelism over torch.distributed (`longstraw.distributed`): gloo on CPU, N ∈ {2, 4} processes of 1 thread.
+
+Each spawn runs every scenario in one set of processes (started from a forkserver that has imported torch,
+transformers and longstraw once, so a spawn costs well under a second after the first); the single-process
+reference runs in the test process. The ranks write what they measured with `torch.save`; the test compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import longstraw
+from longstraw.distributed import slice_bounds
+
+from .conftest import rel_err, tokens
+
+ARCH = "llama"
+RESPONSE_LENGTHS = (5, 7, 3, 6)
+TIMEOUT_S = 60
+
+
+def _response(rank: int, n: int, round_: int) -> torch.Tensor:
+    """Rank r's response in a round; with 4 ranks, rank 3 passes the same response as rank 0."""
+    r = 0 if (n == 4 and rank == 3) else rank
+    return tokens(RESPONSE_LENGTHS[r] + round_, seed=100 + 10 * round_ + r)
+
+
+def _advantage(rank: int, length: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0 + rank, length)
+
+
+def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
+    t = tokens(p, seed=1)
+    if differ and rank == 1:
+        t = t.clone()
+        t[3] = (t[3] + 1) % 256
+    return t
+
+
+def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[int, ...], check_timeout: bool):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from longstraw.distributed import CollectiveError, MismatchError
+    from longstraw.layers import base
+    from longstraw.models import tiny_model
+
+    # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
+    base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
+    model = tiny_model(ARCH)
+    params = [p for p in model.parameters() if p.requires_grad]
+    result = {}
+    for p in prompt_lengths:
+        t0 = time.perf_counter()
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, group=dist.group.WORLD)
+        t_capture = time.perf_counter() - t0
+        rounds = []
+        for round_ in range(2):  # two replays of the same state: replays never write it
+            model.zero_grad(set_to_none=True)
+            response = _response(rank, n, round_)
+            out = state.replay(response)
+            (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+            grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+            for g in grads:  # the sum over the ranks' branches
+                dist.all_reduce(g)
+            rounds.append(dict(logprobs=out.logprobs.detach(), entropy=out.entropy.detach(), grads=grads))
+        result[p] = dict(rounds=rounds, nbytes=state.nbytes, slice=state.slice, t_capture=t_capture)
+        state.release()
+
+    # refused on every rank with the same message: a different prompt on rank 1, a different chunk size on rank 0
+    errors = {}
+    for what, kwargs in (("prompt", dict(prompt_ids=_prompt(12, rank, differ=True), chunk_size=4)),
+                         ("chunk_size", dict(prompt_ids=_prompt(12), chunk_size=4 + (rank == 0)))):
+        try:
+            longstraw.capture(model, group=dist.group.WORLD, **kwargs)
+            errors[what] = None
+        except MismatchError as err:
+            errors[what] = str(err)
+    # an invalid response on one rank: every rank refuses the replay
+    state = longstraw.capture(model, _prompt(12), chunk_size=4, group=dist.group.WORLD)
+    try:
+        state.replay(torch.tensor([1, 2, 999]) if rank == n - 1 else torch.tensor([1, 2, 3]))
+        errors["response"] = None
+    except ValueError as err:
+        errors["response"] = str(err)
+    result["errors"] = errors
+
+    if check_timeout:  # rank 1 never arrives: rank 0 raises after the group's timeout, naming the collective
+        short = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=2))
+        if rank == 0:
+            t0 = time.perf_counter()
+            try:
+                longstraw.capture(model, _prompt(12), chunk_size=4, group=short)
+                result["timeout"] = None
+            except CollectiveError as err:
+                result["timeout"] = (str(err), time.perf_counter() - t0)
+        dist.barrier()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _run(n: int, tmp_path, prompt_lengths, check_timeout=False) -> list[dict]:
+    # a forkserver that imported torch, transformers and longstraw once: starting a rank then costs a fork
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "longstraw", "longstraw.distributed",
+                                            "longstraw.models", "transformers.models.llama.modeling_llama"])
+    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(prompt_lengths),
+                                            check_timeout),
+                             nprocs=n, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"{n} ranks did not finish within {3 * TIMEOUT_S} s")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+
+
+def _reference(p: int, n: int):
+    """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
+    the n branches; the state's bytes."""
+    model = longstraw.models.tiny_model(ARCH)
+    params = [q for q in model.parameters() if q.requires_grad]
+    state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4)
+    rounds = []
+    for round_ in range(2):
+        model.zero_grad(set_to_none=True)
+        logprobs = []
+        for r in range(n):
+            response = _response(r, n, round_)
+            out = state.replay(response)
+            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+            logprobs.append(out.logprobs.detach())
+        rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
+    return rounds, state.nbytes
+
+
+def _check(results, n: int, prompt_lengths, measured: dict):
+    for p in prompt_lengths:
+        ref, ref_bytes = _reference(p, n)
+        bounds = slice_bounds(p - 1, n)
+        worst_lp = worst_g = 0.0
+        for round_, want in enumerate(ref):
+            for r in range(n):
+                got = results[r][p]["rounds"][round_]
+                assert got["logprobs"].shape == want["logprobs"][r].shape
+                err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
+                worst_lp = max(worst_lp, err)
+                assert err <= 1e-5, f"N={n} P={p} rank {r} round {round_}: log-probs off by {err:.2e}"
+            # detached gradients summed over the ranks = the single-process sum over the same branches
+            for r in range(n):
+                got = results[r][p]["rounds"][round_]["grads"]
+                scale = max(b.norm().item() for b in want["grads"])
+                for a, b in zip(got, want["grads"]):
+                    assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
+                err = rel_err(torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in want["grads"]]))
+                worst_g = max(worst_g, err)
+                assert err <= 1e-5, f"N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        # each rank holds its contiguous slice of the captured positions: 1/N of the state (uneven: ⌈(P−1)/N⌉ tokens)
+        per_rank = [results[r][p]["nbytes"] for r in range(n)]
+        assert sum(per_rank) == ref_bytes
+        for r in range(n):
+            s, e = bounds[r]
+            assert results[r][p]["slice"] == (s, e)
+            assert per_rank[r] == ref_bytes * (e - s) // (p - 1)
+            assert per_rank[r] <= ref_bytes * -(-(p - 1) // n) / (p - 1)
+        measured[(n, p)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes, bytes_per_rank=per_rank)
+
+    errors = [res["errors"] for res in results]
+    for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4")):
+        msgs = {e[what] for e in errors}
+        assert len(msgs) == 1 and None not in msgs, f"{what}: not refused alike on every rank: {msgs}"
+        assert needle in msgs.pop()
+    msgs = {e["response"] for e in errors}
+    assert len(msgs) == 1 and None not in msgs
+    assert f"rank(s) [{n - 1}]" in msgs.pop()
+
+
+def test_context_parallel_two_ranks(tmp_path):
+    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt; mismatches refused; a missing rank times out by name."""
+    lengths = (31, 30)
+    t0 = time.perf_counter()
+    results = _run(2, tmp_path, lengths, check_timeout=True)
+    measured = {}
+    _check(results, 2, lengths, measured)
+    message, waited = results[0]["timeout"]
+    assert "longstraw.capture: argument check" in message and "rank 0 of 2" in message
+    assert 1.5 <= waited <= 20
+    print(f"N=2: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
+
+
+def test_context_parallel_four_ranks(tmp_path):
+    """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7); rank 3 replays the same response as rank 0."""
+    lengths = (30,)
+    t0 = time.perf_counter()
+    results = _run(4, tmp_path, lengths)
+    measured = {}
+    _check(results, 4, lengths, measured)
+    print(f"N=4: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
+
+
+def test_slice_bounds():
+    assert slice_bounds(29, 4) == [(0, 8), (8, 15), (15, 22), (22, 29)]
+    assert slice_bounds(30, 2) == [(0, 15), (15, 30)]
+    assert slice_bounds(5, 5) == [(i, i + 1) for i in range(5)]
+
+
+def test_group_needs_initialized_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    model = longstraw.models.tiny_model(ARCH)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        longstraw.capture(model, tokens(8, 0), group=object())
