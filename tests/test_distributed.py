@@ -73,7 +73,11 @@ def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[in
             for g in grads:  # the sum over the ranks' branches
                 dist.all_reduce(g)
             rounds.append(dict(logprobs=out.logprobs.detach(), entropy=out.entropy.detach(), grads=grads))
-        result[p] = dict(rounds=rounds, nbytes=state.nbytes, slice=state.slice, t_capture=t_capture)
+        # what the state's tensors keep alive, not just what their views show
+        storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
+                   for t in layer.tensors()}
+        result[p] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
+                         t_capture=t_capture)
         state.release()
 
     # refused on every rank with the same message: a different prompt on rank 1, a different chunk size on rank 0
@@ -166,6 +170,7 @@ def _check(results, n: int, prompt_lengths, measured: dict):
                 assert err <= 1e-5, f"N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
         # each rank holds its contiguous slice of the captured positions: 1/N of the state (uneven: ⌈(P−1)/N⌉ tokens)
         per_rank = [results[r][p]["nbytes"] for r in range(n)]
+        assert per_rank == [results[r][p]["storage"] for r in range(n)]
         assert sum(per_rank) == ref_bytes
         for r in range(n):
             s, e = bounds[r]
