@@ -22,7 +22,10 @@ from longstraw.distributed import slice_bounds
 
 from .conftest import rel_err, tokens
 
-ARCH = "llama"
+#: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
+#: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank)
+ARCHS = ("llama", "gemma3_text", "qwen3_next")
+ARCH = "llama"  # the cases that are not about layer kinds
 RESPONSE_LENGTHS = (5, 7, 3, 6)
 TIMEOUT_S = 60
 
@@ -45,7 +48,7 @@ def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
     return t
 
 
-def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[int, ...], check_timeout: bool):
+def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int], ...], check_timeout: bool):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
@@ -56,10 +59,10 @@ def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[in
 
     # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
     base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
-    model = tiny_model(ARCH)
-    params = [p for p in model.parameters() if p.requires_grad]
     result = {}
-    for p in prompt_lengths:
+    for arch, p in cases:
+        model = tiny_model(arch)
+        params = [q for q in model.parameters() if q.requires_grad]
         t0 = time.perf_counter()
         state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, group=dist.group.WORLD)
         t_capture = time.perf_counter() - t0
@@ -76,9 +79,11 @@ def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[in
         # what the state's tensors keep alive, not just what their views show
         storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
                    for t in layer.tensors()}
-        result[p] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
-                         t_capture=t_capture)
+        result[arch, p] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
+                               sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture)
         state.release()
+
+    model = tiny_model(ARCH)
 
     # refused on every rank with the same message: a different prompt on rank 1, a different chunk size on rank 0
     errors = {}
@@ -112,12 +117,13 @@ def _worker(rank: int, n: int, init: str, out_dir: str, prompt_lengths: tuple[in
     dist.destroy_process_group()
 
 
-def _run(n: int, tmp_path, prompt_lengths, check_timeout=False) -> list[dict]:
+def _run(n: int, tmp_path, cases, check_timeout=False) -> list[dict]:
     # a forkserver that imported torch, transformers and longstraw once: starting a rank then costs a fork
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "longstraw", "longstraw.distributed",
-                                            "longstraw.models", "transformers.models.llama.modeling_llama"])
-    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(prompt_lengths),
-                                            check_timeout),
+                                            "longstraw.models", "transformers.models.llama.modeling_llama",
+                                            "transformers.models.gemma3.modeling_gemma3",
+                                            "transformers.models.qwen3_next.modeling_qwen3_next"])
+    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout),
                              nprocs=n, join=False, start_method="forkserver")
     deadline = time.monotonic() + 3 * TIMEOUT_S
     while not ctx.join(timeout=1):
@@ -128,10 +134,12 @@ def _run(n: int, tmp_path, prompt_lengths, check_timeout=False) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 
-def _reference(p: int, n: int):
+def _reference(arch: str, p: int, n: int):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
-    the n branches; the state's bytes."""
-    model = longstraw.models.tiny_model(ARCH)
+    the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
+    from longstraw.layers import KVState
+
+    model = longstraw.models.tiny_model(arch)
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4)
     rounds = []
@@ -144,40 +152,45 @@ def _reference(p: int, n: int):
             (_advantage(r, response.numel()) * out.logprobs).sum().backward()
             logprobs.append(out.logprobs.detach())
         rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
-    return rounds, state.nbytes
+    growing = sum(layer.nbytes for layer in state.layers if type(layer) is KVState)
+    return rounds, state.nbytes, growing
 
 
-def _check(results, n: int, prompt_lengths, measured: dict):
-    for p in prompt_lengths:
-        ref, ref_bytes = _reference(p, n)
+def _check(results, n: int, cases, measured: dict):
+    for arch, p in cases:
+        ref, ref_bytes, ref_growing = _reference(arch, p, n)
         bounds = slice_bounds(p - 1, n)
         worst_lp = worst_g = 0.0
         for round_, want in enumerate(ref):
             for r in range(n):
-                got = results[r][p]["rounds"][round_]
+                got = results[r][arch, p]["rounds"][round_]
                 assert got["logprobs"].shape == want["logprobs"][r].shape
                 err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
                 worst_lp = max(worst_lp, err)
-                assert err <= 1e-5, f"N={n} P={p} rank {r} round {round_}: log-probs off by {err:.2e}"
+                assert err <= 1e-5, f"{arch} N={n} P={p} rank {r} round {round_}: log-probs off by {err:.2e}"
             # detached gradients summed over the ranks = the single-process sum over the same branches
             for r in range(n):
-                got = results[r][p]["rounds"][round_]["grads"]
+                got = results[r][arch, p]["rounds"][round_]["grads"]
                 scale = max(b.norm().item() for b in want["grads"])
                 for a, b in zip(got, want["grads"]):
                     assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
                 err = rel_err(torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in want["grads"]]))
                 worst_g = max(worst_g, err)
-                assert err <= 1e-5, f"N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
-        # each rank holds its contiguous slice of the captured positions: 1/N of the state (uneven: ⌈(P−1)/N⌉ tokens)
-        per_rank = [results[r][p]["nbytes"] for r in range(n)]
-        assert per_rank == [results[r][p]["storage"] for r in range(n)]
-        assert sum(per_rank) == ref_bytes
+                assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        # each rank holds its contiguous slice of the full-attention K/V (1/N of it; uneven: ⌈(P−1)/N⌉ tokens) and
+        # the O(1) states (sliding windows, linear-attention states) every rank reads alike
+        res = [results[r][arch, p] for r in range(n)]
+        per_rank = [x["nbytes"] for x in res]
+        assert per_rank == [x["storage"] for x in res]
+        assert sum(x["sliced"] for x in res) == ref_growing
         for r in range(n):
             s, e = bounds[r]
-            assert results[r][p]["slice"] == (s, e)
-            assert per_rank[r] == ref_bytes * (e - s) // (p - 1)
-            assert per_rank[r] <= ref_bytes * -(-(p - 1) // n) / (p - 1)
-        measured[(n, p)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes, bytes_per_rank=per_rank)
+            assert res[r]["slice"] == (s, e)
+            assert res[r]["sliced"] == ref_growing * (e - s) // (p - 1)
+            assert res[r]["replicated"] == ref_bytes - ref_growing
+            assert per_rank[r] <= ref_growing * -(-(p - 1) // n) / (p - 1) + (ref_bytes - ref_growing)
+        measured[(arch, n, p)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes,
+                                      bytes_per_rank=per_rank, replicated=res[0]["replicated"])
 
     errors = [res["errors"] for res in results]
     for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4")):
@@ -190,12 +203,13 @@ def _check(results, n: int, prompt_lengths, measured: dict):
 
 
 def test_context_parallel_two_ranks(tmp_path):
-    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt; mismatches refused; a missing rank times out by name."""
-    lengths = (31, 30)
+    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds; mismatches refused; a missing rank
+    times out by name."""
+    cases = (("llama", 31), ("llama", 30), ("gemma3_text", 30), ("qwen3_next", 30))
     t0 = time.perf_counter()
-    results = _run(2, tmp_path, lengths, check_timeout=True)
+    results = _run(2, tmp_path, cases, check_timeout=True)
     measured = {}
-    _check(results, 2, lengths, measured)
+    _check(results, 2, cases, measured)
     message, waited = results[0]["timeout"]
     assert "longstraw.capture: argument check" in message and "rank 0 of 2" in message
     assert 1.5 <= waited <= 20
@@ -203,12 +217,13 @@ def test_context_parallel_two_ranks(tmp_path):
 
 
 def test_context_parallel_four_ranks(tmp_path):
-    """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7); rank 3 replays the same response as rank 0."""
-    lengths = (30,)
+    """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
+    back); rank 3 replays the same response as rank 0."""
+    cases = (("llama", 30), ("llama", 12), ("gemma3_text", 12), ("qwen3_next", 12))
     t0 = time.perf_counter()
-    results = _run(4, tmp_path, lengths)
+    results = _run(4, tmp_path, cases)
     measured = {}
-    _check(results, 4, lengths, measured)
+    _check(results, 4, cases, measured)
     print(f"N=4: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
 
 

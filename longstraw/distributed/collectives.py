@@ -27,6 +27,10 @@ _NAMES: dict[int, str] = {}
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool,
+           torch.int8, torch.float8_e4m3fn]
+
+
 class CollectiveError(RuntimeError):
     """A collective failed (timeout, dead rank, ranks out of step); the message names the collective."""
 
@@ -75,9 +79,9 @@ class Group:
         raise CollectiveError(f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} "
                               f"({type(err).__name__}: {err})") from err
 
-    def _check_tags(self, name: str, tags: list[int]) -> None:
+    def _check_tags(self, name: str, tags: list[int], ranks=None) -> None:
         mine = _tag(name)
-        for r, t in enumerate(tags):
+        for r, t in zip(ranks or range(len(tags)), tags):
             if t != mine:
                 other = _NAMES.get(t, f"an unknown collective (tag {t:#x})")
                 raise CollectiveError(f"longstraw collective {name!r} on rank {self.rank} of {self.size}: rank {r} is in "
@@ -143,6 +147,61 @@ class Group:
         parts = [self._unpack(chunk, specs, device) for chunk in recv.chunk(self.size)]
         self._check_tags(name, [t for t, _ in parts])
         return [p for _, p in parts]
+
+    def broadcast(self, name: str, tensors: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        """`tensors` of rank `src` on every rank (the same shapes and dtypes on every rank)."""
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        buf = self._pack(name, tensors)
+        try:
+            dist.broadcast(buf, src=self._global(src), group=self.group)
+        except RuntimeError as err:
+            self._fail(name, err)
+        tag, out = self._unpack(buf, specs, device)
+        self._check_tags(name, [tag])
+        return out
+
+    # ------------------------------------------------------------------ point to point
+    _HEADER = 64
+
+    def send(self, name: str, tensors: list[torch.Tensor], dst: int) -> None:
+        """Send `tensors` (any shapes and dtypes, at most 7, up to 6 dimensions) to rank `dst` of the group: a header
+        with their shapes, then the data."""
+        header = [_tag(name), len(tensors)]
+        for t in tensors:
+            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (6 - t.dim())]
+        header += [0] * (self._HEADER - len(header))
+        try:
+            dist.send(torch.tensor(header, dtype=torch.int64, device=self.device), dst=self._global(dst),
+                      group=self.group)
+            dist.send(self._pack(name, tensors), dst=self._global(dst), group=self.group)
+        except RuntimeError as err:
+            self._fail(name, err)
+
+    def recv(self, name: str, src: int, device=None) -> list[torch.Tensor]:
+        """What rank `src` sent with `send` under the same name."""
+        header = torch.empty(self._HEADER, dtype=torch.int64, device=self.device)
+        try:
+            dist.recv(header, src=self._global(src), group=self.group)
+        except RuntimeError as err:
+            self._fail(name, err)
+        header = header.tolist()
+        self._check_tags(name, [header[0]], ranks=[src])
+        specs = []
+        for i in range(header[1]):
+            code, ndim, *dims = header[2 + 8 * i: 10 + 8 * i]
+            specs.append((tuple(dims[:ndim]), _DTYPES[code]))
+        buf = torch.empty(self._size(specs), dtype=torch.uint8, device=self.device)
+        try:
+            dist.recv(buf, src=self._global(src), group=self.group)
+        except RuntimeError as err:
+            self._fail(name, err)
+        tag, out = self._unpack(buf, specs, device or self.device)
+        self._check_tags(name, [tag], ranks=[src])
+        return out
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None or self.group is dist.group.WORLD else dist.get_global_rank(self.group, r)
 
     def all_gather_ints(self, name: str, values: list[int]) -> list[list[int]]:
         rows = self.all_gather(name, [torch.tensor(values, dtype=torch.int64)])

@@ -14,6 +14,8 @@ from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
 from ..layers.full_attention import AttentionBranchLayer, KVState
+from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
+from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
 from ..state import PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, run_decoder
@@ -107,6 +109,10 @@ class SliceKVState(LayerState):
 
 # ----------------------------------------------------------------------------------------- capture
 
+#: layer kinds the context-parallel capture serves: full attention (sliced), sliding window and linear attention
+#: (replicated O(1) states)
+_SERVED = frozenset({KVState, SlidingKVState, RecurrentState})
+
 
 class _CaptureBranchLayer(AttentionBranchLayer):
     """Branch layer of this rank's slice during capture: the slice's own K/V (causal) plus the K/V of the earlier
@@ -141,6 +147,102 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                     acc = _fold(acc, part_forward(q, kj[:, :, :n], vj[:, :, :n], _prompt_part(own, sj + lo)))
         out, _ = _fold(acc, part_forward(q, k, v, own))
         return out.to(q.dtype)
+
+
+def _window_before(tails, bounds, pos: int, keep: int):
+    """(keys, values, start) of the captured positions [max(0, pos − keep), pos) from the ranks' slice tails (each the
+    last min(keep, slice length) positions of its slice, `tails[j] = (k, v)`)."""
+    lo = max(0, pos - keep)
+    ks, vs = [], []
+    for (s, e), (k, v) in zip(bounds, tails):
+        a, b = max(s, lo), min(e, pos)
+        if a >= b:
+            continue
+        first = e - k.shape[-2]  # position of the tail's first row
+        if a < first:
+            raise RuntimeError(f"positions [{a}, {b}) are not in the tail [{first}, {e}) of their slice")
+        ks.append(k[:, :, a - first:b - first])
+        vs.append(v[:, :, a - first:b - first])
+    if not ks:
+        return None, None, lo
+    return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), lo
+
+
+class _SlidingCaptureBranchLayer(AttentionBranchLayer):
+    """Branch layer of this rank's slice in a sliding-window layer during capture: the ranks all-gather the last W − 1
+    K/V of their slices once (the most any later query reads), rank r attends to what of them lies in the window
+    before its slice, and every rank keeps all tails to assemble the prompt's final window (the durable state, the
+    same on every rank) without a further exchange."""
+
+    def __init__(self, group: Group, bounds, layer_idx: int, window: int):
+        super().__init__(None, None, prompt_length=bounds[group.rank][0], window=window)
+        self.group, self.bounds, self.layer_idx = group, bounds, layer_idx
+        self.tails = None
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel capture does not support attention sinks yet")
+        g = self.group
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        keep = window - 1
+        n = k.shape[-2]
+        if keep > 0:
+            got = g.all_gather(f"capture layer {self.layer_idx}: window keys and values",
+                               [_pad_rows(k[:, :, max(0, n - keep):], keep), _pad_rows(v[:, :, max(0, n - keep):], keep)])
+            lengths = [min(keep, e - s) for s, e in self.bounds]
+            self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
+        else:
+            self.tails = [(k[:, :, :0], v[:, :, :0])] * g.size
+        pk, pv, start = _window_before(self.tails, self.bounds, self.bounds[g.rank][0], keep)
+        acc = None if pk is None else part_forward(q, pk, pv, _prompt_part(own, start))
+        out, _ = _fold(acc, part_forward(q, k, v, own))
+        return out.to(q.dtype)
+
+
+class _RecurrentRelay:
+    """Carries a linear-attention layer's conv and recurrent state across the slice boundaries during capture: rank r
+    waits for the state at the end of rank r − 1's slice before its decoder layer runs (a forward pre-hook puts it in
+    the branch layer the model reads), and sends its own end state to rank r + 1 after the layer (a forward hook).
+    Serial per layer: rank r's layer l starts when rank r − 1's layer l is done; consecutive linear layers pipeline
+    (rank r − 1 runs layer l + 1 while rank r runs layer l), an attention layer's all-gather joins them again."""
+
+    def __init__(self, group: Group, cache: BranchCache, layer_idx: int, state: RecurrentState, device):
+        self.group, self.cache, self.layer_idx, self.state, self.device = group, cache, layer_idx, state, device
+        self.name = f"capture layer {layer_idx}: linear-attention state"
+
+    @staticmethod
+    def pack(branch: RecurrentBranchLayer, number: int) -> list[torch.Tensor]:
+        flags, tensors = [], []
+        for i in range(number):
+            for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
+                                 (branch.recurrent_states, branch.is_recurrent_states_initialized)):
+                present = bool(done[i]) and states.get(i) is not None
+                flags.append(int(present))
+                if present:
+                    tensors.append(states[i])
+        return [torch.tensor(flags, dtype=torch.int64), *tensors]
+
+    @staticmethod
+    def unpack(tensors: list[torch.Tensor], number: int) -> tuple[dict, dict]:
+        flags, rest = tensors[0].tolist(), list(tensors[1:])
+        conv, rec = {}, {}
+        for i in range(number):
+            for which, states in ((0, conv), (1, rec)):
+                if flags[2 * i + which]:
+                    states[i] = rest.pop(0)
+        return conv, rec
+
+    def before(self, module, args):
+        g, st = self.group, self.state
+        if g.rank > 0:
+            conv, rec = self.unpack(g.recv(self.name, g.rank - 1, self.device), st.number_of_states)
+            self.cache.layers[self.layer_idx] = RecurrentBranchLayer(conv, rec, st.number_of_states, st.conv_trim)
+
+    def after(self, module, args, output):
+        g = self.group
+        if g.rank < g.size - 1:
+            g.send(self.name, self.pack(self.cache.layers[self.layer_idx], self.state.number_of_states), g.rank + 1)
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached", block_size: int = DEFAULT_BLOCK,
@@ -183,10 +285,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
 
     parts: ModelParts = model_parts(model)
     kinds = {layer_kind(kind) for kind in layer_plan(parts.config)}
-    if kinds != {KVState}:
-        other = sorted(k.__name__ for k in kinds - {KVState})
-        raise NotImplementedError(f"context-parallel capture (group=...) supports full-attention layers only so far; "
-                                  f"{parts.config.model_type!r} has layer kinds {other}")
+    if kinds - _SERVED:
+        other = sorted(k.__name__ for k in kinds - _SERVED)
+        raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
+                                  f"so far; {parts.config.model_type!r} also has layer kinds {other}")
     device = next(parts.model.parameters()).device
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -201,14 +303,45 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         ensure_verified(model)
     bounds = slice_bounds(captured, g.size)
     s, e = bounds[g.rank]
-    layers = [SliceKVState(parts.config, i, s, e) for i in range(len(parts.decoder.layers))]
+    from ..support import layer_states
+
+    layers, branches = [], []
+    for i, layer in enumerate(layer_states(parts.config, captured)):
+        if type(layer) is KVState:
+            layers.append(SliceKVState(parts.config, i, s, e))
+            branches.append(_CaptureBranchLayer(g, bounds, i, chunk_size))
+        elif type(layer) is SlidingKVState:
+            layers.append(layer)
+            branches.append(_SlidingCaptureBranchLayer(g, bounds, i, layer.window))
+        else:  # RecurrentState: the first rank starts from nothing, the others from what the relay brings
+            layers.append(layer)
+            branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+    cache = BranchCache(branches, block=block_size)
+    hooks = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentState):
+            relay = _RecurrentRelay(g, cache, i, layer, device)
+            block = parts.decoder.layers[i]
+            hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
+    try:
+        with torch.no_grad():
+            run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
+    finally:
+        for h in hooks:
+            h.remove()
     with torch.no_grad():
-        cache = BranchCache([_CaptureBranchLayer(g, bounds, i, chunk_size) for i in range(len(layers))],
-                            block=block_size)
-        run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
-        for layer, branch in zip(layers, cache.layers):
-            layer.commit(branch, e - s)
-        del cache
+        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
+            if isinstance(layer, SliceKVState):
+                layer.commit(branch, e - s)
+            elif isinstance(layer, SlidingKVState):  # the prompt's final window, on every rank
+                k, v, _ = _window_before(branch.tails, bounds, captured, layer.window - 1)
+                layer.keys, layer.values, layer.length = k.clone(), v.clone(), captured
+            else:  # the linear-attention state at the end of the prompt, from the last rank to every rank
+                mine = _RecurrentRelay.pack(branch, layer.number_of_states)
+                final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
+                conv, rec = _RecurrentRelay.unpack(final, layer.number_of_states)
+                layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
+    del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
     return ContextParallelState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size,
                                 group=g, bounds=bounds, key=key)
@@ -321,6 +454,16 @@ class ContextParallelState(PromptState):
         self._replays = 0
 
     @property
+    def sliced_nbytes(self) -> int:
+        """Bytes of this rank's slice of the states that grow with P (full-attention K/V)."""
+        return sum(layer.nbytes for layer in self._live() if isinstance(layer, SliceKVState))
+
+    @property
+    def replicated_nbytes(self) -> int:
+        """Bytes of the O(1) states every rank holds alike (sliding windows, linear-attention states)."""
+        return self.nbytes - self.sliced_nbytes
+
+    @property
     def rank(self) -> int:
         return self.group.rank
 
@@ -359,7 +502,8 @@ class ContextParallelState(PromptState):
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        cache = BranchCache([_ReplayBranchLayer(_ReplayInfo(self.group, lengths, layer), start) for layer in layers],
+        cache = BranchCache([_ReplayBranchLayer(_ReplayInfo(self.group, lengths, layer), start)
+                             if isinstance(layer, SliceKVState) else layer.branch() for layer in layers],
                             block=self.block)
         hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
