@@ -11,6 +11,7 @@ import datetime
 import multiprocessing
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 import longstraw
 from longstraw.distributed import slice_bounds
 
-from .conftest import rel_err, tokens
+from .conftest import lora, rel_err, tokens
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank)
@@ -48,9 +49,10 @@ def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
     return t
 
 
-def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int], ...], check_timeout: bool):
+def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int, bool], ...], check_timeout: bool):
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft, as pyproject
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     from longstraw.distributed import CollectiveError, MismatchError
@@ -60,8 +62,8 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
     base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
     result = {}
-    for arch, p in cases:
-        model = tiny_model(arch)
+    for arch, p, use_lora in cases:
+        model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
         t0 = time.perf_counter()
         state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, group=dist.group.WORLD)
@@ -70,7 +72,8 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         for round_ in range(2):  # two replays of the same state: replays never write it
             model.zero_grad(set_to_none=True)
             response = _response(rank, n, round_)
-            out = state.replay(response)
+            # the second with activation checkpointing: its backward recomputes each layer, collectives included
+            out = state.replay(response, checkpoint_layers=round_ == 1)
             (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
             grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
             for g in grads:  # the sum over the ranks' branches
@@ -79,7 +82,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         # what the state's tensors keep alive, not just what their views show
         storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
                    for t in layer.tensors()}
-        result[arch, p] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
+        result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
                                sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture)
         state.release()
 
@@ -134,12 +137,13 @@ def _run(n: int, tmp_path, cases, check_timeout=False) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 
-def _reference(arch: str, p: int, n: int):
+def _reference(arch: str, p: int, n: int, use_lora: bool):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
     the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
     from longstraw.layers import KVState
 
     model = longstraw.models.tiny_model(arch)
+    model = lora(model) if use_lora else model
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4)
     rounds = []
@@ -157,20 +161,20 @@ def _reference(arch: str, p: int, n: int):
 
 
 def _check(results, n: int, cases, measured: dict):
-    for arch, p in cases:
-        ref, ref_bytes, ref_growing = _reference(arch, p, n)
+    for arch, p, use_lora in cases:
+        ref, ref_bytes, ref_growing = _reference(arch, p, n, use_lora)
         bounds = slice_bounds(p - 1, n)
         worst_lp = worst_g = 0.0
         for round_, want in enumerate(ref):
             for r in range(n):
-                got = results[r][arch, p]["rounds"][round_]
+                got = results[r][arch, p, use_lora]["rounds"][round_]
                 assert got["logprobs"].shape == want["logprobs"][r].shape
                 err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
                 worst_lp = max(worst_lp, err)
                 assert err <= 1e-5, f"{arch} N={n} P={p} rank {r} round {round_}: log-probs off by {err:.2e}"
             # detached gradients summed over the ranks = the single-process sum over the same branches
             for r in range(n):
-                got = results[r][arch, p]["rounds"][round_]["grads"]
+                got = results[r][arch, p, use_lora]["rounds"][round_]["grads"]
                 scale = max(b.norm().item() for b in want["grads"])
                 for a, b in zip(got, want["grads"]):
                     assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
@@ -179,7 +183,7 @@ def _check(results, n: int, cases, measured: dict):
                 assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
         # each rank holds its contiguous slice of the full-attention K/V (1/N of it; uneven: ⌈(P−1)/N⌉ tokens) and
         # the O(1) states (sliding windows, linear-attention states) every rank reads alike
-        res = [results[r][arch, p] for r in range(n)]
+        res = [results[r][arch, p, use_lora] for r in range(n)]
         per_rank = [x["nbytes"] for x in res]
         assert per_rank == [x["storage"] for x in res]
         assert sum(x["sliced"] for x in res) == ref_growing
@@ -189,7 +193,7 @@ def _check(results, n: int, cases, measured: dict):
             assert res[r]["sliced"] == ref_growing * (e - s) // (p - 1)
             assert res[r]["replicated"] == ref_bytes - ref_growing
             assert per_rank[r] <= ref_growing * -(-(p - 1) // n) / (p - 1) + (ref_bytes - ref_growing)
-        measured[(arch, n, p)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes,
+        measured[(arch, n, p, use_lora)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes,
                                       bytes_per_rank=per_rank, replicated=res[0]["replicated"])
 
     errors = [res["errors"] for res in results]
@@ -203,9 +207,9 @@ def _check(results, n: int, cases, measured: dict):
 
 
 def test_context_parallel_two_ranks(tmp_path):
-    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds; mismatches refused; a missing rank
-    times out by name."""
-    cases = (("llama", 31), ("llama", 30), ("gemma3_text", 30), ("qwen3_next", 30))
+    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds, LoRA; mismatches refused; a missing
+    rank times out by name."""
+    cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False))
     t0 = time.perf_counter()
     results = _run(2, tmp_path, cases, check_timeout=True)
     measured = {}
@@ -219,7 +223,7 @@ def test_context_parallel_two_ranks(tmp_path):
 def test_context_parallel_four_ranks(tmp_path):
     """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
     back); rank 3 replays the same response as rank 0."""
-    cases = (("llama", 30), ("llama", 12), ("gemma3_text", 12), ("qwen3_next", 12))
+    cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True))
     t0 = time.perf_counter()
     results = _run(4, tmp_path, cases)
     measured = {}
