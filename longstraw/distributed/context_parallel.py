@@ -115,8 +115,16 @@ _SERVED = frozenset({KVState, SlidingKVState, RecurrentState})
 
 
 class _CaptureBranchLayer(AttentionBranchLayer):
-    """Branch layer of this rank's slice during capture: the slice's own K/V (causal) plus the K/V of the earlier
-    ranks' slices at the same layer, all-gathered `chunk` tokens per step while every rank is at this layer."""
+    """Branch layer of this rank's slice in a full-attention layer during capture (a collective; every rank is at this
+    layer at the same time). Rank r's queries attend to its own slice (causal, local) and to the slices of ranks
+    j < r, a block of work shared between the two ranks so that every rank does the same amount:
+    - the first half of rank r's query rows get the keys: the ranks all-gather their K/V `chunk` positions per step,
+      and rank r folds its first-half rows against the earlier slices' chunks;
+    - the second half of its query rows go to the keys: the ranks all-gather `chunk` of their second-half query rows
+      per step, each rank j computes (out, lse) of the later ranks' rows against its whole slice, and an all-to-all
+      returns them to their owners, which fold them in slice order.
+    Rank r then does r/2 + (N − 1 − r)/2 = (N − 1)/2 cross blocks of n² plus its causal n²/2: N/2 · n² each, the
+    single process's (N·n)²/2 split evenly."""
 
     def __init__(self, group: Group, bounds, layer_idx: int, chunk: int):
         start = bounds[group.rank][0]
@@ -126,26 +134,56 @@ class _CaptureBranchLayer(AttentionBranchLayer):
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
         if sinks is not None:
             raise NotImplementedError("context-parallel capture does not support attention sinks yet")
-        g, me = self.group, self.group.rank
+        g, me, bounds, c = self.group, self.group.rank, self.bounds, self.chunk
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
-        acc = None
-        # the last rank's slice is read by no one: steps cover the longest of the other slices
-        longest = max(e - s for s, e in self.bounds[:-1])
-        c = self.chunk
-        n_me = k.shape[-2]
+        n_me, heads, dv = q.shape[2], q.shape[1], v.shape[-1]
+        lengths = [e - s for s, e in bounds]
+        halves = [n // 2 for n in lengths]  # rows [0, half) get the keys, rows [half, n) go to the keys
+        half = halves[me]
+        acc_o = q.new_zeros((1, heads, n_me, dv), dtype=torch.float32)
+        acc_l = q.new_full((1, heads, n_me), float("-inf"), dtype=torch.float32)
+
+        def fold_rows(a: int, b: int, partial) -> None:
+            o, l = _fold((acc_o[:, :, a:b], acc_l[:, :, a:b]), partial)
+            acc_o[:, :, a:b], acc_l[:, :, a:b] = o, l
+
+        # keys to queries: the last rank's slice is read by no one
+        longest = max(lengths[:-1])
         for step, lo in enumerate(range(0, longest, c)):
-            hi = min(lo + c, n_me)
-            kc = _pad_rows(k[:, :, lo:max(hi, lo)], c)
-            vc = _pad_rows(v[:, :, lo:max(hi, lo)], c)
-            got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}", [kc, vc])
+            hi = max(lo, min(lo + c, n_me))
+            got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
+                               [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
             for j in range(me):
-                sj, ej = self.bounds[j]
-                n = min(c, ej - sj - lo)
-                if n > 0:
+                n = min(c, lengths[j] - lo)
+                if n > 0 and half > 0:
                     kj, vj = got[j]
-                    acc = _fold(acc, part_forward(q, kj[:, :, :n], vj[:, :, :n], _prompt_part(own, sj + lo)))
-        out, _ = _fold(acc, part_forward(q, k, v, own))
+                    fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
+                                                    _prompt_part(own, bounds[j][0] + lo)))
+        # queries to keys: rank 0's rows have no earlier slice
+        second = [n - h for n, h in zip(lengths, halves)]
+        longest = max(second[1:])
+        for step, lo in enumerate(range(0, longest, c)):
+            name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
+            hi = max(half + lo, min(half + lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(q[:, :, half + lo:hi], c)])
+            send = []
+            for r, (qr,) in enumerate(got):
+                m = min(c, second[r] - lo)
+                o = qr.new_zeros((1, heads, c, dv), dtype=torch.float32)
+                l = qr.new_full((1, heads, c), float("-inf"), dtype=torch.float32)
+                if r > me and m > 0:
+                    part = Part(bounds[r][0] + halves[r] + lo, bounds[me][0], None, softcap, scale, int(block))
+                    po, pl = part_forward(qr[:, :, :m], k, v, part)
+                    o[:, :, :m], l[:, :, :m] = po.float(), pl.float()
+                send.append([o, l])
+            back = g.all_to_all(f"{name}: partial outputs", send)
+            m = min(c, second[me] - lo)
+            if m > 0:
+                for j in range(me):  # slice order
+                    oj, lj = back[j]
+                    fold_rows(half + lo, half + lo + m, (oj[:, :, :m], lj[:, :, :m]))
+        out, _ = _fold((acc_o, acc_l), part_forward(q, k, v, own))
         return out.to(q.dtype)
 
 
