@@ -6,8 +6,11 @@
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
 Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder
-layers are all full attention (llama-like); other layer kinds, `prompt_grad="exact"`, `state_dtype`, sampling,
-attention sinks, FSDP2 and the N-process trainer are refused or not there yet.
+layers are full attention, sliding-window attention and linear attention (`KVState`, `SlidingKVState`,
+`RecurrentState`: llama, qwen3, gemma3, qwen3_next, ...; tested: llama, gemma3_text, qwen3_next). Refused by name
+(NotImplementedError, the same on every rank): other layer kinds (MLA, DSA, compressed, chunked, hybrid-parallel,
+short conv), `prompt_grad="exact"`, `state_dtype`, attention sinks, `state.sample`. Not there yet: FSDP2 and the
+N-process trainer.
 
 What each rank holds
 --------------------
@@ -15,33 +18,49 @@ What each rank holds
 - The captured positions [0, P − 1) in N contiguous slices, rank r holding [s_r, e_r): slices differ by at most one
   position (the first (P − 1) mod N ranks hold one more). For every full-attention layer rank r keeps the post-RoPE
   K/V of its slice only (`SliceKVState`): 1/N of the single-process state, the sum over ranks exactly that state.
-- Later (designed, not built): MLA latents and DSA indexer keys are sliced the same way; O(1) states (recurrent,
-  conv, sliding window) are kept where they are read: a sliding-window layer's last W − 1 K/V and a linear-attention
-  layer's final state belong to the end of the prompt, i.e. to the replay of every rank, so they are replicated
-  (small, independent of P).
+- The O(1) states are kept where they are read: a sliding-window layer's last W − 1 K/V and a linear-attention
+  layer's final conv + recurrent state belong to the end of the prompt, i.e. to every rank's replay, so every rank
+  holds them alike (`ContextParallelState.replicated_nbytes`; `sliced_nbytes` is its share of the K/V). Replays read
+  them locally, without a collective.
+- Later (designed, not built): MLA latents and DSA indexer keys sliced like K/V (DSA: each rank its local top-k
+  candidates, merged by (score, position) so the selection does not depend on N).
 
 Capture (collective)
 --------------------
 Every rank runs the unmodified decoder over its whole slice in one forward, so all ranks are at the same layer at
 the same time (layer-synchronous, as in ring attention). In each full-attention layer rank r attends with the
-queries of its slice to
-- its own slice (causal, local);
-- the slices of ranks j < r: the ranks all-gather their K/V `chunk_size` positions per step (step c: positions
-  [c·C, (c+1)·C) of every slice, padded), and rank r folds (out, lse) of its queries against each earlier slice's
-  chunk by log-sum-exp, in the order (step, rank). Earlier slices' K/V are transient: one step's worth at a time.
-The merged output goes on through the layer; the slice's K/V become the durable state.
+queries of its slice to its own slice (causal, local) and to the slices of ranks j < r. Each such cross block
+(rank r's n queries × rank j's n keys) is shared by its two ranks so that the work is even:
+- keys to queries, for the first half of rank r's query rows: the ranks all-gather their K/V `chunk_size` positions
+  per step (step c: positions [c·C, (c+1)·C) of every slice, padded) and rank r folds its first-half rows against
+  each earlier slice's chunk, in the order (step, rank);
+- queries to keys, for the second half: the ranks all-gather C of their second-half query rows per step, each rank
+  j computes (out, lse) of every later rank's rows against its whole slice, and an all-to-all returns the partials
+  to their owners, which fold them in slice order.
+The merged output goes on through the layer; the slice's K/V become the durable state. Sliding-window layers
+all-gather the last W − 1 K/V of every slice once (all any later query reads; every rank then also holds the
+prompt's final window). Linear-attention layers relay their conv + recurrent state: rank r waits for the state at
+the end of rank r − 1's slice before its decoder layer runs (point-to-point, a forward pre-hook on the decoder
+layer) and sends its own end state to rank r + 1 afterwards; the last rank broadcasts the final state.
 
 Costs, per full-attention layer, slice length n ≈ P/N, C = chunk_size:
-- communication: ⌈n/C⌉ all-gathers of N·C positions of K/V (2·Hkv·D values each, in the model's dtype): every rank
-  receives about P positions of K/V per layer, over the whole capture as many bytes as the single-process state.
+- communication: ⌈n/C⌉ all-gathers of N·C positions of K/V (2·Hkv·D values each, in the model's dtype) and
+  ⌈n/(2C)⌉ all-gathers of N·C query rows (H·D) plus all-to-alls of their float32 partials (H·(Dv + 1)): per rank
+  about P positions of K/V and P/2 query rows per layer.
 - memory, transient: the slice's activations of one layer (O(n · (hidden + intermediate)); unlike the chunked
   single-process capture this is not bounded by chunk_size: chunking the slice inside each layer needs a K/V
-  projection pass ahead of the attention and is later work), one step's N·C gathered K/V, the queries' float32
-  accumulators (n · H · (Dv + 1)).
-- compute: projections and MLP split evenly; attention is not: rank r does its causal n²/2 plus r·n² cross terms,
-  so the last rank does (N − ½)·n² of the single process's (N·n)²/2 (N = 2: 3/4 of it, a 1.33× speed-up of the
-  attention). Balancing moves half of each cross block to the rank holding the keys (queries travel instead of keys);
-  later work.
+  projection pass ahead of the attention and is later work), one step's N·C gathered K/V or queries and partials,
+  the slice's float32 accumulators (n · H · (Dv + 1)).
+- compute: even. Rank r does its causal n²/2 plus half of each of its r cross blocks and half of each of the
+  N − 1 − r blocks against its keys: N/2 · n², the single process's (N·n)²/2 split N ways. Projections and MLP
+  split evenly. Measured (bench/context_parallel.py, P = 16,384, dense benchmark model, 1 thread per rank): CPU
+  time per rank 2.7 s and 2.7 s against 5.1 s on one rank.
+- sliding window: one all-gather of N·(W − 1) K/V per layer. Linear attention: serial across ranks — rank r's
+  layer l starts when rank r − 1's is done, so the linear-attention work (O(P) in total, not repeated) takes as long
+  as on one rank; consecutive linear layers pipeline across ranks (rank r − 1 runs layer l + 1 while rank r runs
+  layer l) and the next attention layer's collective joins them again. Composing per-slice transitions (each rank
+  scans its slice from a zero state in parallel, then corrects by the incoming state) would remove this for
+  gated DeltaNet, whose state update is affine in the incoming state; later work.
 
 Replay (collective, one branch per rank, detached mode)
 -------------------------------------------------------
