@@ -29,6 +29,7 @@ ARCHS = ("llama", "gemma3_text", "qwen3_next")
 ARCH = "llama"  # the cases that are not about layer kinds
 RESPONSE_LENGTHS = (5, 7, 3, 6)
 TIMEOUT_S = 60
+SAMPLE = dict(num=3, max_new_tokens=6, temperature=1.0, top_k=50, stop_token_ids=(1, 183, 229))
 
 
 def _response(rank: int, n: int, round_: int) -> torch.Tensor:
@@ -79,11 +80,14 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
             for g in grads:  # the sum over the ranks' branches
                 dist.all_reduce(g)
             rounds.append(dict(logprobs=out.logprobs.detach(), entropy=out.entropy.detach(), grads=grads))
+        # sampling: every rank decodes all the sequences alike, the prompt attention split over the ranks
+        samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
         # what the state's tensors keep alive, not just what their views show
         storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
                    for t in layer.tensors()}
         result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
-                               sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture)
+                               sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture,
+                               samples=(samples.tokens, samples.logprobs, samples.truncated))
         state.release()
 
     model = tiny_model(ARCH)
@@ -157,12 +161,13 @@ def _reference(arch: str, p: int, n: int, use_lora: bool):
             logprobs.append(out.logprobs.detach())
         rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
     growing = sum(layer.nbytes for layer in state.layers if type(layer) is KVState)
-    return rounds, state.nbytes, growing
+    samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
+    return rounds, state.nbytes, growing, samples
 
 
 def _check(results, n: int, cases, measured: dict):
     for arch, p, use_lora in cases:
-        ref, ref_bytes, ref_growing = _reference(arch, p, n, use_lora)
+        ref, ref_bytes, ref_growing, ref_samples = _reference(arch, p, n, use_lora)
         bounds = slice_bounds(p - 1, n)
         worst_lp = worst_g = 0.0
         for round_, want in enumerate(ref):
@@ -181,6 +186,13 @@ def _check(results, n: int, cases, measured: dict):
                 err = rel_err(torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in want["grads"]]))
                 worst_g = max(worst_g, err)
                 assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        # sampling with a fixed generator: the same tokens as one process, on every rank
+        for r in range(n):
+            tokens, logprobs, truncated = results[r][arch, p, use_lora]["samples"]
+            assert [t.tolist() for t in tokens] == [t.tolist() for t in ref_samples.tokens]
+            assert torch.equal(truncated, ref_samples.truncated)
+            err = max((a - b).abs().max().item() for a, b in zip(logprobs, ref_samples.logprobs))
+            assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: sampled log-probs off by {err:.2e}"
         # each rank holds its contiguous slice of the full-attention K/V (1/N of it; uneven: ⌈(P−1)/N⌉ tokens) and
         # the O(1) states (sliding windows, linear-attention states) every rank reads alike
         res = [results[r][arch, p, use_lora] for r in range(n)]
@@ -194,7 +206,10 @@ def _check(results, n: int, cases, measured: dict):
             assert res[r]["replicated"] == ref_bytes - ref_growing
             assert per_rank[r] <= ref_growing * -(-(p - 1) // n) / (p - 1) + (ref_bytes - ref_growing)
         measured[(arch, n, p, use_lora)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes,
-                                      bytes_per_rank=per_rank, replicated=res[0]["replicated"])
+                                      bytes_per_rank=per_rank, replicated=res[0]["replicated"],
+                                      early_stops=int((~ref_samples.truncated).sum()))
+    # sequences leaving the decode batch (a stop token) are part of what was compared
+    assert sum(m["early_stops"] for m in measured.values()) > 0
 
     errors = [res["errors"] for res in results]
     for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4")):

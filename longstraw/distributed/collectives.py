@@ -49,7 +49,9 @@ def digest(*parts) -> int:
     """A 62-bit hash of tensors (dtype, shape, bytes), strings and numbers: the same on every process (unlike `hash`)."""
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
-        if isinstance(p, torch.Tensor):
+        if isinstance(p, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in p):
+            h.update(f"L{len(p)}:{digest(*p)}".encode())
+        elif isinstance(p, torch.Tensor):
             t = p.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.flatten().view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -476,6 +476,38 @@ class _ReplayBranchLayer(AttentionBranchLayer):
         return ReplayAttention.apply(q, k, v, own, self.info)
 
 
+class _SampleBranchLayer(AttentionBranchLayer):
+    """Branch layer of context-parallel sampling. Every rank decodes all the sequences alike (the same inputs, the same
+    generator: the same tokens as one process), so the queries are already everywhere: each rank computes (out, lse)
+    of all the rows against its slice, one all-gather brings every slice's partials to every rank, and each folds
+    them in slice order (bitwise the same on every rank) and merges its own part. The attention against the prompt,
+    what grows with P, is split N ways; the rest of a decode step is repeated on every rank."""
+
+    def __init__(self, group: Group, layer: SliceKVState, prompt_length: int):
+        super().__init__(None, None, prompt_length=prompt_length)
+        self.group, self.layer = group, layer
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel sampling does not support attention sinks yet")
+        b, h, r, d = q.shape
+        dv = v.shape[-1]
+        scale = float(d ** -0.5 if scale is None else scale)
+        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        # the b sequences' rows folded into one row block against the one slice (as SplitAttention does)
+        qf = q.transpose(0, 1).reshape(1, h, b * r, d)
+        part = Part(int(q_start), self.layer.start, None, softcap, scale, int(block), q_period=r if b > 1 else None)
+        o, l = part_forward(qf, self.layer.keys, self.layer.values, part)
+        got = self.group.all_gather(f"sample layer {self.layer.layer_idx}: partial outputs", [o.float(), l.float()])
+        acc = None
+        for oj, lj in got:  # slice order
+            acc = _fold(acc, (oj, lj))
+        out_p = acc[0].reshape(h, b, r, dv).transpose(0, 1)
+        lse_p = acc[1].reshape(h, b, r).transpose(0, 1)
+        out, _ = _fold((out_p, lse_p), part_forward(q, k, v, own))
+        return out.to(q.dtype)
+
+
 class ContextParallelState(PromptState):
     """The durable state of this rank's slice of a prompt captured over a process group (`capture(..., group=)`).
 
@@ -548,8 +580,31 @@ class ContextParallelState(PromptState):
                                              softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
         return Replay(logprobs=logprobs, entropy=entropy)
 
-    def sample(self, *args, **kwargs):
-        raise NotImplementedError("ContextParallelState.sample (a collective) is not implemented yet")
+    def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
+        """`PromptState.sample` as a collective: every rank decodes all `num` sequences alike and returns the same
+        `Samples`, the attention against the prompt split over the ranks (`_SampleBranchLayer`). The arguments and the
+        generator's state (the global one when `generator` is None) must agree across ranks (refused otherwise); the
+        sampled tokens are compared at the end as well. Spread the samples' replays over the ranks yourself, e.g.
+        rank r replays samples r, r + N, ..."""
+        from ..sampler import sample
 
-    def _cache(self, batch: int = 1):
-        raise RuntimeError("a context-parallel state is read through ContextParallelState.replay (a collective)")
+        rng = generator.get_state() if generator is not None else torch.get_rng_state()
+        self.group.agree("ContextParallelState.sample", {
+            "captured state": self._key, "num": num if isinstance(num, int) else repr(num),
+            "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
+            "temperature": repr(temperature), "top_p": repr(top_p), "top_k": repr(top_k),
+            "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
+            "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
+            "generator state": rng})
+        samples = sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
+        self.group.agree("ContextParallelState.sample: the sampled tokens",
+                         {"tokens": [t.cpu() for t in samples.tokens]})
+        return samples
+
+    def _cache(self, batch: int = 1) -> BranchCache:
+        """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
+        start = self.prompt_length - 1
+        return BranchCache([_SampleBranchLayer(self.group, layer, start) if isinstance(layer, SliceKVState)
+                            else layer.branch(batch) for layer in self._live()], block=self.block)
