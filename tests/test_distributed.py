@@ -103,6 +103,11 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
             errors[what] = str(err)
     # an invalid response on one rank: every rank refuses the replay
     state = longstraw.capture(model, _prompt(12), chunk_size=4, group=dist.group.WORLD)
+    try:  # generators seeded differently would sample different tokens: refused before decoding
+        state.sample(num=2, max_new_tokens=2, generator=torch.Generator().manual_seed(rank))
+        errors["generator"] = None
+    except MismatchError as err:
+        errors["generator"] = str(err)
     try:
         state.replay(torch.tensor([1, 2, 999]) if rank == n - 1 else torch.tensor([1, 2, 3]))
         errors["response"] = None
@@ -212,7 +217,8 @@ def _check(results, n: int, cases, measured: dict):
     assert sum(m["early_stops"] for m in measured.values()) > 0
 
     errors = [res["errors"] for res in results]
-    for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4")):
+    for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4"),
+                         ("generator", "generator state")):
         msgs = {e[what] for e in errors}
         assert len(msgs) == 1 and None not in msgs, f"{what}: not refused alike on every rank: {msgs}"
         assert needle in msgs.pop()
