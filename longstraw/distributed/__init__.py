@@ -9,8 +9,7 @@ Status (this module grows with issue 13): context-parallel capture and detached 
 layers are full attention, sliding-window attention and linear attention (`KVState`, `SlidingKVState`,
 `RecurrentState`: llama, qwen3, gemma3, qwen3_next, ...; tested: llama, gemma3_text, qwen3_next). Refused by name
 (NotImplementedError, the same on every rank): other layer kinds (MLA, DSA, compressed, chunked, hybrid-parallel,
-short conv), `prompt_grad="exact"`, `state_dtype`, attention sinks, `state.sample`. Not there yet: FSDP2 and the
-N-process trainer.
+short conv), `prompt_grad="exact"`, `state_dtype`, attention sinks. Not there yet: FSDP2 and the N-process trainer.
 
 What each rank holds
 --------------------
@@ -79,6 +78,16 @@ R_total·P, is split evenly (each rank R_total·P/N). Memory per rank: the graph
 (q, own K/V, merged output, two lse per layer) plus transient N·R_max rows; independent of P/N beyond the slice.
 Each rank's parameter gradients are those of its own branch; summed over ranks (all-reduce, or FSDP's
 reduce-scatter) they are the single-process sum over the same branches.
+
+Sampling (collective)
+---------------------
+`state.sample(...)`: every rank decodes all `num` sequences alike (the same arguments and generator state, checked
+first; the sampled tokens are compared at the end), so every rank returns the same samples as one process would,
+and the trainer can spread their replays over the ranks. The queries are then already on every rank: per decode step
+and full-attention layer each rank computes (out, lse) of all rows against its slice, one all-gather of
+N·rows·H·(Dv + 1) float32 values brings every slice's partials to every rank, and each folds them in slice order —
+bitwise the same everywhere, so the ranks never diverge. The attention against the prompt (what grows with P) is
+split N ways; the rest of a decode step (projections, MLP, LM head, the own K/V) is repeated on every rank.
 
 Results do not depend on N except by rounding (the fold order is fixed: slice 0 first); measured ≤ 1e-6 in float32
 against the single-process replay (tests/test_distributed.py).
