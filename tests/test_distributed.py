@@ -50,7 +50,8 @@ def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
     return t
 
 
-def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int, bool], ...], check_timeout: bool):
+def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int, bool], ...], check_timeout: bool,
+            exact_cases: tuple[tuple[str, int, bool], ...] = ()):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft, as pyproject
@@ -88,6 +89,22 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
                                sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture,
                                samples=(samples.tokens, samples.logprobs, samples.truncated))
+        state.release()
+
+    # exact mode: each rank replays its branch, then the collective reverse pass over the slices
+    for arch, p, use_lora in exact_cases:
+        model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
+        params = [q for q in model.parameters() if q.requires_grad]
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact",
+                                  group=dist.group.WORLD)
+        response = _response(rank, n, 0)
+        out = state.replay(response)
+        (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+        state.backward()
+        grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+        for g in grads:
+            dist.all_reduce(g)
+        result["exact", arch, p, use_lora] = dict(logprobs=out.logprobs.detach(), grads=grads)
         state.release()
 
     model = tiny_model(ARCH)
@@ -129,13 +146,14 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     dist.destroy_process_group()
 
 
-def _run(n: int, tmp_path, cases, check_timeout=False) -> list[dict]:
+def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[dict]:
     # a forkserver that imported torch, transformers and longstraw once: starting a rank then costs a fork
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "longstraw", "longstraw.distributed",
                                             "longstraw.models", "transformers.models.llama.modeling_llama",
                                             "transformers.models.gemma3.modeling_gemma3",
                                             "transformers.models.qwen3_next.modeling_qwen3_next"])
-    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout),
+    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout,
+                                            tuple(exact_cases)),
                              nprocs=n, join=False, start_method="forkserver")
     deadline = time.monotonic() + 3 * TIMEOUT_S
     while not ctx.join(timeout=1):
@@ -168,6 +186,35 @@ def _reference(arch: str, p: int, n: int, use_lora: bool):
     growing = sum(layer.nbytes for layer in state.layers if type(layer) is KVState)
     samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
     return rounds, state.nbytes, growing, samples
+
+
+def _check_exact(results, n: int, cases, measured: dict):
+    """Exact mode: the parameter gradients summed over the ranks equal one process's exact-mode gradient over the same
+    branches (which tests/test_exact.py holds equal to naive full-sequence GRPO)."""
+    for arch, p, use_lora in cases:
+        model = longstraw.models.tiny_model(arch)
+        model = lora(model) if use_lora else model
+        params = [q for q in model.parameters() if q.requires_grad]
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact")
+        logprobs = []
+        for r in range(n):
+            response = _response(r, n, 0)
+            out = state.replay(response)
+            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+            logprobs.append(out.logprobs.detach())
+        state.backward()
+        want = [q.grad for q in params]
+        worst = 0.0
+        for r in range(n):
+            got = results[r]["exact", arch, p, use_lora]
+            assert (got["logprobs"] - logprobs[r]).abs().max().item() <= 1e-5
+            scale = max(b.norm().item() for b in want)
+            for a, b in zip(got["grads"], want):
+                assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
+            err = rel_err(torch.cat([a.flatten() for a in got["grads"]]), torch.cat([b.flatten() for b in want]))
+            worst = max(worst, err)
+            assert err <= 1e-5, f"exact {arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        measured[("exact", arch, n, p, use_lora)] = dict(grad_rel_err=worst)
 
 
 def _check(results, n: int, cases, measured: dict):
@@ -232,9 +279,11 @@ def test_context_parallel_two_ranks(tmp_path):
     rank times out by name."""
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False))
     t0 = time.perf_counter()
-    results = _run(2, tmp_path, cases, check_timeout=True)
+    exact = (("llama", 30, False),)
+    results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
     measured = {}
     _check(results, 2, cases, measured)
+    _check_exact(results, 2, exact, measured)
     message, waited = results[0]["timeout"]
     assert "longstraw.capture: argument check" in message and "rank 0 of 2" in message
     assert 1.5 <= waited <= 20
@@ -246,9 +295,11 @@ def test_context_parallel_four_ranks(tmp_path):
     back); rank 3 replays the same response as rank 0."""
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True))
     t0 = time.perf_counter()
-    results = _run(4, tmp_path, cases)
+    exact = (("llama", 30, True),)
+    results = _run(4, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 4, cases, measured)
+    _check_exact(results, 4, exact, measured)
     print(f"N=4: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
 
 

@@ -18,7 +18,7 @@ from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
-from ..state import PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, run_decoder
+from ..state import PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, run_decoder
 from .collectives import Group, digest
 
 __all__ = ["ContextParallelState", "SliceKVState", "capture", "slice_bounds"]
@@ -106,6 +106,13 @@ class SliceKVState(LayerState):
     def release(self) -> None:
         self.keys = self.values = None
 
+    supports_exact = True
+
+    def require_grad(self) -> None:
+        """Exact mode: the slice's K/V become leaves; every rank's replays accumulate their gradient here."""
+        self.keys.requires_grad_(True)
+        self.values.requires_grad_(True)
+
 
 # ----------------------------------------------------------------------------------------- capture
 
@@ -134,12 +141,28 @@ class _CaptureBranchLayer(AttentionBranchLayer):
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
         if sinks is not None:
             raise NotImplementedError("context-parallel capture does not support attention sinks yet")
-        g, me, bounds, c = self.group, self.group.rank, self.bounds, self.chunk
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
-        n_me, heads, dv = q.shape[2], q.shape[1], v.shape[-1]
-        lengths = [e - s for s, e in bounds]
+        return CaptureAttention.apply(q, k, v, own, self)
+
+    def _layout(self):
+        lengths = [e - s for s, e in self.bounds]
         halves = [n // 2 for n in lengths]  # rows [0, half) get the keys, rows [half, n) go to the keys
+        return lengths, halves, [n - h for n, h in zip(lengths, halves)]
+
+    def _cross(self, own: Part, r: int, j: int, lo: int, first_half: bool) -> Part:
+        """The part of rank r's rows (first half from row 0, else second half from row `lo` of it) against rank j's
+        keys from position `lo` of its slice (first half) or its whole slice (second half)."""
+        lengths, halves, _ = self._layout()
+        if first_half:
+            return Part(own.q_start, self.bounds[j][0] + lo, None, own.softcap, own.scale, own.block)
+        return Part(self.bounds[r][0] + halves[r] + lo, self.bounds[j][0], None, own.softcap, own.scale, own.block)
+
+    def forward_parts(self, q, k, v, own: Part):
+        """(out in q's dtype, lse float32 over every key) of this rank's rows; see the class."""
+        g, me, c = self.group, self.group.rank, self.chunk
+        n_me, heads, dv = q.shape[2], q.shape[1], v.shape[-1]
+        lengths, halves, second = self._layout()
         half = halves[me]
         acc_o = q.new_zeros((1, heads, n_me, dv), dtype=torch.float32)
         acc_l = q.new_full((1, heads, n_me), float("-inf"), dtype=torch.float32)
@@ -149,8 +172,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
             acc_o[:, :, a:b], acc_l[:, :, a:b] = o, l
 
         # keys to queries: the last rank's slice is read by no one
-        longest = max(lengths[:-1])
-        for step, lo in enumerate(range(0, longest, c)):
+        for step, lo in enumerate(range(0, max(lengths[:-1]), c)):
             hi = max(lo, min(lo + c, n_me))
             got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
                                [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
@@ -159,11 +181,9 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                 if n > 0 and half > 0:
                     kj, vj = got[j]
                     fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
-                                                    _prompt_part(own, bounds[j][0] + lo)))
+                                                    self._cross(own, me, j, lo, True)))
         # queries to keys: rank 0's rows have no earlier slice
-        second = [n - h for n, h in zip(lengths, halves)]
-        longest = max(second[1:])
-        for step, lo in enumerate(range(0, longest, c)):
+        for step, lo in enumerate(range(0, max(second[1:]), c)):
             name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
             hi = max(half + lo, min(half + lo + c, n_me))
             got = g.all_gather(name, [_pad_rows(q[:, :, half + lo:hi], c)])
@@ -173,8 +193,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                 o = qr.new_zeros((1, heads, c, dv), dtype=torch.float32)
                 l = qr.new_full((1, heads, c), float("-inf"), dtype=torch.float32)
                 if r > me and m > 0:
-                    part = Part(bounds[r][0] + halves[r] + lo, bounds[me][0], None, softcap, scale, int(block))
-                    po, pl = part_forward(qr[:, :, :m], k, v, part)
+                    po, pl = part_forward(qr[:, :, :m], k, v, self._cross(own, r, me, lo, False))
                     o[:, :, :m], l[:, :, :m] = po.float(), pl.float()
                 send.append([o, l])
             back = g.all_to_all(f"{name}: partial outputs", send)
@@ -183,8 +202,79 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                 for j in range(me):  # slice order
                     oj, lj = back[j]
                     fold_rows(half + lo, half + lo + m, (oj[:, :, :m], lj[:, :, :m]))
-        out, _ = _fold((acc_o, acc_l), part_forward(q, k, v, own))
-        return out.to(q.dtype)
+        out, lse = _fold((acc_o, acc_l), part_forward(q, k, v, own))
+        return out.to(q.dtype), lse
+
+    def backward_parts(self, dout, q, k, v, out, lse, own: Part):
+        """(dq, dk, dv) of this rank's rows and slice (exact mode's reverse pass), the forward's exchanges run again
+        with gradients travelling back: dK/dV of an earlier slice's chunk to its owner, dq of a later rank's rows to
+        theirs. Every part's backward reads the merged output and the log-sum-exp over all keys, so no part needs its
+        own (out, lse). Sums run in a fixed order (own part, then keys-to-queries by step and rank, then
+        queries-to-keys by rank)."""
+        g, me, c = self.group, self.group.rank, self.chunk
+        n_me = q.shape[2]
+        lengths, halves, second = self._layout()
+        half = halves[me]
+        dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
+        dq, dk, dv = dq.clone(), dk.clone(), dv.clone()
+        for step, lo in enumerate(range(0, max(lengths[:-1]), c)):
+            name = f"capture backward layer {self.layer_idx}: keys and values, step {step}"
+            hi = max(lo, min(lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+            send = []
+            for j, (kj, vj) in enumerate(got):
+                dkj, dvj = torch.zeros_like(kj, dtype=torch.float32), torch.zeros_like(vj, dtype=torch.float32)
+                n = min(c, lengths[j] - lo)
+                if j < me and n > 0 and half > 0:
+                    dqa, dka, dva = part_backward(dout[:, :, :half], q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
+                                                  out[:, :, :half], lse[:, :, :half], self._cross(own, me, j, lo, True),
+                                                  need_kv=True)
+                    dq[:, :, :half] += dqa.float()
+                    dkj[:, :, :n], dvj[:, :, :n] = dka.float(), dva.float()
+                send.append([dkj, dvj])
+            back = g.all_to_all(f"{name}: their gradients", send)
+            for r in range(me + 1, g.size):  # rank order
+                dkr, dvr = back[r]
+                dk[:, :, lo:hi] += dkr[:, :, :hi - lo]
+                dv[:, :, lo:hi] += dvr[:, :, :hi - lo]
+        for step, lo in enumerate(range(0, max(second[1:]), c)):
+            name = f"capture backward layer {self.layer_idx}: queries to the keys, step {step}"
+            a, b = half + lo, max(half + lo, min(half + lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(t[:, :, a:b], c) for t in (q, dout, out, lse)])
+            send = []
+            for r, (qr, gr, outr, lser) in enumerate(got):
+                dqr = torch.zeros_like(qr, dtype=torch.float32)
+                m = min(c, second[r] - lo)
+                if r > me and m > 0:
+                    dqb, dkb, dvb = part_backward(gr[:, :, :m], qr[:, :, :m], k, v, outr[:, :, :m], lser[:, :, :m],
+                                                  self._cross(own, r, me, lo, False), need_kv=True)
+                    dqr[:, :, :m] = dqb.float()
+                    dk += dkb.float()
+                    dv += dvb.float()
+                send.append([dqr])
+            back = g.all_to_all(f"{name}: query gradients", send)
+            for j in range(me):  # slice order
+                dq[:, :, a:b] += back[j][0][:, :, :b - a]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class CaptureAttention(torch.autograd.Function):
+    """A full-attention layer of the context-parallel capture (`_CaptureBranchLayer`): forward under `no_grad` at
+    capture; with autograd in exact mode's reverse pass, whose backward is collective too (`backward_parts`).
+    Saves q, k, v (the slice's own), the merged output and the log-sum-exp: O(n) per layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, own: Part, layer: _CaptureBranchLayer):
+        out, lse = layer.forward_parts(q, k, v, own)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.own, ctx.layer = own, layer
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.layer.backward_parts(dout, q, k, v, out, lse, ctx.own)
+        return dq, dk, dv, None, None
 
 
 def _window_before(tails, bounds, pos: int, keep: int):
@@ -311,8 +401,6 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
-    if prompt_grad == "exact":
-        raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='detached' only so far")
     if state_dtype is not None:
         raise NotImplementedError("context-parallel capture (group=...) keeps the state in the model's dtype so far; "
                                   "state_dtype is not supported with group=")
@@ -327,6 +415,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
+    if prompt_grad == "exact" and kinds != {KVState}:
+        raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
+                                  "full-attention layers only so far")
     device = next(parts.model.parameters()).device
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -381,8 +472,13 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
                 layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
     del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
-    return ContextParallelState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size,
-                                group=g, bounds=bounds, key=key)
+    state = ContextParallelState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size,
+                                 group=g, bounds=bounds, key=key)
+    if prompt_grad == "exact":
+        state._prompt = prompt[:captured]
+        for layer in layers[_first_trainable_layer(parts):]:
+            layer.require_grad()
+    return state
 
 
 # ----------------------------------------------------------------------------------------- replay
@@ -409,7 +505,7 @@ class ReplayAttention(torch.autograd.Function):
     K/V never move; detached: no dK/dV), an all-to-all returns them, and the owner sums them in slice order."""
 
     @staticmethod
-    def forward(ctx, q, own_k, own_v, own: Part, info: _ReplayInfo):
+    def forward(ctx, q, own_k, own_v, slice_k, slice_v, own: Part, info: _ReplayInfo):
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax = max(lengths)
         name = f"replay forward layer {layer.layer_idx}"
@@ -417,7 +513,7 @@ class ReplayAttention(torch.autograd.Function):
         prompt = _prompt_part(own, layer.start)
         send = []
         for j, (qj,) in enumerate(qs):
-            o, l = part_forward(qj[:, :, :lengths[j]], layer.keys, layer.values, prompt)
+            o, l = part_forward(qj[:, :, :lengths[j]], slice_k, slice_v, prompt)
             send.append([_pad_rows(o.float(), rmax), _pad_rows(l.float(), rmax)])
         got = g.all_to_all(f"{name}: partial outputs", send)
         r = q.shape[2]
@@ -428,13 +524,14 @@ class ReplayAttention(torch.autograd.Function):
         out_o, lse_o = part_forward(q, own_k, own_v, own)
         out, _ = _fold((out_p, lse_p), (out_o, lse_o))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, own_k, own_v, out, lse_o.float(), lse_p)
+        ctx.save_for_backward(q, own_k, own_v, slice_k, slice_v, out, lse_o.float(), lse_p)
         ctx.own, ctx.info = own, info
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, own_k, own_v, out, lse_o, lse_p = ctx.saved_tensors
+        q, own_k, own_v, slice_k, slice_v, out, lse_o, lse_p = ctx.saved_tensors
+        need_kv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # exact mode: the slice's state gradient
         own, info = ctx.own, ctx.info
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax, r = max(lengths), q.shape[2]
@@ -446,17 +543,22 @@ class ReplayAttention(torch.autograd.Function):
         got = g.all_gather(f"{name}: queries and gradients",
                            [_pad_rows(t, rmax) for t in (q, g_p, out)] + [_pad_rows(lse_p, rmax)])
         prompt = _prompt_part(own, layer.start)
-        send = []
+        send, dk_s, dv_s = [], None, None
         for j, (qj, gj, oj, lj) in enumerate(got):
             n = lengths[j]
-            dqj, _, _ = part_backward(gj[:, :, :n], qj[:, :, :n], layer.keys, layer.values, oj[:, :, :n], lj[:, :, :n],
-                                      prompt, need_kv=False)
+            dqj, dkj, dvj = part_backward(gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n],
+                                          prompt, need_kv=need_kv)
             send.append([_pad_rows(dqj.float(), rmax)])
+            if need_kv:  # every branch's gradient of this slice, summed in rank order
+                dk_s = dkj.float() if dk_s is None else dk_s + dkj.float()
+                dv_s = dvj.float() if dv_s is None else dv_s + dvj.float()
         back = g.all_to_all(f"{name}: query gradients", send)
         dq_p = back[0][0][:, :, :r]
         for (dqi,) in back[1:]:  # slice order
             dq_p = dq_p + dqi[:, :, :r]
-        return (dq_o.float() + dq_p).to(q.dtype), dk, dv, None, None
+        if need_kv:
+            dk_s, dv_s = dk_s.to(slice_k.dtype), dv_s.to(slice_v.dtype)
+        return (dq_o.float() + dq_p).to(q.dtype), dk, dv, dk_s, dv_s, None, None
 
 
 class _ReplayBranchLayer(AttentionBranchLayer):
@@ -473,7 +575,8 @@ class _ReplayBranchLayer(AttentionBranchLayer):
             raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
-        return ReplayAttention.apply(q, k, v, own, self.info)
+        layer = self.info.layer
+        return ReplayAttention.apply(q, k, v, layer.keys, layer.values, own, self.info)
 
 
 class _SampleBranchLayer(AttentionBranchLayer):
@@ -579,6 +682,37 @@ class ContextParallelState(PromptState):
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
                                              softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
         return Replay(logprobs=logprobs, entropy=entropy)
+
+    def backward(self) -> None:
+        """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the parameters.
+
+        Each rank recomputes its slice with autograd (the capture's forward, layer-synchronous, `CaptureAttention`)
+        and back-propagates its slice's accumulated K/V gradient; the attention's backward sends dK/dV of earlier
+        slices and dq of later ranks' rows back to their owners, so the parameter gradients summed over the ranks
+        are those of one process's `PromptState.backward()`. Memory: the slice's whole graph (not chunked yet).
+        Detached mode: nothing to do."""
+        if self.prompt_grad != "exact":
+            return
+        layers = self._live()
+        if self._backward_done:
+            raise RuntimeError("PromptState.backward() was already called for this state")
+        self.group.agree("ContextParallelState.backward", {"captured state": self._key, "replays": self._replays})
+        s, e = self.slice
+        cache = BranchCache([_CaptureBranchLayer(self.group, self.bounds, i, self.chunk_size)
+                             for i in range(len(layers))], block=self.block)
+        device = self.last_token.device
+        with torch.enable_grad():
+            run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+        outputs, grads = [], []
+        for layer, branch in zip(layers, cache.layers):
+            for own, leaf in ((branch.keys, layer.keys), (branch.values, layer.values)):
+                if own.requires_grad and leaf.grad is not None:
+                    outputs.append(own)
+                    grads.append(leaf.grad.to(own.dtype))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        del cache, outputs, grads
+        self._backward_done = True
 
     def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
