@@ -9,7 +9,9 @@ Status (this module grows with issue 13): context-parallel capture and detached 
 layers are full attention, sliding-window attention and linear attention (`KVState`, `SlidingKVState`,
 `RecurrentState`: llama, qwen3, gemma3, qwen3_next, ...; tested: llama, gemma3_text, qwen3_next). Refused by name
 (NotImplementedError, the same on every rank): other layer kinds (MLA, DSA, compressed, chunked, hybrid-parallel,
-short conv), `prompt_grad="exact"`, `state_dtype`, attention sinks. Not there yet: FSDP2 and the N-process trainer.
+short conv), `prompt_grad="exact"` for models with sliding-window or linear-attention layers, `state_dtype`,
+attention sinks. Exact mode works for models of full-attention layers only. Not there yet: FSDP2 and the N-process
+trainer.
 
 What each rank holds
 --------------------
@@ -78,6 +80,21 @@ R_total·P, is split evenly (each rank R_total·P/N). Memory per rank: the graph
 (q, own K/V, merged output, two lse per layer) plus transient N·R_max rows; independent of P/N beyond the slice.
 Each rank's parameter gradients are those of its own branch; summed over ranks (all-reduce, or FSDP's
 reduce-scatter) they are the single-process sum over the same branches.
+
+Exact mode (collective; full-attention models so far)
+------------------------------------------------------
+Replays: the replay attention's backward also computes, on each rank, dK/dV of its slice for every rank's queries
+(summed in rank order) and accumulates them in the slice's K/V leaves: each rank holds the state gradient of its own
+slice (1/N of the buffer). `state.backward()`: every rank recomputes its slice with autograd (the capture's forward,
+layer-synchronous, `CaptureAttention`) and back-propagates the slice's accumulated gradient in one backward; the
+attention backward runs the forward's exchanges again with gradients travelling back (dK/dV of an earlier slice's
+chunk to its owner by all-to-all, dq of a later rank's rows to theirs). Every part's backward reads the merged
+output and the log-sum-exp over all keys, so no per-part (out, lse) is kept. The parameter gradients summed over the
+ranks equal one process's exact-mode gradient (≤ 1.4e-6 relative measured). Memory: the slice's whole graph (every
+layer's activations over P/N tokens), unlike the single process's one chunk: a per-layer checkpointed recompute is
+the next step. Not yet: sliding-window layers (their replicated final window's gradient must be all-reduced and
+handed to the ranks owning those positions) and linear-attention layers (the relay needs a backward that passes the
+state gradient from rank r + 1 to rank r, serially).
 
 Sampling (collective)
 ---------------------
