@@ -75,7 +75,8 @@ def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
         rows = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(n)]
     return dict(ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1,
                 capture_s=max(r["capture_s"] for r in rows), step_s=max(r["step_s"] for r in rows),
-                capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows], step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
+                capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
+                step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
                 state_bytes_per_rank=[r["nbytes"] for r in rows])
 
 
@@ -105,8 +106,8 @@ def main():
 
 
 def table(rows, summary) -> str:
-    lines = ["| ranks | P | G | R | capture, wall (s) | capture, CPU per rank (s) | step, wall (s) | step, CPU per rank (s) "
-             "| state bytes per rank |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | P | G | R | capture, wall (s) | capture, CPU per rank (s) | step, wall (s) "
+             "| step, CPU per rank (s) | state bytes per rank |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['capture_s']:.2f} | "
                      f"{', '.join(f'{c:.1f}' for c in r['capture_cpu_s'])} | {r['step_s']:.2f} | "
@@ -114,9 +115,10 @@ def table(rows, summary) -> str:
                      f"{', '.join(str(b) for b in r['state_bytes_per_rank'])} |")
     one, many = rows
     cpu = (sum(one["capture_cpu_s"]) / max(many["capture_cpu_s"]), sum(one["step_cpu_s"]) / max(many["step_cpu_s"]))
-    lines.append(f"\nwall-clock speed-up: capture {summary['capture_speedup']:.2f}×, step {summary['step_speedup']:.2f}×; "
-                 f"CPU time, 1 rank / busiest rank: capture {cpu[0]:.2f}×, step {cpu[1]:.2f}× (1 torch thread per rank; "
-                 f"load average {summary['load_average'][0]:.1f} at the end, the 2 cores shared with other work)")
+    lines.append(f"\nwall-clock speed-up: capture {summary['capture_speedup']:.2f}×, "
+                 f"step {summary['step_speedup']:.2f}×; CPU time, 1 rank / busiest rank: capture {cpu[0]:.2f}×, "
+                 f"step {cpu[1]:.2f}× (1 torch thread per rank; load average {summary['load_average'][0]:.1f} at "
+                 "the end, the 2 cores shared with other work)")
     return "\n".join(lines) + "\n"
 
 

@@ -86,9 +86,9 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         # what the state's tensors keep alive, not just what their views show
         storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
                    for t in layer.tensors()}
-        result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()), slice=state.slice,
-                               sliced=state.sliced_nbytes, replicated=state.replicated_nbytes, t_capture=t_capture,
-                               samples=(samples.tokens, samples.logprobs, samples.truncated))
+        result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()),
+                               slice=state.slice, sliced=state.sliced_nbytes, replicated=state.replicated_nbytes,
+                               t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated))
         state.release()
 
     # exact mode: each rank replays its branch, then the collective reverse pass over the slices

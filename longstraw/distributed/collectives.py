@@ -27,8 +27,8 @@ _NAMES: dict[int, str] = {}
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool,
-           torch.int8, torch.float8_e4m3fn]
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool, torch.int8, torch.float8_e4m3fn]
 
 
 class CollectiveError(RuntimeError):
@@ -46,7 +46,8 @@ def _tag(name: str) -> int:
 
 
 def digest(*parts) -> int:
-    """A 62-bit hash of tensors (dtype, shape, bytes), strings and numbers: the same on every process (unlike `hash`)."""
+    """A 62-bit hash of tensors (dtype, shape, bytes), strings and numbers, the same on every process (unlike
+    `hash`)."""
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
         if isinstance(p, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in p):
@@ -66,8 +67,8 @@ class Group:
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("group=...: torch.distributed is not initialized (call torch.distributed.init_process_group "
-                               "or launch with torchrun)")
+            raise RuntimeError("group=...: torch.distributed is not initialized (call "
+                               "torch.distributed.init_process_group or launch with torchrun)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -86,8 +87,8 @@ class Group:
         for r, t in zip(ranks or range(len(tags)), tags):
             if t != mine:
                 other = _NAMES.get(t, f"an unknown collective (tag {t:#x})")
-                raise CollectiveError(f"longstraw collective {name!r} on rank {self.rank} of {self.size}: rank {r} is in "
-                                      f"{other!r} instead; ranks are out of step (every rank must make the same "
+                raise CollectiveError(f"longstraw collective {name!r} on rank {self.rank} of {self.size}: rank {r} is "
+                                      f"in {other!r} instead; ranks are out of step (every rank must make the same "
                                       "longstraw calls in the same order)")
 
     # ------------------------------------------------------------------ packing

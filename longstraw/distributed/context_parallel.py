@@ -51,8 +51,9 @@ def _fold(acc, part):
     w_a, w_b = torch.exp(l_a - m_safe), torch.exp(l_b - m_safe)
     s = w_a + w_b
     empty = s == 0
-    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / torch.where(empty, torch.ones_like(s), s)[..., None]
-    lse = torch.where(empty, torch.full_like(s, float("-inf")), m_safe + torch.log(torch.where(empty, torch.ones_like(s), s)))
+    safe = torch.where(empty, torch.ones_like(s), s)
+    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / safe[..., None]
+    lse = torch.where(empty, torch.full_like(s, float("-inf")), m_safe + torch.log(safe))
     return out, lse
 
 
@@ -92,8 +93,8 @@ class SliceKVState(LayerState):
     def commit(self, branch_layer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
         if n != self.end - self.start or k.shape[-2] != n:
-            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} produced "
-                               f"{k.shape[-2]} keys")
+            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
+                               f"produced {k.shape[-2]} keys")
         self.keys = base.empty_state(k, tuple(k.shape))
         self.values = base.empty_state(v, tuple(v.shape))
         self.keys.copy_(k)
@@ -316,8 +317,9 @@ class _SlidingCaptureBranchLayer(AttentionBranchLayer):
         keep = window - 1
         n = k.shape[-2]
         if keep > 0:
+            tail = max(0, n - keep)
             got = g.all_gather(f"capture layer {self.layer_idx}: window keys and values",
-                               [_pad_rows(k[:, :, max(0, n - keep):], keep), _pad_rows(v[:, :, max(0, n - keep):], keep)])
+                               [_pad_rows(k[:, :, tail:], keep), _pad_rows(v[:, :, tail:], keep)])
             lengths = [min(keep, e - s) for s, e in self.bounds]
             self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
         else:
@@ -390,7 +392,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     bm = base_model(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     g.agree("longstraw.capture", {
-        "prompt length": length, "prompt_ids": raw, "chunk_size": chunk_size if isinstance(chunk_size, int) else repr(chunk_size),
+        "prompt length": length, "prompt_ids": raw,
+        "chunk_size": chunk_size if isinstance(chunk_size, int) else repr(chunk_size),
         "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
         "verify": verify, "state_dtype": str(state_dtype), "model config": bm.config.to_json_string(use_diff=False),
         "trainable parameters": trainable,
@@ -671,7 +674,8 @@ class ContextParallelState(PromptState):
             "grad enabled": torch.is_grad_enabled()}, free=(mine,))]
         bad = [r for r, n in enumerate(lengths) if n < 0]
         if bad:
-            raise ValueError(f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank replays") from error
+            raise ValueError(f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank "
+                             "replays") from error
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
@@ -684,7 +688,8 @@ class ContextParallelState(PromptState):
         return Replay(logprobs=logprobs, entropy=entropy)
 
     def backward(self) -> None:
-        """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the parameters.
+        """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the
+        parameters.
 
         Each rank recomputes its slice with autograd (the capture's forward, layer-synchronous, `CaptureAttention`)
         and back-propagates its slice's accumulated K/V gradient; the attention's backward sends dK/dV of earlier
