@@ -173,7 +173,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
             acc_o[:, :, a:b], acc_l[:, :, a:b] = o, l
 
         # keys to queries: the last rank's slice is read by no one
-        for step, lo in enumerate(range(0, max(lengths[:-1]), c)):
+        for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
             hi = max(lo, min(lo + c, n_me))
             got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
                                [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
@@ -184,7 +184,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                     fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
                                                     self._cross(own, me, j, lo, True)))
         # queries to keys: rank 0's rows have no earlier slice
-        for step, lo in enumerate(range(0, max(second[1:]), c)):
+        for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
             name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
             hi = max(half + lo, min(half + lo + c, n_me))
             got = g.all_gather(name, [_pad_rows(q[:, :, half + lo:hi], c)])
@@ -218,7 +218,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         half = halves[me]
         dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
         dq, dk, dv = dq.clone(), dk.clone(), dv.clone()
-        for step, lo in enumerate(range(0, max(lengths[:-1]), c)):
+        for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
             name = f"capture backward layer {self.layer_idx}: keys and values, step {step}"
             hi = max(lo, min(lo + c, n_me))
             got = g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
@@ -238,7 +238,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                 dkr, dvr = back[r]
                 dk[:, :, lo:hi] += dkr[:, :, :hi - lo]
                 dv[:, :, lo:hi] += dvr[:, :, :hi - lo]
-        for step, lo in enumerate(range(0, max(second[1:]), c)):
+        for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
             name = f"capture backward layer {self.layer_idx}: queries to the keys, step {step}"
             a, b = half + lo, max(half + lo, min(half + lo + c, n_me))
             got = g.all_gather(name, [_pad_rows(t[:, :, a:b], c) for t in (q, dout, out, lse)])
