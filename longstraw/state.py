@@ -235,7 +235,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if group is not None:
         from .distributed.context_parallel import capture as capture_cp
 
-        return capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group)
+        return capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
+                          state_device=state_device)
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:

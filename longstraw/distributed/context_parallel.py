@@ -18,7 +18,8 @@ from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
-from ..state import PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, run_decoder
+from ..state import (PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, _first_trainable_layer,
+                     model_device, run_decoder)
 from .collectives import Group, digest
 
 __all__ = ["ContextParallelState", "SliceKVState", "capture", "slice_bounds"]
@@ -376,7 +377,7 @@ class _RecurrentRelay:
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached", block_size: int = DEFAULT_BLOCK,
-            verify: bool | None = None, state_dtype=None, *, group) -> "ContextParallelState":
+            verify: bool | None = None, state_dtype=None, *, group, state_device=None) -> "ContextParallelState":
     """`longstraw.capture(..., group=group)`: a collective of every rank of `group` (a `torch.distributed` process
     group; the default group for `group=torch.distributed.group.WORLD`).
 
@@ -395,7 +396,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         "prompt length": length, "prompt_ids": raw,
         "chunk_size": chunk_size if isinstance(chunk_size, int) else repr(chunk_size),
         "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
-        "verify": verify, "state_dtype": str(state_dtype), "model config": bm.config.to_json_string(use_diff=False),
+        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device), "model config": bm.config.to_json_string(use_diff=False),
         "trainable parameters": trainable,
     })
     if prompt_grad not in PROMPT_GRAD_MODES:
@@ -407,6 +408,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if state_dtype is not None:
         raise NotImplementedError("context-parallel capture (group=...) keeps the state in the model's dtype so far; "
                                   "state_dtype is not supported with group=")
+    if state_device is not None:
+        raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
+                                  "state_device is not supported with group=")
     from ..prepare import prepare
     from ..support import layer_plan, model_parts
     from ..archs import family
@@ -421,7 +425,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if prompt_grad == "exact" and kinds != {KVState}:
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
                                   "full-attention layers only so far")
-    device = next(parts.model.parameters()).device
+    device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     captured = prompt.numel() - 1
