@@ -68,8 +68,14 @@ def _pad_rows(x: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def _part(q_start, k_start, window, softcap, scale, block, q_period=None) -> Part:
+    """A `longstraw.attention.Part`, built by field name (the kernel interface is being reorganised)."""
+    return Part(q_start=int(q_start), k_start=int(k_start), window=window, softcap=softcap, scale=float(scale),
+                block=int(block), q_period=q_period)
+
+
 def _prompt_part(part: Part, k_start: int) -> Part:
-    return Part(part.q_start, k_start, part.window, part.softcap, part.scale, part.block)
+    return _part(part.q_start, k_start, part.window, part.softcap, part.scale, part.block)
 
 
 # ----------------------------------------------------------------------------------------- durable state
@@ -144,7 +150,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         if sinks is not None:
             raise NotImplementedError("context-parallel capture does not support attention sinks yet")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        own = _part(q_start, own_start, window, softcap, scale, block)
         return CaptureAttention.apply(q, k, v, own, self)
 
     def _layout(self):
@@ -157,8 +163,8 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         keys from position `lo` of its slice (first half) or its whole slice (second half)."""
         lengths, halves, _ = self._layout()
         if first_half:
-            return Part(own.q_start, self.bounds[j][0] + lo, None, own.softcap, own.scale, own.block)
-        return Part(self.bounds[r][0] + halves[r] + lo, self.bounds[j][0], None, own.softcap, own.scale, own.block)
+            return _part(own.q_start, self.bounds[j][0] + lo, None, own.softcap, own.scale, own.block)
+        return _part(self.bounds[r][0] + halves[r] + lo, self.bounds[j][0], None, own.softcap, own.scale, own.block)
 
     def forward_parts(self, q, k, v, own: Part):
         """(out in q's dtype, lse float32 over every key) of this rank's rows; see the class."""
@@ -314,7 +320,7 @@ class _SlidingCaptureBranchLayer(AttentionBranchLayer):
             raise NotImplementedError("context-parallel capture does not support attention sinks yet")
         g = self.group
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        own = _part(q_start, own_start, window, softcap, scale, block)
         keep = window - 1
         n = k.shape[-2]
         if keep > 0:
@@ -581,7 +587,7 @@ class _ReplayBranchLayer(AttentionBranchLayer):
         if q.shape[0] != 1:
             raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        own = _part(q_start, own_start, window, softcap, scale, block)
         layer = self.info.layer
         return ReplayAttention.apply(q, k, v, layer.keys, layer.values, own, self.info)
 
@@ -603,10 +609,10 @@ class _SampleBranchLayer(AttentionBranchLayer):
         b, h, r, d = q.shape
         dv = v.shape[-1]
         scale = float(d ** -0.5 if scale is None else scale)
-        own = Part(int(q_start), int(own_start), window, softcap, scale, int(block))
+        own = _part(q_start, own_start, window, softcap, scale, block)
         # the b sequences' rows folded into one row block against the one slice (as SplitAttention does)
         qf = q.transpose(0, 1).reshape(1, h, b * r, d)
-        part = Part(int(q_start), self.layer.start, None, softcap, scale, int(block), q_period=r if b > 1 else None)
+        part = _part(q_start, self.layer.start, None, softcap, scale, block, q_period=r if b > 1 else None)
         o, l = part_forward(qf, self.layer.keys, self.layer.values, part)
         got = self.group.all_gather(f"sample layer {self.layer.layer_idx}: partial outputs", [o.float(), l.float()])
         acc = None
