@@ -402,7 +402,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         "prompt length": length, "prompt_ids": raw,
         "chunk_size": chunk_size if isinstance(chunk_size, int) else repr(chunk_size),
         "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
-        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device), "model config": bm.config.to_json_string(use_diff=False),
+        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device),
+        "model config": bm.config.to_json_string(use_diff=False),
         "trainable parameters": trainable,
     })
     if prompt_grad not in PROMPT_GRAD_MODES:
