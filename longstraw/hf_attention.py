@@ -200,6 +200,12 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
         )
     # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
+    attend = getattr(layer, "attend", None)
+    if attend is not None:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
+        out = attend(module, query, key, value, q_start=own_start + key.shape[-2] - query.shape[-2],
+                     own_start=own_start, scale=scaling, window=layer.window, softcap=softcap, sinks=sinks,
+                     block=cache.block)
+        return out.transpose(1, 2).contiguous(), None
     out = split_attention(
         query,
         key,

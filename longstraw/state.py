@@ -205,7 +205,7 @@ def _check_length(cfg, total: int) -> None:
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
             block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
-            state_device=None) -> PromptState:
+            state_device=None, group=None) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
@@ -225,10 +225,18 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     recurrent states) stay on the GPU. Detached mode only. None, or the model's own device: no offload (on a
     CPU model, "cpu" changes nothing).
 
+    `group`: a `torch.distributed` process group: capture is then a collective of its ranks, each keeping the state of
+    its own slice of the prompt (context parallelism, `longstraw.distributed`); None: this process alone.
+
     `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
     (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
     families (`longstraw.archs`); True: always; False: never.
     """
+    if group is not None:
+        from .distributed.context_parallel import capture as capture_cp
+
+        return capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
+                          state_device=state_device)
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:

@@ -1,0 +1,127 @@
+"""Context parallelism: capture and step time on 1 rank vs N ranks (gloo, processes of one torch thread each).
+
+The dense benchmark model (`longstraw.compare.bench_model("dense")`: qwen3, hidden 128, 4 layers), a prompt of P
+tokens, G responses of R tokens. 1 rank: `longstraw.capture(model, prompt)` in one process, then a step = G serial
+replays with backward. N ranks: `capture(..., group=WORLD)` in N processes, a step = G/N replays per rank (each a
+collective) with backward. Each configuration runs in fresh processes in the same invocation, one after the other;
+times are the slowest rank's, the median of `--repeat` steps after a warm-up.
+
+    python bench/context_parallel.py --P 65536 --G 8 --R 64 --ranks 2   # → bench/results/context_parallel.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk: int, repeat: int):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import longstraw
+    from longstraw.compare import bench_model
+
+    group = None
+    if n > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=1800))
+        group = dist.group.WORLD
+    model = bench_model("dense")
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    responses = [torch.randint(0, vocab, (R,), generator=g) for _ in range(G)]
+    mine = responses[rank::n]
+
+    def barrier():
+        if n > 1:
+            dist.barrier()
+
+    barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    state = longstraw.capture(model, prompt, chunk_size=chunk, group=group)
+    t_capture, c_capture = time.perf_counter() - t0, time.process_time() - c0
+    steps, cpu = [], []
+    for i in range(repeat + 1):
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for resp in mine:
+            replay = state.replay(resp)
+            (-replay.logprobs.sum()).backward()
+        steps.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    row = dict(rank=rank, capture_s=t_capture, capture_cpu_s=c_capture, step_s=statistics.median(steps[1:]),
+               step_cpu_s=statistics.median(cpu[1:]), nbytes=state.nbytes)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(row))
+    if n > 1:
+        dist.destroy_process_group()
+
+
+def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_rank, args=(n, os.path.join(d, "init"), d, P, G, R, chunk, repeat), nprocs=n, join=True,
+                           start_method="spawn")
+        rows = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(n)]
+    return dict(ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1,
+                capture_s=max(r["capture_s"] for r in rows), step_s=max(r["step_s"] for r in rows),
+                capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
+                step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
+                state_bytes_per_rank=[r["nbytes"] for r in rows])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--P", type=int, default=65536)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--R", type=int, default=64)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "context_parallel"))
+    a = ap.parse_args()
+    rows = []
+    for n in (1, a.ranks):
+        rows.append(run(n, a.P, a.G, a.R, a.chunk, a.repeat))
+        print(json.dumps(rows[-1]), flush=True)
+    one, many = rows
+    summary = dict(capture_speedup=one["capture_s"] / many["capture_s"], step_speedup=one["step_s"] / many["step_s"],
+                   load_average=os.getloadavg())
+    print(json.dumps(summary))
+    out = Path(a.out)
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, summary=summary), indent=1))
+    text = table(rows, summary)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def table(rows, summary) -> str:
+    lines = ["| ranks | P | G | R | capture, wall (s) | capture, CPU per rank (s) | step, wall (s) "
+             "| step, CPU per rank (s) | state bytes per rank |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['capture_s']:.2f} | "
+                     f"{', '.join(f'{c:.1f}' for c in r['capture_cpu_s'])} | {r['step_s']:.2f} | "
+                     f"{', '.join(f'{c:.2f}' for c in r['step_cpu_s'])} | "
+                     f"{', '.join(str(b) for b in r['state_bytes_per_rank'])} |")
+    one, many = rows
+    cpu = (sum(one["capture_cpu_s"]) / max(many["capture_cpu_s"]), sum(one["step_cpu_s"]) / max(many["step_cpu_s"]))
+    lines.append(f"\nwall-clock speed-up: capture {summary['capture_speedup']:.2f}×, "
+                 f"step {summary['step_speedup']:.2f}×; CPU time, 1 rank / busiest rank: capture {cpu[0]:.2f}×, "
+                 f"step {cpu[1]:.2f}× (1 torch thread per rank; load average {summary['load_average'][0]:.1f} at "
+                 "the end, the 2 cores shared with other work)")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

@@ -1,0 +1,760 @@
+"""Context-parallel capture and branch replay over a process group (the design is in `longstraw.distributed`).
+
+`capture(model, prompt_ids, ..., group=pg)` is `longstraw.capture` with a group: every rank of the group calls it
+with the same arguments and gets a `ContextParallelState` holding the durable state of its own slice of the prompt.
+`state.replay(response_ids)` is then a collective in which every rank brings its own branch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import DEFAULT_BLOCK, Part, part_backward, part_forward
+from ..hf_attention import BranchCache
+from ..layers import base
+from ..layers.base import LayerState
+from ..layers.full_attention import AttentionBranchLayer, KVState
+from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
+from ..layers.sliding_window import SlidingKVState
+from ..logprobs import chunked_logprobs
+from ..models import ModelParts, base_model
+from ..state import (PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, _first_trainable_layer,
+                     model_device, run_decoder)
+from .collectives import Group, digest
+
+__all__ = ["ContextParallelState", "SliceKVState", "capture", "slice_bounds"]
+
+
+def slice_bounds(total: int, size: int) -> list[tuple[int, int]]:
+    """Contiguous slices `[(start, end)]` of `total` positions over `size` ranks: the first `total % size` ranks hold
+    one position more than the others."""
+    base_len, extra = divmod(total, size)
+    bounds, s = [], 0
+    for r in range(size):
+        e = s + base_len + (1 if r < extra else 0)
+        bounds.append((s, e))
+        s = e
+    return bounds
+
+
+# ----------------------------------------------------------------------------------------- log-sum-exp folding
+
+
+def _fold(acc, part):
+    """Attention over the union of two disjoint key sets from each one's (out, lse); float32. Either side may see no
+    key (lse −inf); `acc` None: `part` alone."""
+    o_b, l_b = part[0].float(), part[1].float()
+    if acc is None:
+        return o_b, l_b
+    o_a, l_a = acc
+    m = torch.maximum(l_a, l_b)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(l_a - m_safe), torch.exp(l_b - m_safe)
+    s = w_a + w_b
+    empty = s == 0
+    safe = torch.where(empty, torch.ones_like(s), s)
+    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / safe[..., None]
+    lse = torch.where(empty, torch.full_like(s, float("-inf")), m_safe + torch.log(safe))
+    return out, lse
+
+
+def _pad_rows(x: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
+    """`x` zero-padded along `dim` to `rows`."""
+    n = x.shape[dim]
+    if n == rows:
+        return x
+    shape = list(x.shape)
+    shape[dim] = rows - n
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _part(q_start, k_start, window, softcap, scale, block, q_period=None) -> Part:
+    """A `longstraw.attention.Part`, built by field name (the kernel interface is being reorganised)."""
+    return Part(q_start=int(q_start), k_start=int(k_start), window=window, softcap=softcap, scale=float(scale),
+                block=int(block), q_period=q_period)
+
+
+def _prompt_part(part: Part, k_start: int) -> Part:
+    return _part(part.q_start, k_start, part.window, part.softcap, part.scale, part.block)
+
+
+# ----------------------------------------------------------------------------------------- durable state
+
+
+class SliceKVState(LayerState):
+    """Post-RoPE K/V of one full-attention layer for this rank's slice `[start, end)` of the captured positions:
+    keys `[1, Hkv, end − start, D]`, values `[1, Hkv, end − start, Dv]` (not registered as a layer kind: built by
+    the context-parallel capture in place of `KVState`)."""
+
+    window: int | None = None
+
+    def __init__(self, config, layer_idx: int, start: int, end: int):
+        super().__init__(config, layer_idx, end - start)
+        self.start, self.end = start, end
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def branch(self, batch: int = 1):
+        raise RuntimeError("a context-parallel state is read through ContextParallelState.replay (a collective)")
+
+    def commit(self, branch_layer, n: int) -> None:
+        k, v = branch_layer.keys, branch_layer.values
+        if n != self.end - self.start or k.shape[-2] != n:
+            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
+                               f"produced {k.shape[-2]} keys")
+        self.keys = base.empty_state(k, tuple(k.shape))
+        self.values = base.empty_state(v, tuple(v.shape))
+        self.keys.copy_(k)
+        self.values.copy_(v)
+        self.length = self.end
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def release(self) -> None:
+        self.keys = self.values = None
+
+    supports_exact = True
+
+    def require_grad(self) -> None:
+        """Exact mode: the slice's K/V become leaves; every rank's replays accumulate their gradient here."""
+        self.keys.requires_grad_(True)
+        self.values.requires_grad_(True)
+
+
+# ----------------------------------------------------------------------------------------- capture
+
+#: layer kinds the context-parallel capture serves: full attention (sliced), sliding window and linear attention
+#: (replicated O(1) states)
+_SERVED = frozenset({KVState, SlidingKVState, RecurrentState})
+
+
+class _CaptureBranchLayer(AttentionBranchLayer):
+    """Branch layer of this rank's slice in a full-attention layer during capture (a collective; every rank is at this
+    layer at the same time). Rank r's queries attend to its own slice (causal, local) and to the slices of ranks
+    j < r, a block of work shared between the two ranks so that every rank does the same amount:
+    - the first half of rank r's query rows get the keys: the ranks all-gather their K/V `chunk` positions per step,
+      and rank r folds its first-half rows against the earlier slices' chunks;
+    - the second half of its query rows go to the keys: the ranks all-gather `chunk` of their second-half query rows
+      per step, each rank j computes (out, lse) of the later ranks' rows against its whole slice, and an all-to-all
+      returns them to their owners, which fold them in slice order.
+    Rank r then does r/2 + (N − 1 − r)/2 = (N − 1)/2 cross blocks of n² plus its causal n²/2: N/2 · n² each, the
+    single process's (N·n)²/2 split evenly."""
+
+    def __init__(self, group: Group, bounds, layer_idx: int, chunk: int):
+        start = bounds[group.rank][0]
+        super().__init__(None, None, prompt_length=start)
+        self.group, self.bounds, self.layer_idx, self.chunk = group, bounds, layer_idx, chunk
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel capture does not support attention sinks yet")
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        own = _part(q_start, own_start, window, softcap, scale, block)
+        return CaptureAttention.apply(q, k, v, own, self)
+
+    def _layout(self):
+        lengths = [e - s for s, e in self.bounds]
+        halves = [n // 2 for n in lengths]  # rows [0, half) get the keys, rows [half, n) go to the keys
+        return lengths, halves, [n - h for n, h in zip(lengths, halves)]
+
+    def _cross(self, own: Part, r: int, j: int, lo: int, first_half: bool) -> Part:
+        """The part of rank r's rows (first half from row 0, else second half from row `lo` of it) against rank j's
+        keys from position `lo` of its slice (first half) or its whole slice (second half)."""
+        lengths, halves, _ = self._layout()
+        if first_half:
+            return _part(own.q_start, self.bounds[j][0] + lo, None, own.softcap, own.scale, own.block)
+        return _part(self.bounds[r][0] + halves[r] + lo, self.bounds[j][0], None, own.softcap, own.scale, own.block)
+
+    def forward_parts(self, q, k, v, own: Part):
+        """(out in q's dtype, lse float32 over every key) of this rank's rows; see the class."""
+        g, me, c = self.group, self.group.rank, self.chunk
+        n_me, heads, dv = q.shape[2], q.shape[1], v.shape[-1]
+        lengths, halves, second = self._layout()
+        half = halves[me]
+        acc_o = q.new_zeros((1, heads, n_me, dv), dtype=torch.float32)
+        acc_l = q.new_full((1, heads, n_me), float("-inf"), dtype=torch.float32)
+
+        def fold_rows(a: int, b: int, partial) -> None:
+            o, l = _fold((acc_o[:, :, a:b], acc_l[:, :, a:b]), partial)
+            acc_o[:, :, a:b], acc_l[:, :, a:b] = o, l
+
+        # keys to queries: the last rank's slice is read by no one
+        for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
+            hi = max(lo, min(lo + c, n_me))
+            got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
+                               [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+            for j in range(me):
+                n = min(c, lengths[j] - lo)
+                if n > 0 and half > 0:
+                    kj, vj = got[j]
+                    fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
+                                                    self._cross(own, me, j, lo, True)))
+        # queries to keys: rank 0's rows have no earlier slice
+        for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
+            name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
+            hi = max(half + lo, min(half + lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(q[:, :, half + lo:hi], c)])
+            send = []
+            for r, (qr,) in enumerate(got):
+                m = min(c, second[r] - lo)
+                o = qr.new_zeros((1, heads, c, dv), dtype=torch.float32)
+                l = qr.new_full((1, heads, c), float("-inf"), dtype=torch.float32)
+                if r > me and m > 0:
+                    po, pl = part_forward(qr[:, :, :m], k, v, self._cross(own, r, me, lo, False))
+                    o[:, :, :m], l[:, :, :m] = po.float(), pl.float()
+                send.append([o, l])
+            back = g.all_to_all(f"{name}: partial outputs", send)
+            m = min(c, second[me] - lo)
+            if m > 0:
+                for j in range(me):  # slice order
+                    oj, lj = back[j]
+                    fold_rows(half + lo, half + lo + m, (oj[:, :, :m], lj[:, :, :m]))
+        out, lse = _fold((acc_o, acc_l), part_forward(q, k, v, own))
+        return out.to(q.dtype), lse
+
+    def backward_parts(self, dout, q, k, v, out, lse, own: Part):
+        """(dq, dk, dv) of this rank's rows and slice (exact mode's reverse pass), the forward's exchanges run again
+        with gradients travelling back: dK/dV of an earlier slice's chunk to its owner, dq of a later rank's rows to
+        theirs. Every part's backward reads the merged output and the log-sum-exp over all keys, so no part needs its
+        own (out, lse). Sums run in a fixed order (own part, then keys-to-queries by step and rank, then
+        queries-to-keys by rank)."""
+        g, me, c = self.group, self.group.rank, self.chunk
+        n_me = q.shape[2]
+        lengths, halves, second = self._layout()
+        half = halves[me]
+        dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
+        dq, dk, dv = dq.clone(), dk.clone(), dv.clone()
+        for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
+            name = f"capture backward layer {self.layer_idx}: keys and values, step {step}"
+            hi = max(lo, min(lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+            send = []
+            for j, (kj, vj) in enumerate(got):
+                dkj, dvj = torch.zeros_like(kj, dtype=torch.float32), torch.zeros_like(vj, dtype=torch.float32)
+                n = min(c, lengths[j] - lo)
+                if j < me and n > 0 and half > 0:
+                    dqa, dka, dva = part_backward(dout[:, :, :half], q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
+                                                  out[:, :, :half], lse[:, :, :half], self._cross(own, me, j, lo, True),
+                                                  need_kv=True)
+                    dq[:, :, :half] += dqa.float()
+                    dkj[:, :, :n], dvj[:, :, :n] = dka.float(), dva.float()
+                send.append([dkj, dvj])
+            back = g.all_to_all(f"{name}: their gradients", send)
+            for r in range(me + 1, g.size):  # rank order
+                dkr, dvr = back[r]
+                dk[:, :, lo:hi] += dkr[:, :, :hi - lo]
+                dv[:, :, lo:hi] += dvr[:, :, :hi - lo]
+        for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
+            name = f"capture backward layer {self.layer_idx}: queries to the keys, step {step}"
+            a, b = half + lo, max(half + lo, min(half + lo + c, n_me))
+            got = g.all_gather(name, [_pad_rows(t[:, :, a:b], c) for t in (q, dout, out, lse)])
+            send = []
+            for r, (qr, gr, outr, lser) in enumerate(got):
+                dqr = torch.zeros_like(qr, dtype=torch.float32)
+                m = min(c, second[r] - lo)
+                if r > me and m > 0:
+                    dqb, dkb, dvb = part_backward(gr[:, :, :m], qr[:, :, :m], k, v, outr[:, :, :m], lser[:, :, :m],
+                                                  self._cross(own, r, me, lo, False), need_kv=True)
+                    dqr[:, :, :m] = dqb.float()
+                    dk += dkb.float()
+                    dv += dvb.float()
+                send.append([dqr])
+            back = g.all_to_all(f"{name}: query gradients", send)
+            for j in range(me):  # slice order
+                dq[:, :, a:b] += back[j][0][:, :, :b - a]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class CaptureAttention(torch.autograd.Function):
+    """A full-attention layer of the context-parallel capture (`_CaptureBranchLayer`): forward under `no_grad` at
+    capture; with autograd in exact mode's reverse pass, whose backward is collective too (`backward_parts`).
+    Saves q, k, v (the slice's own), the merged output and the log-sum-exp: O(n) per layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, own: Part, layer: _CaptureBranchLayer):
+        out, lse = layer.forward_parts(q, k, v, own)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.own, ctx.layer = own, layer
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.layer.backward_parts(dout, q, k, v, out, lse, ctx.own)
+        return dq, dk, dv, None, None
+
+
+def _window_before(tails, bounds, pos: int, keep: int):
+    """(keys, values, start) of the captured positions [max(0, pos − keep), pos) from the ranks' slice tails (each the
+    last min(keep, slice length) positions of its slice, `tails[j] = (k, v)`)."""
+    lo = max(0, pos - keep)
+    ks, vs = [], []
+    for (s, e), (k, v) in zip(bounds, tails):
+        a, b = max(s, lo), min(e, pos)
+        if a >= b:
+            continue
+        first = e - k.shape[-2]  # position of the tail's first row
+        if a < first:
+            raise RuntimeError(f"positions [{a}, {b}) are not in the tail [{first}, {e}) of their slice")
+        ks.append(k[:, :, a - first:b - first])
+        vs.append(v[:, :, a - first:b - first])
+    if not ks:
+        return None, None, lo
+    return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), lo
+
+
+class _SlidingCaptureBranchLayer(AttentionBranchLayer):
+    """Branch layer of this rank's slice in a sliding-window layer during capture: the ranks all-gather the last W − 1
+    K/V of their slices once (the most any later query reads), rank r attends to what of them lies in the window
+    before its slice, and every rank keeps all tails to assemble the prompt's final window (the durable state, the
+    same on every rank) without a further exchange."""
+
+    def __init__(self, group: Group, bounds, layer_idx: int, window: int):
+        super().__init__(None, None, prompt_length=bounds[group.rank][0], window=window)
+        self.group, self.bounds, self.layer_idx = group, bounds, layer_idx
+        self.tails = None
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel capture does not support attention sinks yet")
+        g = self.group
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        own = _part(q_start, own_start, window, softcap, scale, block)
+        keep = window - 1
+        n = k.shape[-2]
+        if keep > 0:
+            tail = max(0, n - keep)
+            got = g.all_gather(f"capture layer {self.layer_idx}: window keys and values",
+                               [_pad_rows(k[:, :, tail:], keep), _pad_rows(v[:, :, tail:], keep)])
+            lengths = [min(keep, e - s) for s, e in self.bounds]
+            self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
+        else:
+            self.tails = [(k[:, :, :0], v[:, :, :0])] * g.size
+        pk, pv, start = _window_before(self.tails, self.bounds, self.bounds[g.rank][0], keep)
+        acc = None if pk is None else part_forward(q, pk, pv, _prompt_part(own, start))
+        out, _ = _fold(acc, part_forward(q, k, v, own))
+        return out.to(q.dtype)
+
+
+class _RecurrentRelay:
+    """Carries a linear-attention layer's conv and recurrent state across the slice boundaries during capture: rank r
+    waits for the state at the end of rank r − 1's slice before its decoder layer runs (a forward pre-hook puts it in
+    the branch layer the model reads), and sends its own end state to rank r + 1 after the layer (a forward hook).
+    Serial per layer: rank r's layer l starts when rank r − 1's layer l is done; consecutive linear layers pipeline
+    (rank r − 1 runs layer l + 1 while rank r runs layer l), an attention layer's all-gather joins them again."""
+
+    def __init__(self, group: Group, cache: BranchCache, layer_idx: int, state: RecurrentState, device):
+        self.group, self.cache, self.layer_idx, self.state, self.device = group, cache, layer_idx, state, device
+        self.name = f"capture layer {layer_idx}: linear-attention state"
+
+    @staticmethod
+    def pack(branch: RecurrentBranchLayer, number: int) -> list[torch.Tensor]:
+        flags, tensors = [], []
+        for i in range(number):
+            for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
+                                 (branch.recurrent_states, branch.is_recurrent_states_initialized)):
+                present = bool(done[i]) and states.get(i) is not None
+                flags.append(int(present))
+                if present:
+                    tensors.append(states[i])
+        return [torch.tensor(flags, dtype=torch.int64), *tensors]
+
+    @staticmethod
+    def unpack(tensors: list[torch.Tensor], number: int) -> tuple[dict, dict]:
+        flags, rest = tensors[0].tolist(), list(tensors[1:])
+        conv, rec = {}, {}
+        for i in range(number):
+            for which, states in ((0, conv), (1, rec)):
+                if flags[2 * i + which]:
+                    states[i] = rest.pop(0)
+        return conv, rec
+
+    def before(self, module, args):
+        g, st = self.group, self.state
+        if g.rank > 0:
+            conv, rec = self.unpack(g.recv(self.name, g.rank - 1, self.device), st.number_of_states)
+            self.cache.layers[self.layer_idx] = RecurrentBranchLayer(conv, rec, st.number_of_states, st.conv_trim)
+
+    def after(self, module, args, output):
+        g = self.group
+        if g.rank < g.size - 1:
+            g.send(self.name, self.pack(self.cache.layers[self.layer_idx], self.state.number_of_states), g.rank + 1)
+
+
+def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached", block_size: int = DEFAULT_BLOCK,
+            verify: bool | None = None, state_dtype=None, *, group, state_device=None) -> "ContextParallelState":
+    """`longstraw.capture(..., group=group)`: a collective of every rank of `group` (a `torch.distributed` process
+    group; the default group for `group=torch.distributed.group.WORLD`).
+
+    The arguments are compared across ranks first (one small all-gather of hashes) and a mismatch is refused on every
+    rank with the same `MismatchError`. `chunk_size`: keys exchanged per all-gather step (each rank runs its whole
+    slice through the decoder in one forward; see `longstraw.distributed`)."""
+    g = Group(group)
+    try:
+        raw = torch.as_tensor(prompt_ids).detach()
+        length = raw.numel()
+    except Exception:  # noqa: BLE001 - invalid input is refused below, on every rank alike
+        raw, length = repr(prompt_ids), -1
+    bm = base_model(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    g.agree("longstraw.capture", {
+        "prompt length": length, "prompt_ids": raw,
+        "chunk_size": chunk_size if isinstance(chunk_size, int) else repr(chunk_size),
+        "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
+        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device),
+        "model config": bm.config.to_json_string(use_diff=False),
+        "trainable parameters": trainable,
+    })
+    if prompt_grad not in PROMPT_GRAD_MODES:
+        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    if state_dtype is not None:
+        raise NotImplementedError("context-parallel capture (group=...) keeps the state in the model's dtype so far; "
+                                  "state_dtype is not supported with group=")
+    if state_device is not None:
+        raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
+                                  "state_device is not supported with group=")
+    from ..prepare import prepare
+    from ..support import layer_plan, model_parts
+    from ..archs import family
+    from ..layers import layer_kind
+
+    parts: ModelParts = model_parts(model)
+    kinds = {layer_kind(kind) for kind in layer_plan(parts.config)}
+    if kinds - _SERVED:
+        other = sorted(k.__name__ for k in kinds - _SERVED)
+        raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
+                                  f"so far; {parts.config.model_type!r} also has layer kinds {other}")
+    if prompt_grad == "exact" and kinds != {KVState}:
+        raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
+                                  "full-attention layers only so far")
+    device = model_device(parts.model)
+    prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
+    _check_length(parts.config, prompt.numel())
+    captured = prompt.numel() - 1
+    if captured < g.size:
+        raise ValueError(f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
+                         "ranks a slice; use fewer ranks or capture without group=")
+    prepare(model)
+    if verify or (verify is None and family(parts.config.model_type) is None):
+        from ..self_check import ensure_verified
+
+        ensure_verified(model)
+    bounds = slice_bounds(captured, g.size)
+    s, e = bounds[g.rank]
+    from ..support import layer_states
+
+    layers, branches = [], []
+    for i, layer in enumerate(layer_states(parts.config, captured)):
+        if type(layer) is KVState:
+            layers.append(SliceKVState(parts.config, i, s, e))
+            branches.append(_CaptureBranchLayer(g, bounds, i, chunk_size))
+        elif type(layer) is SlidingKVState:
+            layers.append(layer)
+            branches.append(_SlidingCaptureBranchLayer(g, bounds, i, layer.window))
+        else:  # RecurrentState: the first rank starts from nothing, the others from what the relay brings
+            layers.append(layer)
+            branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+    cache = BranchCache(branches, block=block_size)
+    hooks = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentState):
+            relay = _RecurrentRelay(g, cache, i, layer, device)
+            block = parts.decoder.layers[i]
+            hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
+    try:
+        with torch.no_grad():
+            run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
+            if isinstance(layer, SliceKVState):
+                layer.commit(branch, e - s)
+            elif isinstance(layer, SlidingKVState):  # the prompt's final window, on every rank
+                k, v, _ = _window_before(branch.tails, bounds, captured, layer.window - 1)
+                layer.keys, layer.values, layer.length = k.clone(), v.clone(), captured
+            else:  # the linear-attention state at the end of the prompt, from the last rank to every rank
+                mine = _RecurrentRelay.pack(branch, layer.number_of_states)
+                final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
+                conv, rec = _RecurrentRelay.unpack(final, layer.number_of_states)
+                layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
+    del cache
+    key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
+    state = ContextParallelState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size,
+                                 group=g, bounds=bounds, key=key)
+    if prompt_grad == "exact":
+        state._prompt = prompt[:captured]
+        for layer in layers[_first_trainable_layer(parts):]:
+            layer.require_grad()
+    return state
+
+
+# ----------------------------------------------------------------------------------------- replay
+
+
+class _ReplayInfo:
+    """What one layer's replay attention needs besides its tensors: the group, every rank's query count, this rank's
+    slice K/V and start, the layer (for collective names)."""
+
+    def __init__(self, group: Group, lengths: list[int], layer: SliceKVState):
+        self.group, self.lengths, self.layer = group, lengths, layer
+
+
+class ReplayAttention(torch.autograd.Function):
+    """Attention of this rank's branch queries over [every rank's prompt slice | its own K/V], a collective.
+
+    Forward: queries all-gathered (padded to the longest branch); each rank computes (out, lse) of every rank's
+    queries against its own slice; an all-to-all returns them to their owners, which fold them in slice order
+    0..N−1 (float32) and merge the result with the branch's own causal part. Saves q, own K/V, the merged output
+    and the two log-sum-exps, as `longstraw.attention.SplitAttention` does.
+
+    Backward: the prompt part's incoming gradient w_p·dO, the merged output and the prompt part's lse go to every rank
+    with the queries (one all-gather); each rank computes dq of every rank's queries against its slice (the prompt
+    K/V never move; detached: no dK/dV), an all-to-all returns them, and the owner sums them in slice order."""
+
+    @staticmethod
+    def forward(ctx, q, own_k, own_v, slice_k, slice_v, own: Part, info: _ReplayInfo):
+        g, lengths, layer = info.group, info.lengths, info.layer
+        rmax = max(lengths)
+        name = f"replay forward layer {layer.layer_idx}"
+        qs = g.all_gather(f"{name}: queries", [_pad_rows(q, rmax)])
+        prompt = _prompt_part(own, layer.start)
+        send = []
+        for j, (qj,) in enumerate(qs):
+            o, l = part_forward(qj[:, :, :lengths[j]], slice_k, slice_v, prompt)
+            send.append([_pad_rows(o.float(), rmax), _pad_rows(l.float(), rmax)])
+        got = g.all_to_all(f"{name}: partial outputs", send)
+        r = q.shape[2]
+        acc = None
+        for o, l in got:  # slice order: the same fold whatever rank computed it
+            acc = _fold(acc, (o[:, :, :r], l[:, :, :r]))
+        out_p, lse_p = acc
+        out_o, lse_o = part_forward(q, own_k, own_v, own)
+        out, _ = _fold((out_p, lse_p), (out_o, lse_o))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, own_k, own_v, slice_k, slice_v, out, lse_o.float(), lse_p)
+        ctx.own, ctx.info = own, info
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, own_k, own_v, slice_k, slice_v, out, lse_o, lse_p = ctx.saved_tensors
+        need_kv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # exact mode: the slice's state gradient
+        own, info = ctx.own, ctx.info
+        g, lengths, layer = info.group, info.lengths, info.layer
+        rmax, r = max(lengths), q.shape[2]
+        w_p = torch.sigmoid(lse_p - lse_o)[..., None]
+        g_p = (dout.float() * w_p).to(dout.dtype)
+        g_o = (dout.float() * (1 - w_p)).to(dout.dtype)
+        dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
+        name = f"replay backward layer {layer.layer_idx}"
+        got = g.all_gather(f"{name}: queries and gradients",
+                           [_pad_rows(t, rmax) for t in (q, g_p, out)] + [_pad_rows(lse_p, rmax)])
+        prompt = _prompt_part(own, layer.start)
+        send, dk_s, dv_s = [], None, None
+        for j, (qj, gj, oj, lj) in enumerate(got):
+            n = lengths[j]
+            dqj, dkj, dvj = part_backward(gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n],
+                                          prompt, need_kv=need_kv)
+            send.append([_pad_rows(dqj.float(), rmax)])
+            if need_kv:  # every branch's gradient of this slice, summed in rank order
+                dk_s = dkj.float() if dk_s is None else dk_s + dkj.float()
+                dv_s = dvj.float() if dv_s is None else dv_s + dvj.float()
+        back = g.all_to_all(f"{name}: query gradients", send)
+        dq_p = back[0][0][:, :, :r]
+        for (dqi,) in back[1:]:  # slice order
+            dq_p = dq_p + dqi[:, :, :r]
+        if need_kv:
+            dk_s, dv_s = dk_s.to(slice_k.dtype), dv_s.to(slice_v.dtype)
+        return (dq_o.float() + dq_p).to(q.dtype), dk, dv, dk_s, dv_s, None, None
+
+
+class _ReplayBranchLayer(AttentionBranchLayer):
+    """Branch layer of a context-parallel replay: own K/V kept here, the prompt part read collectively."""
+
+    def __init__(self, info: _ReplayInfo, prompt_length: int):
+        super().__init__(None, None, prompt_length=prompt_length)
+        self.info = info
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel replay does not support attention sinks yet")
+        if q.shape[0] != 1:
+            raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        own = _part(q_start, own_start, window, softcap, scale, block)
+        layer = self.info.layer
+        return ReplayAttention.apply(q, k, v, layer.keys, layer.values, own, self.info)
+
+
+class _SampleBranchLayer(AttentionBranchLayer):
+    """Branch layer of context-parallel sampling. Every rank decodes all the sequences alike (the same inputs, the same
+    generator: the same tokens as one process), so the queries are already everywhere: each rank computes (out, lse)
+    of all the rows against its slice, one all-gather brings every slice's partials to every rank, and each folds
+    them in slice order (bitwise the same on every rank) and merges its own part. The attention against the prompt,
+    what grows with P, is split N ways; the rest of a decode step is repeated on every rank."""
+
+    def __init__(self, group: Group, layer: SliceKVState, prompt_length: int):
+        super().__init__(None, None, prompt_length=prompt_length)
+        self.group, self.layer = group, layer
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None:
+            raise NotImplementedError("context-parallel sampling does not support attention sinks yet")
+        b, h, r, d = q.shape
+        dv = v.shape[-1]
+        scale = float(d ** -0.5 if scale is None else scale)
+        own = _part(q_start, own_start, window, softcap, scale, block)
+        # the b sequences' rows folded into one row block against the one slice (as SplitAttention does)
+        qf = q.transpose(0, 1).reshape(1, h, b * r, d)
+        part = _part(q_start, self.layer.start, None, softcap, scale, block, q_period=r if b > 1 else None)
+        o, l = part_forward(qf, self.layer.keys, self.layer.values, part)
+        got = self.group.all_gather(f"sample layer {self.layer.layer_idx}: partial outputs", [o.float(), l.float()])
+        acc = None
+        for oj, lj in got:  # slice order
+            acc = _fold(acc, (oj, lj))
+        out_p = acc[0].reshape(h, b, r, dv).transpose(0, 1)
+        lse_p = acc[1].reshape(h, b, r).transpose(0, 1)
+        out, _ = _fold((out_p, lse_p), part_forward(q, k, v, own))
+        return out.to(q.dtype)
+
+
+class ContextParallelState(PromptState):
+    """The durable state of this rank's slice of a prompt captured over a process group (`capture(..., group=)`).
+
+    `replay(response_ids)` is a collective: every rank of the group calls it, each with its own response (lengths
+    may differ), and gets its own branch's log-probs with grad; so is the backward of what it returns (every rank
+    must run it). `nbytes` is this rank's share; `slice` its captured positions `(start, end)`."""
+
+    def __init__(self, parts, layers, last_token, prompt_length, chunk_size, prompt_grad, block, *, group: Group,
+                 bounds, key: int):
+        super().__init__(parts, layers, last_token, prompt_length, chunk_size, prompt_grad, block)
+        self.group = group
+        self.bounds = bounds
+        self._key = key
+        self._replays = 0
+
+    @property
+    def sliced_nbytes(self) -> int:
+        """Bytes of this rank's slice of the states that grow with P (full-attention K/V)."""
+        return sum(layer.nbytes for layer in self._live() if isinstance(layer, SliceKVState))
+
+    @property
+    def replicated_nbytes(self) -> int:
+        """Bytes of the O(1) states every rank holds alike (sliding windows, linear-attention states)."""
+        return self.nbytes - self.sliced_nbytes
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size
+
+    @property
+    def slice(self) -> tuple[int, int]:
+        return self.bounds[self.group.rank]
+
+    def __repr__(self) -> str:
+        status = "released" if self.layers is None else f"{self.nbytes / 2**20:.2f} MiB here"
+        s, e = self.slice
+        return (f"ContextParallelState(prompt_length={self.prompt_length}, rank {self.rank} of {self.world_size}, "
+                f"positions [{s}, {e}), {status})")
+
+    def replay(self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
+        """`PromptState.replay` as a collective (see the class). Every rank must call it the same number of times, with
+        the same `checkpoint_layers` and grad mode, and must run the backward of what it returns when the others do."""
+        parts = self._parts
+        layers = self._live()
+        try:
+            response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+            _check_length(parts.config, self.prompt_length + response.numel())
+            mine, error = response.numel(), None
+        except (ValueError, TypeError) as err:
+            mine, error = -1, err
+        self._replays += 1
+        lengths = [row[0] for row in self.group.agree("ContextParallelState.replay", {
+            "captured state": self._key, "replay number": self._replays, "checkpoint_layers": bool(checkpoint_layers),
+            "grad enabled": torch.is_grad_enabled()}, free=(mine,))]
+        bad = [r for r, n in enumerate(lengths) if n < 0]
+        if bad:
+            raise ValueError(f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank "
+                             "replays") from error
+        inputs = torch.cat([self.last_token, response[:-1]])
+        start = self.prompt_length - 1
+        positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
+        cache = BranchCache([_ReplayBranchLayer(_ReplayInfo(self.group, lengths, layer), start)
+                             if isinstance(layer, SliceKVState) else layer.branch() for layer in layers],
+                            block=self.block)
+        hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
+        logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
+                                             softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+        return Replay(logprobs=logprobs, entropy=entropy)
+
+    def backward(self) -> None:
+        """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the
+        parameters.
+
+        Each rank recomputes its slice with autograd (the capture's forward, layer-synchronous, `CaptureAttention`)
+        and back-propagates its slice's accumulated K/V gradient; the attention's backward sends dK/dV of earlier
+        slices and dq of later ranks' rows back to their owners, so the parameter gradients summed over the ranks
+        are those of one process's `PromptState.backward()`. Memory: the slice's whole graph (not chunked yet).
+        Detached mode: nothing to do."""
+        if self.prompt_grad != "exact":
+            return
+        layers = self._live()
+        if self._backward_done:
+            raise RuntimeError("PromptState.backward() was already called for this state")
+        self.group.agree("ContextParallelState.backward", {"captured state": self._key, "replays": self._replays})
+        s, e = self.slice
+        cache = BranchCache([_CaptureBranchLayer(self.group, self.bounds, i, self.chunk_size)
+                             for i in range(len(layers))], block=self.block)
+        device = self.last_token.device
+        with torch.enable_grad():
+            run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+        outputs, grads = [], []
+        for layer, branch in zip(layers, cache.layers):
+            for own, leaf in ((branch.keys, layer.keys), (branch.values, layer.values)):
+                if own.requires_grad and leaf.grad is not None:
+                    outputs.append(own)
+                    grads.append(leaf.grad.to(own.dtype))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        del cache, outputs, grads
+        self._backward_done = True
+
+    def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
+        """`PromptState.sample` as a collective: every rank decodes all `num` sequences alike and returns the same
+        `Samples`, the attention against the prompt split over the ranks (`_SampleBranchLayer`). The arguments and the
+        generator's state (the global one when `generator` is None) must agree across ranks (refused otherwise); the
+        sampled tokens are compared at the end as well. Spread the samples' replays over the ranks yourself, e.g.
+        rank r replays samples r, r + N, ..."""
+        from ..sampler import sample
+
+        rng = generator.get_state() if generator is not None else torch.get_rng_state()
+        self.group.agree("ContextParallelState.sample", {
+            "captured state": self._key, "num": num if isinstance(num, int) else repr(num),
+            "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
+            "temperature": repr(temperature), "top_p": repr(top_p), "top_k": repr(top_k),
+            "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
+            "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
+            "generator state": rng})
+        samples = sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
+        self.group.agree("ContextParallelState.sample: the sampled tokens",
+                         {"tokens": [t.cpu() for t in samples.tokens]})
+        return samples
+
+    def _cache(self, batch: int = 1) -> BranchCache:
+        """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
+        start = self.prompt_length - 1
+        return BranchCache([_SampleBranchLayer(self.group, layer, start) if isinstance(layer, SliceKVState)
+                            else layer.branch(batch) for layer in self._live()], block=self.block)

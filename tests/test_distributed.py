@@ -1,0 +1,333 @@
+"""Context parallelism over torch.distributed (`longstraw.distributed`): gloo on CPU, N ∈ {2, 4} processes of 1 thread.
+
+Each spawn runs every scenario in one set of processes (started from a forkserver that has imported torch,
+transformers and longstraw once, so a spawn costs well under a second after the first); the single-process
+reference runs in the test process. The ranks write what they measured with `torch.save`; the test compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import longstraw
+from longstraw.distributed import slice_bounds
+
+from .conftest import lora, rel_err, tokens
+
+#: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
+#: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank)
+ARCHS = ("llama", "gemma3_text", "qwen3_next")
+ARCH = "llama"  # the cases that are not about layer kinds
+RESPONSE_LENGTHS = (5, 7, 3, 6)
+TIMEOUT_S = 60
+SAMPLE = dict(num=3, max_new_tokens=6, temperature=1.0, top_k=50, stop_token_ids=(1, 183, 229))
+
+
+def _response(rank: int, n: int, round_: int) -> torch.Tensor:
+    """Rank r's response in a round; with 4 ranks, rank 3 passes the same response as rank 0."""
+    r = 0 if (n == 4 and rank == 3) else rank
+    return tokens(RESPONSE_LENGTHS[r] + round_, seed=100 + 10 * round_ + r)
+
+
+def _advantage(rank: int, length: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0 + rank, length)
+
+
+def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
+    t = tokens(p, seed=1)
+    if differ and rank == 1:
+        t = t.clone()
+        t[3] = (t[3] + 1) % 256
+    return t
+
+
+def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int, bool], ...], check_timeout: bool,
+            exact_cases: tuple[tuple[str, int, bool], ...] = ()):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft, as pyproject
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from longstraw.distributed import CollectiveError, MismatchError
+    from longstraw.layers import base
+    from longstraw.models import tiny_model
+
+    # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
+    base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
+    result = {}
+    for arch, p, use_lora in cases:
+        model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
+        params = [q for q in model.parameters() if q.requires_grad]
+        t0 = time.perf_counter()
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, group=dist.group.WORLD)
+        t_capture = time.perf_counter() - t0
+        rounds = []
+        for round_ in range(2):  # two replays of the same state: replays never write it
+            model.zero_grad(set_to_none=True)
+            response = _response(rank, n, round_)
+            # the second with activation checkpointing: its backward recomputes each layer, collectives included
+            out = state.replay(response, checkpoint_layers=round_ == 1)
+            (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+            grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+            for g in grads:  # the sum over the ranks' branches
+                dist.all_reduce(g)
+            rounds.append(dict(logprobs=out.logprobs.detach(), entropy=out.entropy.detach(), grads=grads))
+        # sampling: every rank decodes all the sequences alike, the prompt attention split over the ranks
+        samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
+        # what the state's tensors keep alive, not just what their views show
+        storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
+                   for t in layer.tensors()}
+        result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()),
+                               slice=state.slice, sliced=state.sliced_nbytes, replicated=state.replicated_nbytes,
+                               t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated))
+        state.release()
+
+    # exact mode: each rank replays its branch, then the collective reverse pass over the slices
+    for arch, p, use_lora in exact_cases:
+        model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
+        params = [q for q in model.parameters() if q.requires_grad]
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact",
+                                  group=dist.group.WORLD)
+        response = _response(rank, n, 0)
+        out = state.replay(response)
+        (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+        state.backward()
+        grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+        for g in grads:
+            dist.all_reduce(g)
+        result["exact", arch, p, use_lora] = dict(logprobs=out.logprobs.detach(), grads=grads)
+        state.release()
+
+    model = tiny_model(ARCH)
+    if n == 1:  # nothing can differ between the ranks of a group of one
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+        return
+
+    # refused on every rank with the same message: a different prompt on rank 1, a different chunk size on rank 0
+    errors = {}
+    for what, kwargs in (("prompt", dict(prompt_ids=_prompt(12, rank, differ=True), chunk_size=4)),
+                         ("chunk_size", dict(prompt_ids=_prompt(12), chunk_size=4 + (rank == 0)))):
+        try:
+            longstraw.capture(model, group=dist.group.WORLD, **kwargs)
+            errors[what] = None
+        except MismatchError as err:
+            errors[what] = str(err)
+    # an invalid response on one rank: every rank refuses the replay
+    state = longstraw.capture(model, _prompt(12), chunk_size=4, group=dist.group.WORLD)
+    try:  # generators seeded differently would sample different tokens: refused before decoding
+        state.sample(num=2, max_new_tokens=2, generator=torch.Generator().manual_seed(rank))
+        errors["generator"] = None
+    except MismatchError as err:
+        errors["generator"] = str(err)
+    try:
+        state.replay(torch.tensor([1, 2, 999]) if rank == n - 1 else torch.tensor([1, 2, 3]))
+        errors["response"] = None
+    except ValueError as err:
+        errors["response"] = str(err)
+    result["errors"] = errors
+
+    if check_timeout:  # rank 1 never arrives: rank 0 raises after the group's timeout, naming the collective
+        short = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=2))
+        if rank == 0:
+            t0 = time.perf_counter()
+            try:
+                longstraw.capture(model, _prompt(12), chunk_size=4, group=short)
+                result["timeout"] = None
+            except CollectiveError as err:
+                result["timeout"] = (str(err), time.perf_counter() - t0)
+        dist.barrier()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[dict]:
+    # a forkserver that imported torch, transformers and longstraw once: starting a rank then costs a fork
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "longstraw", "longstraw.distributed",
+                                            "longstraw.models", "transformers.models.llama.modeling_llama",
+                                            "transformers.models.gemma3.modeling_gemma3",
+                                            "transformers.models.qwen3_next.modeling_qwen3_next"])
+    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout,
+                                            tuple(exact_cases)),
+                             nprocs=n, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"{n} ranks did not finish within {3 * TIMEOUT_S} s")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+
+
+def _reference(arch: str, p: int, n: int, use_lora: bool):
+    """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
+    the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
+    from longstraw.layers import KVState
+
+    model = longstraw.models.tiny_model(arch)
+    model = lora(model) if use_lora else model
+    params = [q for q in model.parameters() if q.requires_grad]
+    state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4)
+    rounds = []
+    for round_ in range(2):
+        model.zero_grad(set_to_none=True)
+        logprobs = []
+        for r in range(n):
+            response = _response(r, n, round_)
+            out = state.replay(response)
+            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+            logprobs.append(out.logprobs.detach())
+        rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
+    growing = sum(layer.nbytes for layer in state.layers if type(layer) is KVState)
+    samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
+    return rounds, state.nbytes, growing, samples
+
+
+def _check_exact(results, n: int, cases, measured: dict):
+    """Exact mode: the parameter gradients summed over the ranks equal one process's exact-mode gradient over the same
+    branches (which tests/test_exact.py holds equal to naive full-sequence GRPO)."""
+    for arch, p, use_lora in cases:
+        model = longstraw.models.tiny_model(arch)
+        model = lora(model) if use_lora else model
+        params = [q for q in model.parameters() if q.requires_grad]
+        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact")
+        logprobs = []
+        for r in range(n):
+            response = _response(r, n, 0)
+            out = state.replay(response)
+            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+            logprobs.append(out.logprobs.detach())
+        state.backward()
+        want = [q.grad for q in params]
+        worst = 0.0
+        for r in range(n):
+            got = results[r]["exact", arch, p, use_lora]
+            assert (got["logprobs"] - logprobs[r]).abs().max().item() <= 1e-5
+            scale = max(b.norm().item() for b in want)
+            for a, b in zip(got["grads"], want):
+                assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
+            err = rel_err(torch.cat([a.flatten() for a in got["grads"]]), torch.cat([b.flatten() for b in want]))
+            worst = max(worst, err)
+            assert err <= 1e-5, f"exact {arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        measured[("exact", arch, n, p, use_lora)] = dict(grad_rel_err=worst)
+
+
+def _check(results, n: int, cases, measured: dict):
+    for arch, p, use_lora in cases:
+        ref, ref_bytes, ref_growing, ref_samples = _reference(arch, p, n, use_lora)
+        bounds = slice_bounds(p - 1, n)
+        worst_lp = worst_g = 0.0
+        for round_, want in enumerate(ref):
+            for r in range(n):
+                got = results[r][arch, p, use_lora]["rounds"][round_]
+                assert got["logprobs"].shape == want["logprobs"][r].shape
+                err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
+                worst_lp = max(worst_lp, err)
+                assert err <= 1e-5, f"{arch} N={n} P={p} rank {r} round {round_}: log-probs off by {err:.2e}"
+            # detached gradients summed over the ranks = the single-process sum over the same branches
+            for r in range(n):
+                got = results[r][arch, p, use_lora]["rounds"][round_]["grads"]
+                scale = max(b.norm().item() for b in want["grads"])
+                for a, b in zip(got, want["grads"]):
+                    assert (a - b).norm().item() <= 1e-5 * max(b.norm().item(), 1e-3 * scale)
+                err = rel_err(torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in want["grads"]]))
+                worst_g = max(worst_g, err)
+                assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: summed gradient off by {err:.2e} relative"
+        # sampling with a fixed generator: the same tokens as one process, on every rank
+        for r in range(n):
+            tokens, logprobs, truncated = results[r][arch, p, use_lora]["samples"]
+            assert [t.tolist() for t in tokens] == [t.tolist() for t in ref_samples.tokens]
+            assert torch.equal(truncated, ref_samples.truncated)
+            err = max((a - b).abs().max().item() for a, b in zip(logprobs, ref_samples.logprobs))
+            assert err <= 1e-5, f"{arch} N={n} P={p} rank {r}: sampled log-probs off by {err:.2e}"
+        # each rank holds its contiguous slice of the full-attention K/V (1/N of it; uneven: ⌈(P−1)/N⌉ tokens) and
+        # the O(1) states (sliding windows, linear-attention states) every rank reads alike
+        res = [results[r][arch, p, use_lora] for r in range(n)]
+        per_rank = [x["nbytes"] for x in res]
+        assert per_rank == [x["storage"] for x in res]
+        assert sum(x["sliced"] for x in res) == ref_growing
+        for r in range(n):
+            s, e = bounds[r]
+            assert res[r]["slice"] == (s, e)
+            assert res[r]["sliced"] == ref_growing * (e - s) // (p - 1)
+            assert res[r]["replicated"] == ref_bytes - ref_growing
+            assert per_rank[r] <= ref_growing * -(-(p - 1) // n) / (p - 1) + (ref_bytes - ref_growing)
+        measured[(arch, n, p, use_lora)] = dict(logprob_err=worst_lp, grad_rel_err=worst_g, bytes_single=ref_bytes,
+                                      bytes_per_rank=per_rank, replicated=res[0]["replicated"],
+                                      early_stops=int((~ref_samples.truncated).sum()))
+    # sequences leaving the decode batch (a stop token) are part of what was compared
+    assert sum(m["early_stops"] for m in measured.values()) > 0
+
+    if n == 1:
+        return
+    errors = [res["errors"] for res in results]
+    for what, needle in (("prompt", "prompt_ids"), ("chunk_size", "chunk_size (rank 0: 5, rank 1: 4"),
+                         ("generator", "generator state")):
+        msgs = {e[what] for e in errors}
+        assert len(msgs) == 1 and None not in msgs, f"{what}: not refused alike on every rank: {msgs}"
+        assert needle in msgs.pop()
+    msgs = {e["response"] for e in errors}
+    assert len(msgs) == 1 and None not in msgs
+    assert f"rank(s) [{n - 1}]" in msgs.pop()
+
+
+def test_context_parallel_two_ranks(tmp_path):
+    """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds, LoRA; mismatches refused; a missing
+    rank times out by name."""
+    cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False))
+    t0 = time.perf_counter()
+    exact = (("llama", 30, False),)
+    results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
+    measured = {}
+    _check(results, 2, cases, measured)
+    _check_exact(results, 2, exact, measured)
+    message, waited = results[0]["timeout"]
+    assert "longstraw.capture: argument check" in message and "rank 0 of 2" in message
+    assert 1.5 <= waited <= 20
+    print(f"N=2: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
+
+
+def test_context_parallel_four_ranks(tmp_path):
+    """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
+    back); rank 3 replays the same response as rank 0."""
+    cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True))
+    t0 = time.perf_counter()
+    exact = (("llama", 30, True),)
+    results = _run(4, tmp_path, cases, exact_cases=exact)
+    measured = {}
+    _check(results, 4, cases, measured)
+    _check_exact(results, 4, exact, measured)
+    print(f"N=4: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
+
+
+def test_context_parallel_group_of_one(tmp_path):
+    """A group of one process: the whole prompt on one rank, every exchange with itself."""
+    cases = (("llama", 12, False), ("qwen3_next", 12, False))
+    exact = (("llama", 12, False),)
+    results = _run(1, tmp_path, cases, exact_cases=exact)
+    measured = {}
+    _check(results, 1, cases, measured)
+    _check_exact(results, 1, exact, measured)
+
+
+def test_slice_bounds():
+    assert slice_bounds(29, 4) == [(0, 8), (8, 15), (15, 22), (22, 29)]
+    assert slice_bounds(30, 2) == [(0, 15), (15, 30)]
+    assert slice_bounds(5, 5) == [(i, i + 1) for i in range(5)]
+
+
+def test_group_needs_initialized_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    model = longstraw.models.tiny_model(ARCH)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        longstraw.capture(model, tokens(8, 0), group=object())
