@@ -1,0 +1,187 @@
+"""bf16 models: longstraw is as accurate as transformers' own bf16 forward, both measured against float32.
+
+Each case builds a tiny model, copies it to bf16, and casts that copy back to float32 (`bf16_pair`): the
+two models hold the same values, so the float32 model's full-sequence forward is the exact function the
+bf16 model computes and an error against it is bf16 arithmetic alone. Against that reference we measure
+transformers' bf16 full-sequence forward (what bf16 costs when nothing is done cleverly) and longstraw's
+capture + replay on the bf16 model, and require longstraw's error to be at most 1.5× transformers' (mean
+and max abs over the response tokens). Gradients: longstraw's detached gradient on the bf16 model against
+transformers' own bf16 forward with its cache (the detached-mode reference), by cosine, and against the
+float32 model's, by the same 1.5× rule.
+
+On these tiny random models log-probs are near uniform (≈ −log 256) and transformers' bf16 error is
+dominated by its logits being rounded to bf16 (longstraw's LM head accumulates in float32); the bound catches
+what costs at least as much: log-softmax in bf16 (7–26× transformers' mean error), a prompt chunk captured from wrong
+tokens (6–16×), attention parts merged in bf16 under LoRA (the xfail below).
+
+The two MoE families have their FFNs made dense here (`DENSE_FFN`): under bf16 rounding a top-k router
+sometimes picks another expert for a token, in either path, which moves that token's log-prob by ~1e-2
+(measured: one flip in 96 tokens of the tiny qwen3_next, 8× the max error of the other tokens). That is a
+coin flip of the MoE block, which keeps no prompt state; the token mixers (full attention, gated DeltaNet,
+MLA) are what is measured.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.models import tiny_model
+from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+
+from .conftest import lora, tokens
+
+pytestmark = pytest.mark.filterwarnings("ignore:target_parameters=.*no parameter was matched:RuntimeWarning")
+
+ARCHS = ["llama", "qwen3_next", "deepseek_v3"]
+#: dense FFN in every layer of the MoE families (see the module docstring)
+DENSE_FFN = {"qwen3_next": dict(mlp_only_layers=[0, 1, 2]), "deepseek_v3": dict(first_k_dense_replace=3)}
+#: a prompt of 320 tokens captured in chunks of 64 (319 = 4 × 64 + 63: five chunks, the last one partial);
+#: G = 8 responses of 64 tokens replayed from the one state: 512 tokens, so that the max error is a high
+#: quantile of each path's rounding rather than one token's luck
+P, CHUNK, G, R = 320, 64, 8, 64
+#: response length of the gradient cases
+R_GRAD = 16
+BOUND = 1.5
+
+#: longstraw/attention.py merges the prompt part's and the own part's outputs in the storage dtype
+#: (`merge_by_lse`: both parts rounded to bf16, then `out_b + w·(out_a − out_b)` in bf16): two to three bf16
+#: roundings per attention output that transformers' one SDPA call does not make. Under a LoRA adapter (larger
+#: activations) the tiny llama's error is 1.75× / 3.1× transformers' (mean / max) and its gradient error 6.8×;
+#: merging in float32 (a monkeypatch, measured) brings them to 0.98× / 0.55× and 0.77×.
+MERGE_IN_BF16 = pytest.mark.xfail(strict=True, reason="longstraw/attention.py merges attention parts in bf16")
+
+CASES = [
+    pytest.param("llama", False, id="llama"),
+    pytest.param("llama", True, id="llama-lora", marks=MERGE_IN_BF16),
+    pytest.param("qwen3_next", False, id="qwen3_next"),
+    pytest.param("qwen3_next", True, id="qwen3_next-lora"),
+    pytest.param("deepseek_v3", False, id="deepseek_v3"),
+    pytest.param("deepseek_v3", True, id="deepseek_v3-lora"),
+]
+
+
+def bf16_pair(arch: str, use_lora: bool):
+    """(float32 model, bf16 model) holding the same values: the tiny model copied to bf16, and that copy cast back
+    to float32 (weights and buffers such as RoPE's `inv_freq` rounded to bf16 in both). LoRA adapters stay
+    float32 in both, unrounded, as PEFT keeps them on a bf16 base."""
+    model = tiny_model(arch, **DENSE_FFN.get(arch, {}))
+    if use_lora:
+        model = lora(model)
+    adapters = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m32 = copy.deepcopy(m16).to(torch.float32)
+    for m in (m16, m32):
+        for name, p in m.named_parameters():
+            if name in adapters:
+                p.data = adapters[name].clone()
+    return m32, m16
+
+
+def errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) abs difference."""
+    diff = (got.float() - ref).abs()
+    return diff.mean().item(), diff.max().item()
+
+
+def logprob_errors(arch: str, use_lora: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((mean, max) abs error of transformers' bf16 forward, (mean, max) of longstraw's bf16 capture + replay)
+    against the float32 full-sequence forward, over G responses of R tokens."""
+    m32, m16 = bf16_pair(arch, use_lora)
+    prompt = tokens(P, 1)
+    responses = [tokens(R, 100 + i) for i in range(G)]
+    with torch.no_grad():
+        ref = torch.cat([full_sequence_logprobs(m32, prompt, r) for r in responses])
+        hf = torch.cat([full_sequence_logprobs(m16, prompt, r) for r in responses])
+        with longstraw.capture(m16, prompt, chunk_size=CHUNK) as state:
+            ls = torch.cat([state.replay(r).logprobs for r in responses])
+    assert ls.dtype == torch.float32
+    return errors(hf, ref), errors(ls, ref)
+
+
+@pytest.mark.parametrize("arch,use_lora", CASES)
+def test_replay_logprobs_as_close_to_fp32_as_transformers_bf16(arch, use_lora):
+    """Mean and max abs error against float32 of longstraw's bf16 replay ≤ 1.5 × transformers' bf16 forward's.
+
+    Measured (transformers mean / max → longstraw mean / max; ratio):
+      llama             5.3e-4 / 2.4e-3 → 5.4e-4 / 2.0e-3   1.02 / 0.86
+      llama + LoRA      1.4e-3 / 1.8e-2 → 2.4e-3 / 5.6e-2   1.75 / 3.11  (xfail: MERGE_IN_BF16)
+      qwen3_next        6.2e-4 / 2.3e-3 → 6.1e-4 / 2.9e-3   0.99 / 1.29
+      qwen3_next + LoRA 1.7e-3 / 4.2e-2 → 1.7e-3 / 4.2e-2   1.01 / 1.01
+      deepseek_v3       6.4e-4 / 2.7e-3 → 6.3e-4 / 3.4e-3   0.98 / 1.27
+      deepseek_v3+LoRA  5.8e-4 / 2.8e-3 → 6.5e-4 / 2.7e-3   1.13 / 0.95
+    """
+    (hf_mean, hf_max), (ls_mean, ls_max) = logprob_errors(arch, use_lora)
+    assert ls_mean <= BOUND * hf_mean, (ls_mean, hf_mean)
+    assert ls_max <= BOUND * hf_max, (ls_max, hf_max)
+
+
+@functools.cache
+def gradients(arch: str, use_lora: bool) -> tuple[list[str], list, list, list]:
+    """(names, longstraw bf16, transformers bf16, transformers float32) gradients of Σ adv_t · log p_t over the
+    trainable parameters (every parameter, or the LoRA adapters); transformers through its own cache (prompt
+    under `no_grad` into a `DynamicCache`, then the response with grad: the detached-mode reference)."""
+    m32, m16 = bf16_pair(arch, use_lora)
+    prompt, response = tokens(P, 1), tokens(R_GRAD, 100)
+    adv = torch.linspace(-1.0, 1.5, R_GRAD)
+
+    def grad(model, logprobs_of):
+        params = [p for p in model.parameters() if p.requires_grad]
+        # transformers' linear-attention cache writes its state in place after reading it (`cache_reference_logprobs`)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            return [g.float() for g in torch.autograd.grad((adv * logprobs_of(model)).sum(), params)]
+
+    def through_longstraw(model):
+        return longstraw.capture(model, prompt, chunk_size=CHUNK).replay(response).logprobs
+
+    def through_transformers(model):
+        return cache_reference_logprobs(model, prompt, response)
+
+    names = [n for n, p in m16.named_parameters() if p.requires_grad]
+    return names, grad(m16, through_longstraw), grad(m16, through_transformers), grad(m32, through_transformers)
+
+
+def _flat(names, grads, keep=lambda name: True) -> torch.Tensor:
+    return torch.cat([g.flatten() for n, g in zip(names, grads) if keep(n)])
+
+
+def _decoder(name: str) -> bool:
+    return ".layers." in name
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_detached_gradient_equals_transformers_bf16_cache(arch, use_lora):
+    """The bf16 model's detached gradient through longstraw against the same loss through transformers' own bf16
+    forward with its cache: cosine ≥ 0.99 over the whole flattened gradient, and over the decoder layers'
+    parameters alone (with full fine-tuning the embeddings' and LM head's gradients, which read no prompt
+    state, are 94–97% of the norm and would hide the rest: a chunk captured from wrong tokens leaves the whole
+    at 0.998 (llama) but the decoder layers at 0.98).
+
+    Measured cosine (whole; the decoder layers agree to 1e-4):
+      llama 0.99999, + LoRA 0.99907; qwen3_next 0.99998, + LoRA 0.99972; deepseek_v3 0.99999, + LoRA 0.99997
+    """
+    names, g_ls, g_hf, _ = gradients(arch, use_lora)
+    cos = torch.nn.functional.cosine_similarity
+    assert all(torch.isfinite(g).all() for g in g_ls) and _flat(names, g_hf).norm() > 0
+    assert cos(_flat(names, g_ls), _flat(names, g_hf), dim=0).item() >= 0.99
+    assert cos(_flat(names, g_ls, _decoder), _flat(names, g_hf, _decoder), dim=0).item() >= 0.99
+
+
+@pytest.mark.parametrize("arch,use_lora", CASES)
+def test_detached_gradient_as_close_to_fp32_as_transformers_bf16(arch, use_lora):
+    """Relative error of longstraw's bf16 detached gradient against the float32 model's (transformers' cache
+    reference) ≤ 1.5 × that of transformers' bf16 gradient.
+
+    Measured (transformers → longstraw): llama 4.6e-3 → 5.1e-3, + LoRA 1.3e-2 → 8.9e-2 (xfail: MERGE_IN_BF16);
+    qwen3_next 6.0e-3 → 6.1e-3, + LoRA 1.4e-1 → 1.6e-1; deepseek_v3 5.4e-3 → 6.0e-3, + LoRA 6.3e-3 → 7.4e-3.
+    """
+    names, g_ls, g_hf, g_32 = gradients(arch, use_lora)
+    ref = _flat(names, g_32)
+
+    def rel(g):
+        return ((_flat(names, g) - ref).norm() / ref.norm()).item()
+
+    assert rel(g_ls) <= BOUND * rel(g_hf), (rel(g_ls), rel(g_hf))
