@@ -4,7 +4,8 @@
       latest                 the name of the newest complete checkpoint ("step-12")
       step-12/
         weights/             the trainable weights: a PEFT adapter folder, or model.safetensors
-        optimizer.pt         optimizer and scheduler state, torch RNG state: tensors and plain containers
+        optimizer.pt         optimizer and scheduler state, torch RNG state, float32 master weights of trainable
+                             bf16 parameters (`longstraw.precision`): tensors and plain containers
         trainer_state.json   step, data position, Python RNG state, the run's config
 
 A checkpoint is written into a temporary folder and renamed, then `latest` is replaced: an interrupted
@@ -63,15 +64,18 @@ def load_weights(model, path: Path) -> None:
         load_model(model, str(path / "model.safetensors"))
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_state: dict) -> Path:
-    """Write `root/step-{step}` atomically and point `latest` at it; keeps the last `KEEP` checkpoints."""
+def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_state: dict, masters=None) -> Path:
+    """Write `root/step-{step}` atomically and point `latest` at it; keeps the last `KEEP` checkpoints.
+    `masters`: the run's `MasterWeights`, whose float32 values the bf16 weights alone would round."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_weights(model, tmp / "weights")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+    if masters is not None and masters.pairs:
+        blob["master_weights"] = masters.state()
+    torch.save(blob, tmp / "optimizer.pt")
     version, internal, gauss = random.getstate()
     state = {"step": step, **trainer_state, "python_rng": [version, list(internal), gauss]}
     (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -83,9 +87,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_
     return final
 
 
-def load_checkpoint(root: Path, model, optimizer, scheduler) -> dict | None:
-    """Restore the newest checkpoint under `root` into model, optimizer, scheduler and the RNGs; returns its
-    trainer state (`step`, ...), or None when there is none."""
+def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None) -> dict | None:
+    """Restore the newest checkpoint under `root` into model, optimizer, scheduler, the RNGs and `masters`
+    (`MasterWeights`; from the bf16 weights when the checkpoint holds none); returns its trainer state
+    (`step`, ...), or None when there is none."""
     latest = root / "latest"
     if not latest.exists():
         return None
@@ -97,6 +102,8 @@ def load_checkpoint(root: Path, model, optimizer, scheduler) -> dict | None:
                               f"refused (it could run code when loaded). {str(e).splitlines()[0]}") from None
     state = json.loads((ckpt / "trainer_state.json").read_text())
     load_weights(model, ckpt / "weights")
+    if masters is not None:
+        masters.load_state(blob.get("master_weights"))
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])

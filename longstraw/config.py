@@ -109,7 +109,7 @@ class TrainConfig:
     threads: int = _f(0, "torch threads (0: leave torch's default)")
     device: str = _f("auto", "where the model runs: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     dtype: str = _f("auto", "model dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32; LoRA adapters and "
-                            "all accumulations stay fp32")
+                            "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies")
     progress: bool = _f(True, "show a progress bar")
 
     def __post_init__(self):
@@ -141,12 +141,9 @@ class TrainConfig:
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
         need(self.state_dtype in (None, "fp8", "int8"), "state_dtype must be 'fp8', 'int8' or null")
         need(self.dtype in ("auto", "fp32", "bf16", "fp16"), "dtype must be 'auto', 'fp32', 'bf16' or 'fp16'")
-        need(self.lora or self.dtype in ("auto", "fp32"),
-             "full fine-tuning (lora: false) needs dtype fp32: the trainer keeps no fp32 master weights for "
-             "bf16 / fp16 parameters; train a LoRA adapter (lora: true) or use dtype: fp32")
-        need(not (self.lora and self.train_embeddings) or self.dtype in ("auto", "fp32"),
-             "train_embeddings trains full copies of the embeddings and LM head, which in bf16 / fp16 would have no "
-             "fp32 master weights: set train_embeddings: false or dtype: fp32")
+        need(self.dtype != "fp16" or (self.lora and not self.train_embeddings),
+             "trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss scaling, which "
+             "the trainer does not do: use dtype bf16 (trained on float32 master weights) or fp32")
         need(self.state_dtype is None or self.prompt_grad == "detached",
              "state_dtype (a quantized prompt state) needs prompt_grad: detached")
         need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),

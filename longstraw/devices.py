@@ -5,8 +5,9 @@
 slow and the test suite's tolerances are fp32's). Whatever the model dtype, attention partials,
 log-sum-exps, log-probs and loss terms accumulate in float32 (`longstraw.attention`, `longstraw.logprobs`),
 and LoRA adapters stay float32 (PEFT keeps adapter weights in float32 by default), so their AdamW state is
-float32 too. Full fine-tuning in bf16 / fp16 would need float32 master weights, which the trainer does not
-keep: it refuses that combination.
+float32 too. Trainable bf16 weights (full fine-tuning, or `train_embeddings` beside LoRA) step on float32
+master copies (`longstraw.precision`). Trainable fp16 weights would also need loss scaling, which the trainer
+does not do: `TrainConfig` refuses them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     rollout   (`longstraw.rollout`)     capture each prompt → sample G → reward → reference log-probs
                                         → advantages
     update    (`longstraw.update`)      loss normalizer → serial replay, loss, backward per response
-    optimizer                           clip, one AdamW step (skipped on a non-finite loss or gradient)
+    optimizer                           clip, one AdamW step (skipped on a non-finite loss or gradient); trainable
+                                        bf16 weights step on float32 masters (`longstraw.precision`)
     checkpoint (`longstraw.checkpoint`) atomic, resumable; the final model via `longstraw.export`
 
 The first `sft_warmup_steps` steps are supervised (`update.sft_update`). Data and sampling are drawn
@@ -28,6 +29,7 @@ from .losses import combine_rewards, make_loss
 from .memory import MemoryMeter
 from .metrics import MetricsWriter
 from .models import TINY_CONFIGS, tiny_config
+from .precision import MasterWeights
 from .rewards import RewardFunctionError, RewardSet, resolve_callable, resolve_reward
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .tasks import Example, build_tokenizer
@@ -137,7 +139,9 @@ class Trainer:
                                  importance_sampling_level=cfg.importance_sampling_level,
                                  use_bias_correction_kl=cfg.use_bias_correction_kl)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
+        # what the optimizer steps on: the float32 parameters themselves, float32 masters of the bf16 ones
+        self.masters = MasterWeights(self.params)
+        self.opt = torch.optim.AdamW(self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
                                      weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
@@ -213,7 +217,8 @@ class Trainer:
         return m
 
     def _optimizer_step(self, m: dict) -> None:
-        grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in self.params)
+        params = self.masters.params  # where the gradients are (float32)
+        grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
         m["lr"] = self.sched.get_last_lr()[0]
         if not math.isfinite(m["loss"]) or not grads_ok:
             self.opt.zero_grad(set_to_none=True)
@@ -222,8 +227,9 @@ class Trainer:
             self.opt.step()  # no gradients: a no-op that keeps the scheduler's step count in order
         else:
             if self.cfg.max_grad_norm > 0:
-                m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+                m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             self.opt.step()
+            self.masters.copy_to_model()
         self.sched.step()
 
     # ------------------------------------------------------------------ evaluation
@@ -284,11 +290,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and outputs
     def save_checkpoint(self) -> Path:
         return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched,
-                               {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict()})
+                               {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict()},
+                               masters=self.masters)
 
     def load_checkpoint(self) -> bool:
         """Resume from the latest checkpoint if there is one; returns whether it did."""
-        state = load_checkpoint(self.out / "checkpoints", self.model, self.opt, self.sched)
+        state = load_checkpoint(self.out / "checkpoints", self.model, self.opt, self.sched, masters=self.masters)
         if state is None:
             return False
         self.step = state["step"]

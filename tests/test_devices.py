@@ -7,6 +7,7 @@ import torch
 
 from longstraw.config import TrainConfig
 from longstraw.devices import resolve_device, resolve_dtype
+from longstraw.precision import MasterWeights
 from longstraw.trainer import Trainer
 
 
@@ -39,8 +40,91 @@ def test_bf16_lora_run_keeps_adapters_and_accumulation_in_float32(tmp_path):
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
 
 
-def test_half_precision_trainable_weights_without_master_copies_are_refused():
-    with pytest.raises(ValueError, match="master weights"):
-        TrainConfig(model="llama", lora=False, dtype="bf16")
-    with pytest.raises(ValueError, match="train_embeddings"):
-        TrainConfig(model="llama", lora=True, train_embeddings=True, dtype="bf16")
+def test_trainable_fp16_weights_are_refused_bf16_ones_accepted():
+    """fp16 gradients would need loss scaling (not done); bf16 weights train on float32 masters."""
+    with pytest.raises(ValueError, match="loss scaling"):
+        TrainConfig(model="llama", lora=False, dtype="fp16")
+    with pytest.raises(ValueError, match="loss scaling"):
+        TrainConfig(model="llama", lora=True, train_embeddings=True, dtype="fp16")
+    TrainConfig(model="llama", lora=False, dtype="bf16")
+    TrainConfig(model="llama", lora=True, train_embeddings=True, dtype="bf16")
+
+
+def test_master_weights_accumulate_and_update_in_float32():
+    """A bf16 parameter's gradients, accumulated over 64 backwards, equal their float32 sum (in bf16 the small
+    ones are rounded away); updates of 2⁻¹² (below bf16's resolution at 1.0) add up in the master and reach the
+    model once they amount to a bf16 step, and the model always holds the master rounded."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    masters = MasterWeights([w])
+    (master,) = masters.params
+    assert master.dtype == torch.float32 and torch.equal(master, w.float())
+    expected = torch.zeros(4, dtype=torch.float64)
+    for k in range(64):
+        scale = 1.0 if k == 0 else 1e-3  # one large term, then many small ones
+        (w * torch.full((4,), scale, dtype=torch.bfloat16)).sum().backward()
+        expected += torch.tensor(scale, dtype=torch.bfloat16).double()
+        assert w.grad is None
+    assert torch.allclose(master.grad.double(), expected, rtol=1e-6, atol=0)
+    in_bf16 = torch.tensor(1.0, dtype=torch.bfloat16)
+    for _ in range(63):
+        in_bf16 += torch.tensor(1e-3, dtype=torch.bfloat16)
+    assert abs(in_bf16.item() - expected[0].item()) > 0.05  # what accumulating in bf16 would have given
+
+    opt = torch.optim.SGD(masters.params, lr=2.0**-12)
+    master.grad = torch.ones(4)
+    opt.step()
+    masters.copy_to_model()
+    assert torch.equal(w, torch.ones(4, dtype=torch.bfloat16)) and master[0].item() == 1 - 2.0**-12
+    for _ in range(15):
+        opt.step()
+        masters.copy_to_model()
+    assert master[0].item() == 1 - 16 * 2.0**-12 and torch.equal(w, master.bfloat16()) and w[0].item() < 1
+    masters.remove()
+    w.sum().backward()
+    assert w.grad is not None
+
+
+def _bf16_full_cfg(tmp_path, name, **kw):
+    return TrainConfig(model="llama", output_dir=str(tmp_path / name), prompt_length=24, num_steps=4,
+                       task_options={"num_pairs": 4, "num_values": 8}, num_generations=4, max_completion_length=2,
+                       prompts_per_step=2, eval_examples=4, progress=False, threads=1, learning_rate=1e-2, lora=False,
+                       sft_warmup_steps=2, dtype="bf16", **kw)
+
+
+def test_bf16_full_fine_tuning_steps_on_float32_masters(tmp_path):
+    """Full fine-tuning of a bf16 model: weights stay bf16, each the rounding of its float32 master; gradients and
+    AdamW state float32; supervised and GRPO steps move the weights."""
+    trainer = Trainer(_bf16_full_cfg(tmp_path, "run"))
+    before = [p.detach().clone() for p in trainer.params]
+    rows = trainer.train()
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert [r["phase"] for r in rows] == ["sft", "sft", "grpo", "grpo"]
+    assert all(p.dtype == torch.bfloat16 for p in trainer.params)
+    assert len(trainer.masters.pairs) == len(trainer.params)
+    for p, master in trainer.masters.pairs:
+        assert master.dtype == torch.float32 and torch.equal(p, master.bfloat16())
+    states = [s for s in trainer.opt.state.values() if "exp_avg" in s]
+    assert len(states) == len(trainer.params) and all(s["exp_avg"].dtype == torch.float32 for s in states)
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.params))
+
+
+def test_bf16_full_fine_tuning_resumes_exactly(tmp_path):
+    """Interrupted after step 2 and resumed, a bf16 run ends with the masters (saved in the checkpoint, not
+    re-read from the rounded weights) and weights of the uninterrupted run."""
+    full = Trainer(_bf16_full_cfg(tmp_path, "full"))
+    full.train()
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(m):
+        if m["step"] == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        Trainer(_bf16_full_cfg(tmp_path, "part")).train(on_step=stop_after_2)
+    resumed = Trainer(_bf16_full_cfg(tmp_path, "part"))
+    resumed.train()
+    assert resumed.step == 4
+    for (pa, ma), (pb, mb) in zip(full.masters.pairs, resumed.masters.pairs):
+        assert torch.equal(pa, pb) and torch.equal(ma, mb)
