@@ -4,6 +4,8 @@ import dataclasses
 import json
 
 import pytest
+import torch
+import yaml
 
 from longstraw import cli
 from longstraw.config import TrainConfig
@@ -58,3 +60,21 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     config.write_text("num_stepz: 3\n")
     assert cli.main(["train", str(config)]) == 2
     assert "unknown field" in capsys.readouterr().err
+
+
+def test_demo_runs_in_bf16_from_the_command_line(tmp_path, capsys):
+    """`longstraw demo --device cpu --dtype bf16` (cut to 2 steps and 2 held-out prompts of 64 tokens): the demo's full
+    fine-tuning runs on bf16 weights with float32 masters and writes a bf16 model."""
+    from safetensors import safe_open
+
+    out = tmp_path / "demo"
+    code = cli.main(["demo", "--device", "cpu", "--dtype", "bf16", "--num_steps", "2", "--eval_examples", "2",
+                     "--eval_every", "0", "--eval_lengths", "[64]", "--threads", "1", "--progress", "false", "--output_dir", str(out)])
+    assert code == 0
+    assert "held-out greedy accuracy" in capsys.readouterr().out
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["dtype"] == "bf16" and cfg["device"] == "cpu" and cfg["lora"] is False
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    blob = torch.load(out / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    assert blob["master_weights"] and all(t.dtype == torch.float32 for t in blob["master_weights"])
