@@ -139,6 +139,9 @@ class Trainer:
                                  importance_sampling_level=cfg.importance_sampling_level,
                                  use_bias_correction_kl=cfg.use_bias_correction_kl)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if any(p.dtype == torch.float16 for p in self.params):  # `dtype: auto` on a GPU without bf16
+            raise ValueError("trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss "
+                             "scaling, which the trainer does not do: use dtype bf16 or fp32, or a LoRA adapter")
         # what the optimizer steps on: the float32 parameters themselves, float32 masters of the bf16 ones
         self.masters = MasterWeights(self.params)
         self.opt = torch.optim.AdamW(self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),

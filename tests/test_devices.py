@@ -50,6 +50,15 @@ def test_trainable_fp16_weights_are_refused_bf16_ones_accepted():
     TrainConfig(model="llama", lora=True, train_embeddings=True, dtype="bf16")
 
 
+def test_trainable_fp16_weights_from_auto_are_refused(tmp_path, monkeypatch):
+    """`dtype: auto` resolves to fp16 on a GPU without bf16: the trainer refuses trainable fp16 weights then too."""
+    import longstraw.devices
+
+    monkeypatch.setattr(longstraw.devices, "resolve_dtype", lambda name, device: torch.float16)
+    with pytest.raises(ValueError, match="loss scaling"):
+        Trainer(TrainConfig(model="llama", output_dir=str(tmp_path / "run"), lora=False, progress=False))
+
+
 def test_master_weights_accumulate_and_update_in_float32():
     """A bf16 parameter's gradients, accumulated over 64 backwards, equal their float32 sum (in bf16 the small
     ones are rounded away); updates of 2⁻¹² (below bf16's resolution at 1.0) add up in the master and reach the
