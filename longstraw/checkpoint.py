@@ -12,6 +12,10 @@ A checkpoint is written into a temporary folder and renamed, then `latest` is re
 write leaves the previous checkpoint intact. The last two are kept. `optimizer.pt` is read with
 `torch.load(weights_only=True)`: a file holding anything but tensors and plain containers (a pickled
 callable, say) is refused instead of executed.
+
+On N processes rank 0 writes (the ranks hold the same weights, optimizer and RNG states; `trainer_state.json`
+records `world_size`), and every rank loads the checkpoint rank 0 names (`latest_name`, then `load_checkpoint(...,
+name=)`).
 """
 
 from __future__ import annotations
@@ -87,14 +91,23 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_
     return final
 
 
-def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None) -> dict | None:
-    """Restore the newest checkpoint under `root` into model, optimizer, scheduler, the RNGs and `masters`
-    (`MasterWeights`; from the bf16 weights when the checkpoint holds none); returns its trainer state
-    (`step`, ...), or None when there is none."""
+def latest_name(root: Path) -> str | None:
+    """The folder name of the newest complete checkpoint under `root` ("step-12"), or None."""
     latest = root / "latest"
-    if not latest.exists():
+    return latest.read_text().strip() if latest.exists() else None
+
+
+def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name: str | None = None) -> dict | None:
+    """Restore the newest checkpoint under `root` (or `root/name`) into model, optimizer, scheduler, the RNGs and
+    `masters` (`MasterWeights`; from the bf16 weights when the checkpoint holds none); returns its trainer state
+    (`step`, ...), or None when there is none."""
+    name = name or latest_name(root)
+    if name is None:
         return None
-    ckpt = root / latest.read_text().strip()
+    ckpt = root / name
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} is not there (on N processes every rank reads rank 0's checkpoint: "
+                              "the output folder must be on a file system every rank sees)")
     try:
         blob = torch.load(ckpt / "optimizer.pt", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -1,7 +1,8 @@
 """Command line.
 
     longstraw demo                      train a tiny model to retrieve from long prompts (built-in config)
-    longstraw train CONFIG.yaml [--field value ...]
+    longstraw train CONFIG.yaml [--field value ...] [--nproc N]
+    torchrun --nproc-per-node N -m longstraw train CONFIG.yaml     (several nodes: --nnodes, --rdzv-backend c10d, ...)
     longstraw eval RUN_DIR [--lengths 256 1024] [--examples 64]
     longstraw compare                   memory and time of one GRPO step: naive batched, naive serial, longstraw
 """
@@ -127,20 +128,52 @@ def run_training(cfg) -> tuple[object, dict]:
               "run the same command again to resume.", file=sys.stderr)
         raise SystemExit(130) from None
     samples: list = []
-    accuracy = trainer.evaluate(samples=samples)
-    out = Path(cfg.output_dir)
-    (out / "eval.json").write_text(json.dumps({"accuracy": accuracy, "baselines": trainer.baselines(),
-                                               "examples_per_length": cfg.eval_examples, "samples": samples},
-                                              indent=1))
-    plot_run(out, trainer.baselines())
+    accuracy = trainer.evaluate(samples=samples)  # on N ranks a collective: the same result on every rank
+    if trainer.ranks.main:
+        out = Path(cfg.output_dir)
+        (out / "eval.json").write_text(json.dumps({"accuracy": accuracy, "baselines": trainer.baselines(),
+                                                   "examples_per_length": cfg.eval_examples, "samples": samples},
+                                                  indent=1))
+        plot_run(out, trainer.baselines())
+    trainer.ranks.close()
     return trainer, accuracy
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _launch(args, cfg) -> int | None:
+    """`--nproc N` (N > 1): run the same command as N local ranks (`longstraw.parallel.launch_local`) and return its
+    exit status; None when this process is to train itself."""
+    if args.nproc <= 1:
+        return None
+    from .devices import resolve_device
+    from .parallel import launch_local
+
+    argv = list(args.argv)
+    for i, a in enumerate(argv):  # the ranks get the same command without --nproc
+        if a == "--nproc":
+            del argv[i:i + 2]
+            break
+        if a.startswith("--nproc="):
+            del argv[i]
+            break
+    return launch_local(args.nproc, argv, cpu=resolve_device(cfg.device).type == "cpu")
 
 
 def cmd_train(args) -> int:
     from .config import TrainConfig
 
-    cfg = TrainConfig.from_yaml(args.config, _overrides(args))
+    cfg = TrainConfig.from_yaml(args.config, _overrides(args))  # checked before any rank starts
+    launched = _launch(args, cfg)
+    if launched is not None:
+        return launched
     trainer, accuracy = run_training(cfg)
+    if not trainer.ranks.main:
+        return 0
     print(_report(trainer, accuracy))
     final = "model/" if not cfg.lora else ("adapter/, base/" if cfg.model in _tiny_names() else "adapter/")
     if cfg.lora and cfg.merge_adapter:
@@ -164,9 +197,20 @@ def demo_config(overrides: dict | None = None):
 
 
 def cmd_demo(args) -> int:
+    import os
     import time
 
-    cfg = demo_config(_overrides(args))
+    overrides = _overrides(args)
+    launched = _launch(args, demo_config(overrides))  # (the config is checked before any rank starts)
+    if launched is not None:
+        return launched
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks_here > 1 and "threads" not in overrides:  # the demo's threads are meant for the whole machine
+        overrides["threads"] = max(1, DEMO_CONFIG["threads"] // ranks_here)
+    cfg = demo_config(overrides)
+    if _rank() != 0:
+        run_training(cfg)
+        return 0
     print(f"longstraw demo: a {cfg.model} model learns key-value retrieval ({cfg.task_options['num_pairs']} pairs, "
           f"{cfg.task_options['num_values']} values) with prompts growing {cfg.curriculum} tokens; "
           f"{cfg.sft_warmup_steps} supervised warm-up steps then GRPO (G={cfg.num_generations}). "
@@ -287,10 +331,13 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train a tiny model to retrieve from long prompts (about 5 minutes on 2 cores)")
-    _add_config_flags(d)
     t = sub.add_parser("train", help="train from a YAML config, flags override its fields")
     t.add_argument("config", help="YAML file of config fields (see the flags below)")
-    _add_config_flags(t)
+    for p in (d, t):
+        p.add_argument("--nproc", type=int, default=1,
+                       help="train with N processes on this machine (like torchrun --nproc-per-node N; each rank one "
+                            "torch thread on the CPU); several machines: torchrun -m longstraw train ...")
+        _add_config_flags(p)
     e = sub.add_parser("eval", help="held-out accuracy per context length of a run's latest checkpoint")
     e.add_argument("run", help="the run's output folder")
     e.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default: the run's)")
@@ -329,7 +376,10 @@ def main(argv=None) -> int:
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
     pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    args.argv = argv
+    from .distributed import CollectiveError
     from .rewards import RewardFunctionError
 
     try:
@@ -338,6 +388,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2
+    except CollectiveError as err:  # a rank of a multi-process run died or hangs
+        print(f"longstraw: error: {err}. The last checkpoint is intact: run the same command again to resume.",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -106,7 +106,11 @@ class TrainConfig:
     eval_every: int = _f(0, "held-out evaluation every N steps (0: only at the end)")
     eval_lengths: list = _f([], "prompt lengths of the held-out evaluation (empty: prompt_length)")
     eval_examples: int = _f(64, "held-out examples per length")
-    threads: int = _f(0, "torch threads (0: leave torch's default)")
+    threads: int = _f(0, "torch threads per process (0: torch's default; 1 per rank on the CPU when the run has "
+                         "several processes)")
+    dist_timeout: float = _f(600.0, "seconds a rank waits in a collective (runs of several processes: torchrun or "
+                                    "--nproc) before it raises an error naming the collective, instead of hanging on "
+                                    "a rank that died or hangs")
     device: str = _f("auto", "where the model runs: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     dtype: str = _f("auto", "model dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32; LoRA adapters and "
                             "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies")
@@ -150,6 +154,7 @@ class TrainConfig:
              "curriculum_steps needs one entry per curriculum stage but the last")
         need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")
         need(self.chunk_size >= 1 and self.save_every >= 1 and self.eval_examples >= 1, "sizes must be >= 1")
+        need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
         need(self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
              "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0")
 

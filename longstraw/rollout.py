@@ -11,6 +11,10 @@ Then the advantages are computed per group over the weighted rewards. The update
 
 Memory: one prompt state at a time, except that with one prompt per step it is kept for the update
 (no second capture).
+
+On N processes (`ranks`, `longstraw.parallel`): the capture is context parallel, sampling a collective giving
+every rank the same responses, the rewards scored on rank 0 and broadcast, and each rank computes the reference
+log-probs of the responses it will replay (r, r + N, ...).
 """
 
 from __future__ import annotations
@@ -124,9 +128,16 @@ class TurnSampler:
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings
-        return sample(self.state, num, max_new_tokens or s.max_completion_length, temperature=s.temperature,
-                      top_p=s.top_p, top_k=s.top_k, stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
-                      generator=self.generator, allowed_token_ids=self._allowed, prefix_ids=prefix_ids)
+        kw = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=self.generator,
+                  stop_token_ids=[] if s.ignore_eos else [self.eos_token_id], allowed_token_ids=self._allowed)
+        group = getattr(self.state, "group", None)
+        if group is not None:  # context parallel: a collective, every rank the same tokens
+            if prefix_ids is None:
+                return self.state.sample(num, max_new_tokens or s.max_completion_length, **kw)
+            prefix = torch.as_tensor(prefix_ids).reshape(-1).cpu()
+            group.agree("TurnSampler.sample", {"prefix_ids": prefix, "num": num, "max_new_tokens": repr(max_new_tokens),
+                                               "generator state": self.generator.get_state()})
+        return sample(self.state, num, max_new_tokens or s.max_completion_length, prefix_ids=prefix_ids, **kw)
 
 
 def default_rollout(sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
@@ -159,13 +170,22 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
 
 
 def reference_logprobs(model, prompt: torch.Tensor, responses: list[Response], temperature: float,
-                       chunk_size: int, state_dtype: str | None = None) -> list[torch.Tensor]:
-    """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled."""
+                       chunk_size: int, state_dtype: str | None = None, ranks=None) -> list[torch.Tensor | None]:
+    """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled. On N ranks
+    (a collective) only those of the responses this rank replays (`ranks.spread`); None for the others."""
     if not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
     with torch.no_grad(), model.disable_adapter():
-        with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype) as ref_state:
-            return [ref_state.replay(r.tokens, temperature=temperature).logprobs for r in responses]
+        if ranks is None or ranks.size == 1:
+            with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype) as ref_state:
+                return [ref_state.replay(r.tokens, temperature=temperature).logprobs for r in responses]
+        out: list[torch.Tensor | None] = [None] * len(responses)
+        with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype, group=ranks.pg) as ref_state:
+            for i in ranks.spread(len(responses)):  # a collective: every rank replays as often (None: padding)
+                lp = ref_state.replay(responses[0 if i is None else i].tokens, temperature=temperature).logprobs
+                if i is not None:
+                    out[i] = lp
+        return out
 
 
 @dataclass
@@ -186,6 +206,7 @@ class RolloutStage:
     beta: float = 0.0
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
+    ranks: object = None  # `longstraw.parallel.Ranks` of a run on N processes (None: one process)
 
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
         keep_state = len(examples) == 1  # its state serves the update too (no second capture)
@@ -205,18 +226,23 @@ class RolloutStage:
         model = self.policy.model
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
-            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode, state_dtype=self.state_dtype)
+            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode, state_dtype=self.state_dtype,
+                            group=self.ranks.pg if self.ranks is not None else None)
         nbytes = state.nbytes
         with meter.stage("sample"):
             sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b))
             responses = self._responses(sampler, ex)
         with meter.stage("reward"):
-            texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
-            rewards = self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
+            def score():
+                texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
+                return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
+
+            # on N ranks: scored once, on rank 0 (its result or error on every rank)
+            rewards = score() if self.ranks is None else self.ranks.from_main(f"rewards of step {step + 1}", score)
         if self.beta > 0:
             with meter.stage("reference"):
                 refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size,
-                                          self.state_dtype)
+                                          self.state_dtype, ranks=self.ranks)
             for r, ref in zip(responses, refs):
                 r.ref_logprobs = ref
         if not keep_state:

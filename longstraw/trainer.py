@@ -11,6 +11,9 @@ The first `sft_warmup_steps` steps are supervised (`update.sft_update`). Data an
 from (seed, step), so a resumed run repeats exactly what an uninterrupted one does. Metrics of every
 step, with memory and time per stage (`longstraw.memory.MemoryMeter`), go to `metrics.jsonl` (and to
 TensorBoard with `report_to: tensorboard`).
+
+On N processes (torchrun, `longstraw train --nproc N`; `longstraw.parallel`): the stages take `self.ranks`, the
+gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import latest_name, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import build_data
 from .export import export_model
@@ -29,6 +32,7 @@ from .losses import combine_rewards, make_loss
 from .memory import MemoryMeter
 from .metrics import MetricsWriter
 from .models import TINY_CONFIGS, tiny_config
+from .parallel import setup_ranks
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, RewardSet, resolve_callable, resolve_reward
 from .rollout import Policy, RolloutStage, SamplingSettings
@@ -128,9 +132,18 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, reward_funcs=None, rollout_func=None):
         self.cfg = cfg
+        from .devices import resolve_device
+
+        # one process, or a rank of a process group (the default group, or one started from torchrun's environment)
+        self.ranks = setup_ranks(cfg.dist_timeout, resolve_device(cfg.device))
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        elif self.ranks.size > 1 and resolve_device(cfg.device).type == "cpu":
+            torch.set_num_threads(1)
         self.model, self.tok = build_model_and_tokenizer(cfg)
+        # every rank starts from rank 0's trainable weights (randomly initialised adapters may differ)
+        self.ranks.broadcast_params([(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
+                                    "Trainer: initial weights from rank 0")
         self.data = build_data(cfg, self.tok)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
@@ -161,7 +174,7 @@ class Trainer:
             lambda step, b: _generator(cfg.seed, step, b, device=device),
             chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad, state_dtype=cfg.state_dtype, beta=cfg.beta,
             scale_rewards=cfg.scale_rewards,
-            rollout_func=rollout_func)
+            rollout_func=rollout_func, ranks=self.ranks)
         self.update_settings = UpdateSettings.from_config(cfg)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
 
@@ -185,7 +198,7 @@ class Trainer:
 
     def update(self, rollout) -> dict:
         """Accumulate the gradient of `rollout`'s GRPO loss (no optimizer step)."""
-        return policy_update(self.model, rollout, self.loss_fn, self.update_settings, self.meter)
+        return policy_update(self.model, rollout, self.loss_fn, self.update_settings, self.meter, ranks=self.ranks)
 
     def grpo_step(self, step: int) -> dict:
         r = self.rollout(step)
@@ -202,7 +215,7 @@ class Trainer:
 
     def sft_step(self, step: int) -> dict:
         m = sft_update(self.policy, self.examples(step, sft=True), self.update_settings, self.cfg.sft_full_sequence,
-                       self.meter)
+                       self.meter, ranks=self.ranks)
         return dict(phase="sft", **m)
 
     def train_step(self, step: int) -> dict:
@@ -210,6 +223,10 @@ class Trainer:
         self.meter.start_step()
         self.opt.zero_grad(set_to_none=True)
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
+        if self.ranks.size > 1:
+            with self.meter.stage("all_reduce"):  # the gradients of every rank's replays, summed: once per step
+                self.ranks.all_reduce_grads(self.masters.params, f"trainer step {step + 1}: gradient all-reduce")
+            m["world_size"] = self.ranks.size
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
         m.update(self.meter.results())
@@ -242,11 +259,13 @@ class Trainer:
         from . import capture
 
         out = []
+        # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it
+        unused = torch.Generator(device=next(self.model.parameters()).device) if self.ranks.size > 1 else None
         for ex in examples:
             with capture(self.model, self.encode(ex.prompt), chunk_size=self.cfg.chunk_size,
-                         state_dtype=self.cfg.state_dtype) as state:
+                         state_dtype=self.cfg.state_dtype, group=self.ranks.pg) as state:
                 s = state.sample(1, self.cfg.max_completion_length, temperature=0, stop_token_ids=[self.eos],
-                                 allowed_token_ids=self.allowed)
+                                 allowed_token_ids=self.allowed, generator=unused)
             out.append(s.tokens[0].tolist())
         return out
 
@@ -291,16 +310,30 @@ class Trainer:
         return {"context_blind": 1 / t.num_values, "positional": 1 / t.num_pairs}
 
     # ------------------------------------------------------------------ checkpoints and outputs
-    def save_checkpoint(self) -> Path:
+    def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
+        self.ranks.check_same(self._named_trainable(), f"checkpoint at step {self.step}: weights compared")
+        if not self.ranks.main:
+            return None
+        extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched,
-                               {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict()},
-                               masters=self.masters)
+                               {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(),
+                                **extra}, masters=self.masters)
 
     def load_checkpoint(self) -> bool:
-        """Resume from the latest checkpoint if there is one; returns whether it did."""
-        state = load_checkpoint(self.out / "checkpoints", self.model, self.opt, self.sched, masters=self.masters)
+        """Resume from the latest checkpoint if there is one; returns whether it did. On N ranks every rank loads
+        the checkpoint rank 0 names."""
+        root = self.out / "checkpoints"
+        name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
+        state = self.ranks.run_alike("resume: loading the checkpoint",
+                                     lambda: load_checkpoint(root, self.model, self.opt, self.sched,
+                                                             masters=self.masters, name=name))
         if state is None:
             return False
+        self.ranks.check_same(self._named_trainable(), f"resume from {name}: weights compared")
         self.step = state["step"]
         return True
 
@@ -317,16 +350,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:
-        """Run (or resume) to `num_steps`, then export the model. Returns this call's metrics."""
+        """Run (or resume) to `num_steps`, then export the model. Returns this call's metrics (every rank's list
+        holds the same values; rank 0 alone writes files)."""
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.load_checkpoint()
         import yaml
 
-        tmp = self.out / ".config.yaml.tmp"
-        tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        os.replace(tmp, self.out / "config.yaml")
+        if self.ranks.main:
+            tmp = self.out / ".config.yaml.tmp"
+            tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            os.replace(tmp, self.out / "config.yaml")
         done = []
-        with MetricsWriter(self.out, self.step if resumed else 0, self.cfg) as writer:
+        writer_cm = MetricsWriter(self.out, self.step if resumed else 0, self.cfg) if self.ranks.main else _NoWriter()
+        with writer_cm as writer:
             while self.step < self.cfg.num_steps:
                 m = self.train_step(self.step)
                 self.step += 1
@@ -338,5 +374,19 @@ class Trainer:
                 done.append(m)
                 if on_step is not None:
                     on_step(m)
-        self.export()
+        if self.ranks.main:
+            self.export()
         return done
+
+
+class _NoWriter:
+    """The metrics sink of ranks other than 0."""
+
+    def __enter__(self):
+        return self
+
+    def write(self, m: dict) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass

@@ -13,6 +13,12 @@ whatever the loss type's normalizer.
 Supervised warm-up (`sft_update`): − mean log-prob of the answer tokens (and the stop token).
 
 Memory: the state of one prompt plus one response's graph at a time.
+
+On N processes (`ranks`, `longstraw.parallel`): each prompt is captured context parallel and rank r replays
+responses r, r + N, ... of its group (every rank ⌈G / N⌉ collective replays, padded with weight-0 replays); the
+normalizer and advantages are the whole step's on every rank; the loss metrics are summed over the ranks, the
+gradients by the trainer. Supervised steps split their prompts over the ranks (full sequence) or replay each
+prompt's answer on its owner rank (replayed, context parallel).
 """
 
 from __future__ import annotations
@@ -65,27 +71,40 @@ class _Totals:
     tokens: int = 0
 
 
-def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSettings, meter: MemoryMeter) -> dict:
-    """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics."""
+def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSettings, meter: MemoryMeter,
+                  ranks=None) -> dict:
+    """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
+    `ranks` (`longstraw.parallel.Ranks`, N processes): this rank's share of the replays (see the module doc)."""
     masks = [loss_mask(r, settings) for r in rollout.responses]
     lengths = [int(m.sum()) for m in masks]
     norm = loss_fn.normalizer(lengths, rollout.group_ids, settings.max_completion_length)
     entropy_scale = settings.entropy_coef / max(sum(lengths), 1)
-    totals, i = _Totals(), 0
+    parallel = ranks is not None and ranks.size > 1
+    totals, first = _Totals(), 0
     for group in rollout.groups:
         state = group.state
         if state is None:
             with meter.stage("capture"):
                 state = capture(model, group.prompt_ids, chunk_size=settings.chunk_size,
-                                prompt_grad=settings.prompt_grad, state_dtype=settings.state_dtype)
+                                prompt_grad=settings.prompt_grad, state_dtype=settings.state_dtype,
+                                group=ranks.pg if parallel else None)
         with meter.stage("replay"):
-            for response in group.responses:
-                _response_backward(state, response, masks[i], float(rollout.advantages[i]), norm[i], entropy_scale,
-                                   loss_fn, settings, totals)
-                i += 1
+            turns = ranks.spread(len(group.responses)) if parallel else range(len(group.responses))
+            for k in turns:
+                if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
+                    _padding_backward(state, group.responses[0], settings)
+                    continue
+                i = first + k
+                _response_backward(state, group.responses[k], masks[i], float(rollout.advantages[i]), norm[i],
+                                   entropy_scale, loss_fn, settings, totals)
             state.backward()  # exact mode: the prompt's share of the gradient (nothing when detached)
             state.release()
+        first += len(group.responses)
         group.state = None
+    if parallel:
+        sums = ranks.sum_floats("policy_update: loss metrics",
+                                [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens])
+        totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
     if loss_fn.beta > 0:
@@ -111,8 +130,14 @@ def _response_backward(state, response: Response, mask: torch.Tensor, advantage:
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
 
 
+def _padding_backward(state, response: Response, settings: UpdateSettings) -> None:
+    """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros."""
+    out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
+    (out.logprobs.sum() * 0.0).backward()
+
+
 def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings, full_sequence: bool,
-               meter: MemoryMeter) -> dict:
+               meter: MemoryMeter, ranks=None) -> dict:
     """Supervised: − mean log-prob of the answer tokens (and the stop token) over the step's prompts.
 
     `full_sequence`: ordinary forwards of [prompt + answer] with grad, so the prompt positions learn too
@@ -126,11 +151,16 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     pairs = [(policy.encode(ex.prompt), torch.cat([policy.encode(ex.answer), eos])) for ex in examples]
     n_tok = sum(a.numel() + len(ex.supervised) for (_, a), ex in zip(pairs, examples))
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
+    parallel = ranks is not None and ranks.size > 1
     if full_sequence:
-        loss = _sft_full_sequence(policy.model, pairs, examples, n_tok, meter)
+        mine = ranks.mine(len(pairs)) if parallel else range(len(pairs))  # data parallel: whole prompts per rank
+        loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
         durable = 0
     else:
-        loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter)
+        loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter,
+                                      ranks if parallel else None)
+    if parallel:
+        loss = ranks.sum_floats("sft_update: loss", [loss])[0]
     return dict(loss=loss, durable_bytes=durable, tokens=tokens)
 
 
@@ -156,14 +186,17 @@ def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter) -
     return total
 
 
-def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter) -> tuple[float, int]:
+def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None) -> tuple[float, int]:
+    """Each prompt captured (context parallel on N ranks) and its answer replayed; on N ranks prompt b's owner
+    (b mod N) replays it with weight 1, the others with weight 0 (a replay is a collective)."""
     total, durable = 0.0, 0
-    for prompt, ans in pairs:
+    for b, (prompt, ans) in enumerate(pairs):
         with meter.stage("capture"):
-            state = capture(model, prompt, chunk_size=chunk_size)
+            state = capture(model, prompt, chunk_size=chunk_size, group=None if ranks is None else ranks.pg)
         durable = max(durable, state.nbytes)
         with meter.stage("replay"), state:
-            loss = -state.replay(ans).logprobs.sum() / n_tok
+            weight = 1.0 if ranks is None or b % ranks.size == ranks.rank else 0.0
+            loss = -state.replay(ans).logprobs.sum() / n_tok * weight
             loss.backward()
         total += loss.item()
     return total, durable

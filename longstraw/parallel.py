@@ -1,0 +1,260 @@
+"""The trainer on N processes: where this process stands, how the ranks start, the few collectives the trainer adds.
+
+    longstraw train CONFIG.yaml --nproc N                              # N processes on this machine
+    torchrun --nproc-per-node N -m longstraw train CONFIG.yaml          # the same, through torchrun
+    torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m longstraw train CONFIG.yaml
+
+A rank reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (what torchrun and
+`--nproc` set) and joins the process group: gloo on the CPU, NCCL on CUDA (device cuda:LOCAL_RANK), every collective
+with the timeout `dist_timeout`. A process already in a process group (a test, a user script) uses that group.
+
+Every rank runs the same trainer over the same data, seeds and weights, and one GRPO step goes (per prompt):
+- capture: context parallel (`longstraw.capture(..., group=)`): rank r keeps the state of its slice of the prompt;
+- sample: a collective in which every rank decodes the same G responses (the same generator seed, checked);
+- rewards: scored on rank 0 (each reward function runs once per step, not N times) and broadcast; the
+  advantages and the loss normalizer are then computed alike on every rank;
+- replay: rank r replays responses r, r + N, r + 2N, ... of the group. A replay is a collective, so every rank
+  replays ⌈G / N⌉ times: a rank short of responses replays the group's first one again with loss weight 0
+  (its backward still runs, adding exact zeros to the gradients);
+- gradients: summed over the ranks (`Ranks.all_reduce_grads`, one all-reduce per optimizer step, bucketed), then
+  every rank takes the same clipped AdamW step, so the weights stay equal (checked at every checkpoint).
+Supervised warm-up steps: full-sequence ones split the step's prompts over the ranks (data parallel: ranks hold
+whole prompts there), replayed ones capture each prompt context parallel and the prompt's owner (b mod N) replays
+its answer. Evaluation captures context parallel too; every rank gets the same greedy completions.
+
+Rank 0 alone writes metrics.jsonl, TensorBoard, the progress bar, config.yaml, checkpoints, the final model and
+eval.json. On resume every rank loads the checkpoint rank 0 names (the output folder must be on a file system all
+ranks see), and the ranks' weights are compared. A rank that dies or stops answering makes the others raise
+`CollectiveError` naming the collective (at once when its connections close, after `dist_timeout` when it hangs);
+checkpoints are written atomically by rank 0, so the last one stays intact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+import sys
+import uuid
+
+import torch
+
+from .distributed.collectives import CollectiveError, Group
+
+__all__ = ["Ranks", "launch_local", "setup_ranks"]
+
+#: bytes per gradient all-reduce (one bucket of flattened gradients of one dtype and device)
+BUCKET_BYTES = 64 * 2**20
+
+
+class Ranks:
+    """This process's place in a run: `size` 1 (one process, `pg` None) or a rank of a torch.distributed group.
+
+    `pg` is what `longstraw.capture(..., group=)` takes (None: one process). Every method is a collective of the
+    group when `size` > 1 and does nothing collective when `size` is 1."""
+
+    def __init__(self, group=None, owned: bool = False):
+        self.group = None if group is None else Group(group)
+        self.pg = group
+        self.rank = 0 if group is None else self.group.rank
+        self.size = 1 if group is None else self.group.size
+        self.owned = owned  # this object started the process group (and ends it in `close`)
+
+    def __repr__(self) -> str:
+        return f"Ranks(rank {self.rank} of {self.size})"
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that writes files and prints."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ work division
+    def spread(self, n: int) -> list[int | None]:
+        """This rank's share of n items in round robin: [r, r + N, ...], padded with None to ⌈n / N⌉ entries, so
+        every rank takes the same number of turns (None: take one with weight 0)."""
+        turns = -(-n // self.size)
+        return [k * self.size + self.rank if k * self.size + self.rank < n else None for k in range(turns)]
+
+    def mine(self, n: int) -> list[int]:
+        """This rank's items of n, no padding (for work that is not a collective)."""
+        return list(range(self.rank, n, self.size))
+
+    # ------------------------------------------------------------------ collectives
+    def _fail(self, name: str, err: BaseException):
+        raise CollectiveError(f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} "
+                              f"({type(err).__name__}: {err})") from err
+
+    def sum_floats(self, name: str, values: list[float]) -> list[float]:
+        """`values` summed over the ranks (float64, in rank order on every rank)."""
+        if self.size == 1:
+            return list(values)
+        rows = self.group.all_gather(name, [torch.tensor(values, dtype=torch.float64)])
+        total = rows[0][0].clone()
+        for row in rows[1:]:
+            total += row[0]
+        return total.tolist()
+
+    def broadcast_object(self, name: str, obj=None):
+        """Rank 0's `obj` (pickled) on every rank."""
+        if self.size == 1:
+            return obj
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.main else None
+        n = self.group.broadcast(f"{name}: size", [torch.tensor([0 if data is None else data.numel()])], src=0)
+        n = int(n[0][0])
+        buf = data if self.main else torch.empty(n, dtype=torch.uint8)
+        (buf,) = self.group.broadcast(name, [buf], src=0)
+        return pickle.load(io.BytesIO(buf.numpy().tobytes()))
+
+    def from_main(self, name: str, fn):
+        """`fn()` run on rank 0 only; its result, or the exception it raised, on every rank."""
+        if self.size == 1:
+            return fn()
+        result = err = None
+        if self.main:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                err = e
+                try:
+                    pickle.dumps(e)
+                except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its message
+                    err = RuntimeError(f"{type(e).__name__}: {e}")
+        result, err = self.broadcast_object(name, (result, err))
+        if err is not None:
+            if self.main:
+                raise err
+            raise err from RuntimeError(f"raised on rank 0 during {name!r}")
+        return result
+
+    def run_alike(self, name: str, fn):
+        """`fn()` on every rank; if it raised on any rank, every rank raises (a rank that failed its own exception,
+        the others a RuntimeError naming the failed ranks), so no rank goes on alone into a collective."""
+        result, err = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            err = e
+        if self.size > 1:
+            rows = self.group.all_gather_ints(f"{name}: status", [int(err is not None)])
+            failed = [r for r, row in enumerate(rows) if row[0]]
+            if failed and err is None:
+                raise RuntimeError(f"{name} failed on rank(s) {failed} (see their error)")
+        if err is not None:
+            raise err
+        return result
+
+    def all_reduce_grads(self, params: list[torch.Tensor], name: str) -> None:
+        """Sum the gradients of `params` over the ranks (missing gradients count as zeros), one all-reduce per
+        bucket of `BUCKET_BYTES`; first a tagged all-gather checks that every rank is at the same collective with
+        the same parameters."""
+        if self.size == 1:
+            return
+        self.group.agree(name, {"parameters": len(params), "elements": sum(p.numel() for p in params)})
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for p in params:
+            g = p.grad
+            if not buckets or g.dtype != buckets[-1][0].dtype or g.device != buckets[-1][0].device \
+                    or size + g.numel() * g.element_size() > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += g.numel() * g.element_size()
+        for k, grads in enumerate(buckets):
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            try:
+                torch.distributed.all_reduce(flat, group=self.pg)
+            except RuntimeError as err:
+                self._fail(f"{name} (bucket {k + 1} of {len(buckets)})", err)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def broadcast_params(self, named: list[tuple[str, torch.Tensor]], name: str) -> None:
+        """Rank 0's values of these parameters on every rank (randomly initialised adapters, say)."""
+        if self.size == 1:
+            return
+        for pname, p in named:
+            try:
+                torch.distributed.broadcast(p.data, src=0, group=self.pg)
+            except RuntimeError as err:
+                self._fail(f"{name}: {pname}", err)
+
+    def check_same(self, named: list[tuple[str, torch.Tensor]], name: str) -> None:
+        """Raise on every rank if the parameters differ between ranks: a float64 sum and sum of squares per tensor,
+        all-gathered and compared exactly (cheap: one pass over the weights)."""
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            sums = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
+        rows = self.group.all_gather(name, [sums.cpu()])
+        for r, (row,) in enumerate(rows):
+            if not torch.equal(row, rows[0][0]):
+                k = int((row != rows[0][0]).any(dim=1).nonzero()[0])
+                raise RuntimeError(f"{name}: the weights of rank {r} differ from rank 0's (first: {named[k][0]}); "
+                                   "the ranks of a run must stay in step")
+
+    def close(self) -> None:
+        """End the process group if this object started it."""
+        if self.owned and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self.owned = False
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_ranks(timeout_s: float, device: torch.device) -> Ranks:
+    """This process's `Ranks`: the existing default process group, else one started from the environment that
+    torchrun (or `--nproc`) sets (gloo on the CPU, NCCL on CUDA, `timeout_s` per collective), else one process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return Ranks(dist.group.WORLD) if dist.get_world_size() > 1 else Ranks()
+    if env_world_size() <= 1:
+        return Ranks()
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set: launch with torchrun or "
+                         "`longstraw train CONFIG --nproc N`")
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device {device}: on several processes each rank takes cuda:LOCAL_RANK; use device: cuda "
+                             "or auto")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Ranks(dist.group.WORLD, owned=True)
+
+
+def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
+    """Run `python -m longstraw ARGV` as `nproc` ranks on this machine, as `torchrun --standalone --nproc-per-node
+    nproc` would (torch.distributed's elastic launcher, rendezvous on a free local port, no restarts); on the CPU each
+    rank gets one thread unless OMP_NUM_THREADS says otherwise. Returns the exit status: 0, or 1 when a rank failed
+    (the launcher then stops the others)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if env_world_size() > 1:
+        raise ValueError("--nproc inside a multi-process launch (WORLD_SIZE is set): use one or the other")
+    if cpu:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"longstraw-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    try:
+        elastic_launch(config, sys.executable)("-m", "longstraw", *argv)
+    except ChildFailedError as err:
+        failures = err.failures
+        shown = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failures.items()))
+        print(f"longstraw: {len(failures)} of {nproc} ranks failed: {shown}; the others were stopped. The last "
+              "checkpoint is intact: run the same command again to resume.", file=sys.stderr)
+        return 1
+    return 0
+
