@@ -31,6 +31,7 @@ checkpoints are written atomically by rank 0, so the last one stays intact.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import io
 import os
@@ -185,9 +186,9 @@ class Ranks:
             except RuntimeError as err:
                 self._fail(f"{name}: {pname}", err)
 
-    def check_same(self, named: list[tuple[str, torch.Tensor]], name: str) -> None:
+    def check_same(self, named: list[tuple[str, torch.Tensor]], name: str, where: str = "") -> None:
         """Raise on every rank if the parameters differ between ranks: a float64 sum and sum of squares per tensor,
-        all-gathered and compared exactly (cheap: one pass over the weights)."""
+        all-gathered and compared exactly (cheap: one pass over the weights). `where`: for the message."""
         if self.size == 1:
             return
         with torch.no_grad():
@@ -196,8 +197,8 @@ class Ranks:
         for r, (row,) in enumerate(rows):
             if not torch.equal(row, rows[0][0]):
                 k = int((row != rows[0][0]).any(dim=1).nonzero()[0])
-                raise RuntimeError(f"{name}: the weights of rank {r} differ from rank 0's (first: {named[k][0]}); "
-                                   "the ranks of a run must stay in step")
+                raise RuntimeError(f"{name} {where}: the weights of rank {r} differ from rank 0's (first: "
+                                   f"{named[k][0]}); the ranks of a run must stay in step")
 
     def close(self) -> None:
         """End the process group if this object started it."""
@@ -231,7 +232,9 @@ def setup_ranks(timeout_s: float, device: torch.device) -> Ranks:
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return Ranks(dist.group.WORLD, owned=True)
+    ranks = Ranks(dist.group.WORLD, owned=True)
+    atexit.register(ranks.close)  # also on the way out of an error: a live gloo group aborts the interpreter's exit
+    return ranks
 
 
 def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
@@ -251,10 +254,10 @@ def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "longstraw", *argv)
     except ChildFailedError as err:
-        failures = err.failures
-        shown = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failures.items()))
-        print(f"longstraw: {len(failures)} of {nproc} ranks failed: {shown}; the others were stopped. The last "
-              "checkpoint is intact: run the same command again to resume.", file=sys.stderr)
+        rank, first = err.get_first_failure()
+        print(f"longstraw: rank {rank} of {nproc} failed first (exit code {first.exitcode}; its error is above); the "
+              "launcher stopped the other ranks. The last checkpoint is intact: run the same command again to resume.",
+              file=sys.stderr)
         return 1
     return 0
 

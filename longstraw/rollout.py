@@ -238,7 +238,7 @@ class RolloutStage:
                 return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
 
             # on N ranks: scored once, on rank 0 (its result or error on every rank)
-            rewards = score() if self.ranks is None else self.ranks.from_main(f"rewards of step {step + 1}", score)
+            rewards = score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)
         if self.beta > 0:
             with meter.stage("reference"):
                 refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size,

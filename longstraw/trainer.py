@@ -225,7 +225,8 @@ class Trainer:
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
         if self.ranks.size > 1:
             with self.meter.stage("all_reduce"):  # the gradients of every rank's replays, summed: once per step
-                self.ranks.all_reduce_grads(self.masters.params, f"trainer step {step + 1}: gradient all-reduce")
+                # (where the gradients are: the float32 parameters, float32 masters of bf16 ones)
+                self.ranks.all_reduce_grads(self.masters.params, "trainer: gradient all-reduce")
             m["world_size"] = self.ranks.size
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
@@ -315,7 +316,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
-        self.ranks.check_same(self._named_trainable(), f"checkpoint at step {self.step}: weights compared")
+        self.ranks.check_same(self._named_trainable(), "checkpoint: weights compared", f"at step {self.step}")
         if not self.ranks.main:
             return None
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
@@ -333,7 +334,7 @@ class Trainer:
                                                              masters=self.masters, name=name))
         if state is None:
             return False
-        self.ranks.check_same(self._named_trainable(), f"resume from {name}: weights compared")
+        self.ranks.check_same(self._named_trainable(), "resume: weights compared", f"after loading {name}")
         self.step = state["step"]
         return True
 
@@ -345,8 +346,13 @@ class Trainer:
                 base_model = _tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
-        return export_model(self.model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
-                            base_model=base_model, base_path=base_path)
+        config = self.model.config
+        architectures = config.architectures  # save_pretrained writes it into the live config; on N ranks rank 0
+        try:                                   # alone exports, and the ranks' configs must stay equal
+            return export_model(self.model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
+                                base_model=base_model, base_path=base_path)
+        finally:
+            config.architectures = architectures
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:

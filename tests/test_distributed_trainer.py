@@ -95,16 +95,19 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
     result = dict(A=_train(os.path.join(out_dir, "A")), X=_train(os.path.join(out_dir, "X"), OTHER))
     torch.save(result, path)
 
-    def die_after_2(m):  # rank 1 vanishes without a word after step 2 (its checkpoint written by rank 0)
-        if m["step"] == 2 and rank == 1:
-            os._exit(0)
+    t_step2 = []
 
-    t0 = time.perf_counter()
+    def die_after_2(m):  # rank 1 vanishes without a word after step 2 (its checkpoint written by rank 0)
+        if m["step"] == 2:
+            if rank == 1:
+                os._exit(0)
+            t_step2.append(time.perf_counter())
+
     try:
         _train(os.path.join(out_dir, "B"), on_step=die_after_2)
         result["B_error"] = None
-    except CollectiveError as err:
-        result["B_error"] = (str(err), time.perf_counter() - t0)
+    except CollectiveError as err:  # how long rank 0 went on after step 2 before it knew
+        result["B_error"] = (str(err), time.perf_counter() - t_step2[0])
     torch.save(result, path)
 
 
@@ -210,6 +213,7 @@ def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):
     message, waited = runs["two"][0]["B_error"]
     assert "longstraw collective 'longstraw.capture: argument check' failed on rank 0 of 2" in message, message
     assert waited < TIMEOUT_S / 2
+    print(f"\nrank 1 died after step 2: rank 0 raised {waited:.2f} s after step 2 ended: {message[:150]}")
     ckpt = tmp / "B" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step-2"
     assert json.loads((ckpt / "step-2" / "trainer_state.json").read_text())["world_size"] == 2
@@ -230,10 +234,11 @@ def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):
 
 
 def test_cli_nproc_2_end_to_end(tmp_path):
-    """`longstraw train CONFIG --nproc 2`: two local ranks through torch's elastic launcher; rank 0 alone writes
-    metrics (one row per step), checkpoints, the adapter, eval.json and the report."""
+    """`longstraw train CONFIG --nproc 2`: two local ranks through torch's elastic launcher, full fine-tuning; rank 0
+    alone writes metrics (one row per step), checkpoints, the model, eval.json and the report (after rank 0's export,
+    the ranks' model configs still agree for the final evaluation's collective capture)."""
     cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8}, num_generations=2,
-               max_completion_length=2, num_steps=2, eval_examples=2, lora=True, progress=False)
+               max_completion_length=2, num_steps=2, eval_examples=2, lora=False, progress=False)
     path = tmp_path / "cfg.yaml"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "run"
@@ -246,7 +251,48 @@ def test_cli_nproc_2_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step-2"
-    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "model" / "model.safetensors").exists()
     assert json.loads((out / "eval.json").read_text())["accuracy"]
     assert proc.stdout.count("held-out greedy accuracy") == 1, proc.stdout
     print(f"\nlongstraw train --nproc 2: {time.perf_counter() - t0:.1f} s")
+
+
+SLOW_REWARD = '''
+import time
+
+
+def slow(prompts, completions, completion_ids, **kw):
+    """Scored on rank 0 only; at step 2 it takes longer than the run's dist_timeout."""
+    slow.calls += 1
+    if slow.calls == 2:
+        time.sleep(30)
+    return [float(ids[0] % 2) for ids in completion_ids]
+
+
+slow.calls = 0
+'''
+
+
+def test_cli_nproc_2_hung_rank_is_a_named_timeout(tmp_path):
+    """A rank that stops answering (rank 0 stuck in a reward function at step 2): rank 1 raises after `dist_timeout`
+    (3 s) naming the collective it waited in, the launcher stops rank 0, the command fails; step 1's checkpoint
+    stays intact."""
+    (tmp_path / "rewards.py").write_text(SLOW_REWARD)
+    cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8}, num_generations=2,
+               max_completion_length=2, num_steps=3, eval_examples=2, lora=True, progress=False,
+               reward_funcs=[f"{tmp_path / 'rewards.py'}:slow"], dist_timeout=3)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "longstraw", "train", str(path), "--output_dir", str(out),
+                           "--nproc", "2"], capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    waited = time.perf_counter() - t0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("longstraw: error: longstraw collective 'rollout: rewards from rank 0: size' failed on rank 1 of 2"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "longstraw: rank 1 of 2 failed first (exit code 3" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step-1"
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    print(f"\nhung rank 0: the command failed after {waited:.1f} s")

@@ -10,8 +10,8 @@ layers are full attention, sliding-window attention and linear attention (`KVSta
 `RecurrentState`: llama, qwen3, gemma3, qwen3_next, ...; tested: llama, gemma3_text, qwen3_next). Refused by name
 (NotImplementedError, the same on every rank): other layer kinds (MLA, DSA, compressed, chunked, hybrid-parallel,
 short conv), `prompt_grad="exact"` for models with sliding-window or linear-attention layers, `state_dtype`,
-attention sinks. Exact mode works for models of full-attention layers only. Not there yet: FSDP2 and the N-process
-trainer.
+attention sinks. Exact mode works for models of full-attention layers only. Not there yet: FSDP2. The trainer on N
+processes (torchrun, `longstraw train --nproc N`) is `longstraw.parallel`.
 
 What each rank holds
 --------------------
