@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -335,6 +336,10 @@ class Trainer:
         if state is None:
             return False
         self.ranks.check_same(self._named_trainable(), "resume: weights compared", f"after loading {name}")
+        saved = state.get("world_size", 1)
+        if saved != self.ranks.size and self.ranks.main:  # the steps do not depend on N beyond rounding
+            print(f"longstraw: resuming {name}, written by a run of {saved} process(es), on {self.ranks.size}",
+                  file=sys.stderr)
         self.step = state["step"]
         return True
 
