@@ -351,13 +351,17 @@ class Trainer:
                 base_model = _tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
+        # save_pretrained writes `dtype` and `architectures` into the live config; on N ranks rank 0 alone exports,
+        # and the ranks' configs must stay equal (a context-parallel capture compares them): put them back
         config = self.model.config
-        architectures = config.architectures  # save_pretrained writes it into the live config; on N ranks rank 0
-        try:                                   # alone exports, and the ranks' configs must stay equal
+        before = dict(vars(config))
+        try:
             return export_model(self.model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
                                 base_model=base_model, base_path=base_path)
         finally:
-            config.architectures = architectures
+            for key in set(vars(config)) - set(before):
+                delattr(config, key)
+            vars(config).update(before)
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:

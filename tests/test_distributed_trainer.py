@@ -234,11 +234,14 @@ def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):
 
 
 def test_cli_nproc_2_end_to_end(tmp_path):
-    """`longstraw train CONFIG --nproc 2`: two local ranks through torch's elastic launcher, full fine-tuning; rank 0
-    alone writes metrics (one row per step), checkpoints, the model, eval.json and the report (after rank 0's export,
-    the ranks' model configs still agree for the final evaluation's collective capture)."""
+    """`longstraw train CONFIG --nproc 2`: two local ranks through torch's elastic launcher, full fine-tuning of a bf16
+    model (float32 master weights, whose gradients are the ones summed); rank 0 alone writes metrics (one row per
+    step), checkpoints, the model, eval.json and the report (after rank 0's export, which writes `dtype` and
+    `architectures` into the model's config, the ranks' configs still agree for the final evaluation's collective
+    capture)."""
     cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8}, num_generations=2,
-               max_completion_length=2, num_steps=2, eval_examples=2, lora=False, progress=False)
+               max_completion_length=2, num_steps=2, eval_examples=2, lora=False, progress=False, device="cpu",
+               dtype="bf16")
     path = tmp_path / "cfg.yaml"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "run"
@@ -251,7 +254,7 @@ def test_cli_nproc_2_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step-2"
-    assert (out / "model" / "model.safetensors").exists()
+    assert json.loads((out / "model" / "config.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((out / "eval.json").read_text())["accuracy"]
     assert proc.stdout.count("held-out greedy accuracy") == 1, proc.stdout
     print(f"\nlongstraw train --nproc 2: {time.perf_counter() - t0:.1f} s")
