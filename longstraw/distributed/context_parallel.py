@@ -179,37 +179,49 @@ class _CaptureBranchLayer(AttentionBranchLayer):
             o, l = _fold((acc_o[:, :, a:b], acc_l[:, :, a:b]), partial)
             acc_o[:, :, a:b], acc_l[:, :, a:b] = o, l
 
+        # Both halves of the cross work in one loop, so that every rank computes at every step: the key owner's
+        # share (other ranks' second-half rows against this slice) and the query owner's (this rank's first-half
+        # rows against earlier slices). Rows of the two halves are disjoint, and each row still folds its partials
+        # in slice order, so the result is the same as running the halves one after the other.
         # keys to queries: the last rank's slice is read by no one
-        for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
-            hi = max(lo, min(lo + c, n_me))
-            got = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
-                               [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
-            for j in range(me):
-                n = min(c, lengths[j] - lo)
-                if n > 0 and half > 0:
-                    kj, vj = got[j]
-                    fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
-                                                    self._cross(own, me, j, lo, True)))
+        steps_k = list(range(0, max(lengths[:-1], default=0), c))
         # queries to keys: rank 0's rows have no earlier slice
-        for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
-            name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
-            hi = max(half + lo, min(half + lo + c, n_me))
-            got = g.all_gather(name, [_pad_rows(q[:, :, half + lo:hi], c)])
-            send = []
-            for r, (qr,) in enumerate(got):
-                m = min(c, second[r] - lo)
-                o = qr.new_zeros((1, heads, c, dv), dtype=torch.float32)
-                l = qr.new_full((1, heads, c), float("-inf"), dtype=torch.float32)
-                if r > me and m > 0:
-                    po, pl = part_forward(qr[:, :, :m], k, v, self._cross(own, r, me, lo, False))
-                    o[:, :, :m], l[:, :, :m] = po.float(), pl.float()
-                send.append([o, l])
-            back = g.all_to_all(f"{name}: partial outputs", send)
-            m = min(c, second[me] - lo)
-            if m > 0:
-                for j in range(me):  # slice order
-                    oj, lj = back[j]
-                    fold_rows(half + lo, half + lo + m, (oj[:, :, :m], lj[:, :, :m]))
+        steps_q = list(range(0, max(second[1:], default=0), c))
+        for step in range(max(len(steps_k), len(steps_q))):
+            got_k = got_q = None
+            if step < len(steps_k):
+                lo = steps_k[step]
+                hi = max(lo, min(lo + c, n_me))
+                got_k = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
+                                     [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+            if step < len(steps_q):
+                lo_q = steps_q[step]
+                name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
+                hi_q = max(half + lo_q, min(half + lo_q + c, n_me))
+                got_q = g.all_gather(name, [_pad_rows(q[:, :, half + lo_q:hi_q], c)])
+                send = []  # the key owner's share first: the other ranks wait for it
+                for r, (qr,) in enumerate(got_q):
+                    m = min(c, second[r] - lo_q)
+                    o = qr.new_zeros((1, heads, c, dv), dtype=torch.float32)
+                    l = qr.new_full((1, heads, c), float("-inf"), dtype=torch.float32)
+                    if r > me and m > 0:
+                        po, pl = part_forward(qr[:, :, :m], k, v, self._cross(own, r, me, lo_q, False))
+                        o[:, :, :m], l[:, :, :m] = po.float(), pl.float()
+                    send.append([o, l])
+            if got_k is not None:
+                for j in range(me):
+                    n = min(c, lengths[j] - lo)
+                    if n > 0 and half > 0:
+                        kj, vj = got_k[j]
+                        fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
+                                                        self._cross(own, me, j, lo, True)))
+            if got_q is not None:
+                back = g.all_to_all(f"{name}: partial outputs", send)
+                m = min(c, second[me] - lo_q)
+                if m > 0:
+                    for j in range(me):  # slice order
+                        oj, lj = back[j]
+                        fold_rows(half + lo_q, half + lo_q + m, (oj[:, :, :m], lj[:, :, :m]))
         out, lse = _fold((acc_o, acc_l), part_forward(q, k, v, own))
         return out.to(q.dtype), lse
 
