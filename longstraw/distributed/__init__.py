@@ -38,6 +38,9 @@ queries of its slice to its own slice (causal, local) and to the slices of ranks
 - queries to keys, for the second half: the ranks all-gather C of their second-half query rows per step, each rank
   j computes (out, lse) of every later rank's rows against its whole slice, and an all-to-all returns the partials
   to their owners, which fold them in slice order.
+Both run in the same steps (step s all-gathers chunk s of the keys and chunk s of the queries, then each rank
+computes its share of both), so no rank idles through the other's half; rows of the two halves are disjoint, so
+each row's partials fold in the same order either way.
 The merged output goes on through the layer; the slice's K/V become the durable state. Sliding-window layers
 all-gather the last W − 1 K/V of every slice once (all any later query reads; every rank then also holds the
 prompt's final window). Linear-attention layers relay their conv + recurrent state: rank r waits for the state at

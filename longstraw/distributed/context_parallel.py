@@ -138,6 +138,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
     - the second half of its query rows go to the keys: the ranks all-gather `chunk` of their second-half query rows
       per step, each rank j computes (out, lse) of the later ranks' rows against its whole slice, and an all-to-all
       returns them to their owners, which fold them in slice order.
+    Both shares run in the same steps, so every rank computes at every step.
     Rank r then does r/2 + (N − 1 − r)/2 = (N − 1)/2 cross blocks of n² plus its causal n²/2: N/2 · n² each, the
     single process's (N·n)²/2 split evenly."""
 
