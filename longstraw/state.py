@@ -237,12 +237,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
 
         return capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
                           state_device=state_device)
-    if prompt_grad not in PROMPT_GRAD_MODES:
-        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    check_capture_options(prompt_grad, chunk_size, block_size)
     compressed = quant.state_dtype(state_dtype)
     if compressed is not None and prompt_grad == "exact":
         raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
@@ -300,6 +295,16 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         for layer in layers[first:]:
             layer.require_grad()
     return state
+
+
+def check_capture_options(prompt_grad, chunk_size, block_size) -> None:
+    """`capture`'s scalar options (one process or a group): a clear error naming the option."""
+    if prompt_grad not in PROMPT_GRAD_MODES:
+        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
 
 
 def model_device(model) -> torch.device:

@@ -18,7 +18,7 @@ from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
-from ..state import (PROMPT_GRAD_MODES, PromptState, Replay, _as_ids, _check_length, _first_trainable_layer,
+from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, check_capture_options,
                      model_device, run_decoder)
 from .collectives import Group, digest
 
@@ -419,12 +419,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         "model config": bm.config.to_json_string(use_diff=False),
         "trainable parameters": trainable,
     })
-    if prompt_grad not in PROMPT_GRAD_MODES:
-        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    check_capture_options(prompt_grad, chunk_size, block_size)
     if state_dtype is not None:
         raise NotImplementedError("context-parallel capture (group=...) keeps the state in the model's dtype so far; "
                                   "state_dtype is not supported with group=")
