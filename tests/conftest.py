@@ -149,9 +149,10 @@ def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
 
 def tie_free_tokens(model, p: int, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt, response) of lengths p, r from `seed`, or for DSA models from the first of the next seeds whose
-    full sequence has no top-k near-tie (`assert_tie_free`)."""
+    full sequence has no top-k near-tie (`assert_tie_free`); on the model's device."""
+    device = next(model.parameters()).device
     for s in range(seed, seed + 20):
-        prompt, response = tokens(p, s), tokens(r, s + 1000)
+        prompt, response = tokens(p, s).to(device), tokens(r, s + 1000).to(device)
         try:
             assert_tie_free(model, torch.cat([prompt, response]))
         except AssertionError:

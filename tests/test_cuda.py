@@ -32,9 +32,7 @@ def _model(arch, dtype=torch.float32, use_lora=False):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_replay_equals_full_sequence_fp32(arch):
     model = _model(arch)
-    prompt, response = tie_free_tokens(model.cpu(), 70, 9, seed=1)
-    model.to(CUDA)
-    prompt, response = prompt.to(CUDA), response.to(CUDA)
+    prompt, response = tie_free_tokens(model, 70, 9, seed=1)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response)
         with longstraw.capture(model, prompt, chunk_size=16, block_size=8) as state:
@@ -48,9 +46,7 @@ def test_bf16_replay_error_within_transformers_own_bf16_error(arch):
     """bf16 capture + replay vs the fp32 full-sequence forward: ≤ 1.5 × transformers' own bf16 forward's error
     (mean and max over the response; a 2e-3 floor where that error is near zero)."""
     model = _model(arch)
-    prompt, response = tie_free_tokens(model.cpu(), 300, 16, seed=2)
-    model.to(CUDA)
-    prompt, response = prompt.to(CUDA), response.to(CUDA)
+    prompt, response = tie_free_tokens(model, 300, 16, seed=2)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response)
         model.to(torch.bfloat16)
@@ -66,8 +62,7 @@ def test_bf16_replay_error_within_transformers_own_bf16_error(arch):
 def test_detached_gradients_equal_cache_reference(arch):
     model = _model(arch, use_lora=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    prompt, response = (t.to(CUDA) for t in tie_free_tokens(model.cpu(), 40, 7, seed=3))
-    model.to(CUDA)
+    prompt, response = tie_free_tokens(model, 40, 7, seed=3)
     adv = torch.linspace(-1.0, 1.5, 7, device=CUDA)
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         ref = cache_reference_logprobs(model, prompt, response)
