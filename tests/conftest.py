@@ -147,6 +147,26 @@ def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
     return sparse
 
 
+def full_and_resumed(make_trainer, stop_after: int = 2):
+    """(uninterrupted trainer, resumed trainer): `make_trainer(name)` builds a Trainer writing to its own folder per
+    name; the "part" run is interrupted after step `stop_after`, then a fresh trainer resumes it to the end."""
+    full = make_trainer("full")
+    full.train()
+
+    class Stop(Exception):
+        pass
+
+    def stop(m):
+        if m["step"] == stop_after:
+            raise Stop
+
+    with pytest.raises(Stop):
+        make_trainer("part").train(on_step=stop)
+    resumed = make_trainer("part")
+    resumed.train()
+    return full, resumed
+
+
 def tie_free_tokens(model, p: int, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt, response) of lengths p, r from `seed`, or for DSA models from the first of the next seeds whose
     full sequence has no top-k near-tie (`assert_tie_free`); on the model's device."""

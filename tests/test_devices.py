@@ -10,6 +10,8 @@ from longstraw.devices import resolve_device, resolve_dtype
 from longstraw.precision import MasterWeights
 from longstraw.trainer import Trainer
 
+from .conftest import full_and_resumed
+
 
 def test_auto_resolves_to_the_cpu_in_float32_here():
     if torch.cuda.is_available():
@@ -120,20 +122,7 @@ def test_bf16_full_fine_tuning_steps_on_float32_masters(tmp_path):
 def test_bf16_full_fine_tuning_resumes_exactly(tmp_path):
     """Interrupted after step 2 and resumed, a bf16 run ends with the masters (saved in the checkpoint, not
     re-read from the rounded weights) and weights of the uninterrupted run."""
-    full = Trainer(_bf16_full_cfg(tmp_path, "full"))
-    full.train()
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_2(m):
-        if m["step"] == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
-        Trainer(_bf16_full_cfg(tmp_path, "part")).train(on_step=stop_after_2)
-    resumed = Trainer(_bf16_full_cfg(tmp_path, "part"))
-    resumed.train()
+    full, resumed = full_and_resumed(lambda name: Trainer(_bf16_full_cfg(tmp_path, name)))
     assert resumed.step == 4
     for (pa, ma), (pb, mb) in zip(full.masters.pairs, resumed.masters.pairs):
         assert torch.equal(pa, pb) and torch.equal(ma, mb)

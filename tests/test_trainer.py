@@ -11,6 +11,8 @@ import torch
 from longstraw.config import TrainConfig
 from longstraw.trainer import RewardFunctionError, Trainer
 
+from .conftest import full_and_resumed
+
 DETERMINISTIC = ("loss", "reward", "reward_std", "entropy", "clip_ratio", "grad_norm", "lr", "step", "prompt_length",
                  "completion_length", "kl", "durable_bytes", "rewards/exact_match/mean")
 
@@ -52,21 +54,7 @@ def test_one_optimizer_step_per_batch(tmp_path, prompt_grad):
 
 @pytest.mark.parametrize("prompts_per_step", [1, 2], ids=["state-reused", "recaptured"])
 def test_resume_after_step_2_equals_uninterrupted(tmp_path, prompts_per_step):
-    full = Trainer(_cfg(tmp_path, "full", prompts_per_step=prompts_per_step))
-    full.train()
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_2(m):
-        if m["step"] == 2:
-            raise Stop
-
-    part = Trainer(_cfg(tmp_path, "part", prompts_per_step=prompts_per_step))
-    with pytest.raises(Stop):
-        part.train(on_step=stop_after_2)
-    resumed = Trainer(_cfg(tmp_path, "part", prompts_per_step=prompts_per_step))
-    resumed.train()
+    full, resumed = full_and_resumed(lambda name: Trainer(_cfg(tmp_path, name, prompts_per_step=prompts_per_step)))
     assert resumed.step == 4
     _same(_metrics(tmp_path / "full"), _metrics(tmp_path / "part"))
     wa, wb = _weights(full), _weights(resumed)
