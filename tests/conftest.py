@@ -147,6 +147,25 @@ def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
     return sparse
 
 
+def spawn_ranks(worker, args: tuple, n: int, preload: list[str], timeout_s: float, what: str) -> None:
+    """Run `worker(rank, *args)` in `n` processes and wait for them; any rank still running after `timeout_s` is
+    killed and the test fails (a hung collective never hangs CI). The ranks come from a forkserver that imported
+    `preload` once, so starting one costs a fork."""
+    import multiprocessing
+    import time
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(preload)
+    ctx = mp.start_processes(worker, args=args, nprocs=n, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"{n} ranks did not finish {what} within {timeout_s} s")
+
+
 def full_and_resumed(make_trainer, stop_after: int = 2):
     """(uninterrupted trainer, resumed trainer): `make_trainer(name)` builds a Trainer writing to its own folder per
     name; the "part" run is interrupted after step `stop_after`, then a fresh trainer resumes it to the end."""

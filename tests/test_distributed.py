@@ -8,7 +8,6 @@ reference runs in the test process. The ranks write what they measured with `tor
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import time
 import warnings
@@ -16,12 +15,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import longstraw
 from longstraw.distributed import slice_bounds
 
-from .conftest import lora, rel_err, tokens
+from .conftest import lora, rel_err, spawn_ranks, tokens
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank)
@@ -151,20 +149,10 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
 
 
 def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[dict]:
-    # a forkserver that imported torch, transformers and longstraw once: starting a rank then costs a fork
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "longstraw", "longstraw.distributed",
-                                            "longstraw.models", "transformers.models.llama.modeling_llama",
-                                            "transformers.models.gemma3.modeling_gemma3",
-                                            "transformers.models.qwen3_next.modeling_qwen3_next"])
-    ctx = mp.start_processes(_worker, args=(n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout,
-                                            tuple(exact_cases)),
-                             nprocs=n, join=False, start_method="forkserver")
-    deadline = time.monotonic() + 3 * TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"{n} ranks did not finish within {3 * TIMEOUT_S} s")
+    spawn_ranks(_worker, (n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout, tuple(exact_cases)), n,
+                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models",
+                 "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
+                 "transformers.models.qwen3_next.modeling_qwen3_next"], 3 * TIMEOUT_S, "their cases")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 

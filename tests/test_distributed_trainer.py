@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -24,10 +23,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from longstraw.config import TrainConfig
 from longstraw.trainer import Trainer
+
+from .conftest import spawn_ranks
 
 TIMEOUT_S = 60  # the group's collective timeout; each spawn must finish within 2 × this
 STEPS = 3
@@ -112,18 +112,10 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
 
 
 def _spawn(tmp_path, scenario: str) -> list[dict]:
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers", "peft", "longstraw",
-                                            "longstraw.trainer", "longstraw.distributed",
-                                            "transformers.models.llama.modeling_llama"])
     init = tmp_path / f"init-{scenario}"
-    ctx = mp.start_processes(_worker, args=(2, str(init), str(tmp_path), scenario), nprocs=2, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + 2 * TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"2 ranks did not finish {scenario!r} within {2 * TIMEOUT_S} s")
+    spawn_ranks(_worker, (2, str(init), str(tmp_path), scenario), 2,
+                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.trainer",
+                 "longstraw.distributed", "transformers.models.llama.modeling_llama"], 2 * TIMEOUT_S, repr(scenario))
     return [torch.load(tmp_path / f"{scenario}-rank{r}.pt") for r in range(2)]
 
 
