@@ -205,7 +205,7 @@ def _check_length(cfg, total: int) -> None:
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
             block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
-            state_device=None, group=None) -> PromptState:
+            state_device=None, group=None, progress=None) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
@@ -231,12 +231,21 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
     (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
     families (`longstraw.archs`); True: always; False: never.
+
+    `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
+    of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
     """
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
     if group is not None:
         from .distributed.context_parallel import capture as capture_cp
 
-        return capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
-                          state_device=state_device)
+        state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
+                           state_device=state_device)
+        if progress is not None:
+            captured = torch.as_tensor(prompt_ids).numel() - 1
+            progress(captured, captured)
+        return state
     check_capture_options(prompt_grad, chunk_size, block_size)
     compressed = quant.state_dtype(state_dtype)
     if compressed is not None and prompt_grad == "exact":
@@ -289,6 +298,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
             for layer, branch in zip(layers, cache.layers):
                 layer.commit(branch, e - s)
             del cache
+            if progress is not None:
+                progress(e, captured)
     if exact:
         state._prompt = prompt[:captured]
         first = _first_trainable_layer(parts)

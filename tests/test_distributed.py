@@ -22,8 +22,9 @@ from longstraw.distributed import slice_bounds
 from .conftest import lora, rel_err, spawn_ranks, tokens
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
-#: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank)
-ARCHS = ("llama", "gemma3_text", "qwen3_next")
+#: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank), MLA
+#: (sliced latents)
+ARCHS = ("llama", "gemma3_text", "qwen3_next", "deepseek_v3")
 ARCH = "llama"  # the cases that are not about layer kinds
 RESPONSE_LENGTHS = (5, 7, 3, 6)
 TIMEOUT_S = 60
@@ -152,14 +153,15 @@ def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[d
     spawn_ranks(_worker, (n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout, tuple(exact_cases)), n,
                 ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models",
                  "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
-                 "transformers.models.qwen3_next.modeling_qwen3_next"], 3 * TIMEOUT_S, "their cases")
+                 "transformers.models.qwen3_next.modeling_qwen3_next",
+                 "transformers.models.deepseek_v3.modeling_deepseek_v3"], 3 * TIMEOUT_S, "their cases")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 
 def _reference(arch: str, p: int, n: int, use_lora: bool):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
     the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
-    from longstraw.layers import KVState
+    from longstraw.layers import KVState, LatentState
 
     model = longstraw.models.tiny_model(arch)
     model = lora(model) if use_lora else model
@@ -175,7 +177,7 @@ def _reference(arch: str, p: int, n: int, use_lora: bool):
             (_advantage(r, response.numel()) * out.logprobs).sum().backward()
             logprobs.append(out.logprobs.detach())
         rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
-    growing = sum(layer.nbytes for layer in state.layers if type(layer) is KVState)
+    growing = sum(layer.nbytes for layer in state.layers if type(layer) in (KVState, LatentState))
     samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
     return rounds, state.nbytes, growing, samples
 
@@ -271,9 +273,10 @@ def _check(results, n: int, cases, measured: dict):
 def test_context_parallel_two_ranks(tmp_path):
     """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds, LoRA; mismatches refused; a missing
     rank times out by name."""
-    cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False))
+    cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
+             ("deepseek_v3", 30, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, False),)
+    exact = (("llama", 30, False), ("deepseek_v3", 30, True))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
     measured = {}
     _check(results, 2, cases, measured)
@@ -287,9 +290,10 @@ def test_context_parallel_two_ranks(tmp_path):
 def test_context_parallel_four_ranks(tmp_path):
     """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
     back); rank 3 replays the same response as rank 0."""
-    cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True))
+    cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
+             ("deepseek_v3", 12, True))
     t0 = time.perf_counter()
-    exact = (("llama", 30, True),)
+    exact = (("llama", 30, True), ("deepseek_v3", 12, False))
     results = _run(4, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 4, cases, measured)

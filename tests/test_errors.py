@@ -110,3 +110,12 @@ def test_model_works_normally_after_an_error_inside_a_replay():
     assert m.config._attn_implementation == "sdpa"
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids).logits, before)
+
+
+def test_capture_reports_progress_per_chunk(model):
+    """`progress(done, total)` after each chunk: 10 captured tokens in chunks of 4 → 4, 8, 10."""
+    calls = []
+    longstraw.capture(model, tokens(11, 1), chunk_size=4, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(4, 10), (8, 10), (10, 10)]
+    with pytest.raises(TypeError, match="progress"):
+        longstraw.capture(model, tokens(11, 1), progress="yes")

@@ -6,12 +6,13 @@
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
 Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder
-layers are full attention, sliding-window attention and linear attention (`KVState`, `SlidingKVState`,
-`RecurrentState`: llama, qwen3, gemma3, qwen3_next, ...; tested: llama, gemma3_text, qwen3_next). Refused by name
-(NotImplementedError, the same on every rank): other layer kinds (MLA, DSA, compressed, chunked, hybrid-parallel,
-short conv), `prompt_grad="exact"` for models with sliding-window or linear-attention layers, `state_dtype`,
-attention sinks. Exact mode works for models of full-attention layers only. Not there yet: FSDP2. The trainer on N
-processes (torchrun, `longstraw train --nproc N`) is `longstraw.parallel`.
+layers are full attention, MLA, sliding-window attention and linear attention (`KVState`, `LatentState`,
+`SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, kimi, gemma3, qwen3_next, ...; tested: llama,
+deepseek_v3, gemma3_text, qwen3_next). Refused by name (NotImplementedError, the same on every rank): other layer
+kinds (DSA, compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sliding-window
+or linear-attention layers, `state_dtype`, attention sinks. Exact mode works for models of full-attention and MLA
+layers. Not there yet: FSDP2. The trainer on N processes (torchrun, `longstraw train --nproc N`) is
+`longstraw.parallel`.
 
 What each rank holds
 --------------------
@@ -23,8 +24,11 @@ What each rank holds
   layer's final conv + recurrent state belong to the end of the prompt, i.e. to every rank's replay, so every rank
   holds them alike (`ContextParallelState.replicated_nbytes`; `sliced_nbytes` is its share of the K/V). Replays read
   them locally, without a collective.
-- Later (designed, not built): MLA latents and DSA indexer keys sliced like K/V (DSA: each rank its local top-k
-  candidates, merged by (score, position) so the selection does not depend on N).
+- For every MLA layer rank r keeps the latents `[c | k_rot]` of its slice (`SliceLatentState`, 1/N of the
+  single-process latents): MLA in latent space is multi-query attention with the latent as its one key head and as
+  its values, so it runs through the same exchanges as K/V with keys and values one tensor (sent once).
+- Later (designed, not built): DSA indexer keys sliced like the latents (each rank its local top-k candidates,
+  merged by (score, position) so the selection does not depend on N).
 
 Capture (collective)
 --------------------

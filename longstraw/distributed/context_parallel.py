@@ -14,6 +14,7 @@ from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
 from ..layers.full_attention import AttentionBranchLayer, KVState
+from ..layers.latent_attention import LatentState
 from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
@@ -22,7 +23,7 @@ from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainab
                      model_device, run_decoder)
 from .collectives import Group, digest
 
-__all__ = ["ContextParallelState", "SliceKVState", "capture", "slice_bounds"]
+__all__ = ["ContextParallelState", "SliceKVState", "SliceLatentState", "capture", "slice_bounds"]
 
 
 def slice_bounds(total: int, size: int) -> list[tuple[int, int]]:
@@ -122,11 +123,56 @@ class SliceKVState(LayerState):
         self.values.requires_grad_(True)
 
 
+class SliceLatentState(SliceKVState):
+    """Latents `[1, 1, end − start, kv_lora_rank + qk_rope_head_dim]` of one MLA layer for this rank's slice (built by
+    the context-parallel capture in place of `LatentState`). The latent attention is multi-query attention with the
+    latent as its one key head and as its values (`longstraw.latent_attention`), so the slice is read as K/V with
+    `keys` and `values` the same tensor, kept once."""
+
+    def commit(self, branch_layer, n: int) -> None:
+        latent = branch_layer.keys
+        if n != self.end - self.start or latent.shape[-2] != n:
+            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
+                               f"produced {latent.shape[-2]} latents")
+        self.keys = base.empty_state(latent, tuple(latent.shape))
+        self.keys.copy_(latent)
+        self.values = self.keys
+        self.length = self.end
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.keys is None else [self.keys]
+
+    def require_grad(self) -> None:
+        self.keys.requires_grad_(True)
+
+
+class _LatentOwn:
+    """What `longstraw.layers.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
+    layers of MLA layers: the branch's own latents are its keys and its values (one tensor), there is no local prompt
+    part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch."""
+
+    prompt = None
+    prompt_index = None
+    absorbed = None
+    index_keys = None
+
+    def append(self, latent: torch.Tensor) -> torch.Tensor:
+        self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
+        self.values = self.keys
+        return self.keys
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys = self.values = self.keys[indices]
+
+
 # ----------------------------------------------------------------------------------------- capture
 
 #: layer kinds the context-parallel capture serves: full attention (sliced), sliding window and linear attention
 #: (replicated O(1) states)
-_SERVED = frozenset({KVState, SlidingKVState, RecurrentState})
+_SERVED = frozenset({KVState, LatentState, SlidingKVState, RecurrentState})
+#: layer kinds whose state is sliced by position (the others are replicated): the slice's state kind, per kind
+_SLICED = {KVState: SliceKVState, LatentState: SliceLatentState}
 
 
 class _CaptureBranchLayer(AttentionBranchLayer):
@@ -193,8 +239,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
             if step < len(steps_k):
                 lo = steps_k[step]
                 hi = max(lo, min(lo + c, n_me))
-                got_k = g.all_gather(f"capture layer {self.layer_idx}: keys and values, step {step}",
-                                     [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+                got_k = _gather_kv(g, f"capture layer {self.layer_idx}: keys and values, step {step}", k, v, lo, hi, c)
             if step < len(steps_q):
                 lo_q = steps_q[step]
                 name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
@@ -241,7 +286,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         for step, lo in enumerate(range(0, max(lengths[:-1], default=0), c)):
             name = f"capture backward layer {self.layer_idx}: keys and values, step {step}"
             hi = max(lo, min(lo + c, n_me))
-            got = g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+            got = _gather_kv(g, name, k, v, lo, hi, c)
             send = []
             for j, (kj, vj) in enumerate(got):
                 dkj, dvj = torch.zeros_like(kj, dtype=torch.float32), torch.zeros_like(vj, dtype=torch.float32)
@@ -279,6 +324,18 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _gather_kv(g: Group, name: str, k, v, lo: int, hi: int, c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's K/V rows [lo, hi) of its slice, padded to `c` rows: `[(k_j, v_j)]` in rank order. Where `v` is `k`
+    (an MLA layer's latents) the rows travel once."""
+    if v is k:
+        return [(kj, kj) for (kj,) in g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c)])]
+    return g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
+
+
+class _LatentCaptureBranchLayer(_LatentOwn, _CaptureBranchLayer):
+    """`_CaptureBranchLayer` of an MLA layer: the latents are the slice's keys and values."""
+
+
 class CaptureAttention(torch.autograd.Function):
     """A full-attention layer of the context-parallel capture (`_CaptureBranchLayer`): forward under `no_grad` at
     capture; with autograd in exact mode's reverse pass, whose backward is collective too (`backward_parts`).
@@ -296,6 +353,11 @@ class CaptureAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.layer.backward_parts(dout, q, k, v, out, lse, ctx.own)
         return dq, dk, dv, None, None
+
+
+def _capture_branch(layer, group: Group, bounds, layer_idx: int, chunk: int) -> _CaptureBranchLayer:
+    kind = _LatentCaptureBranchLayer if isinstance(layer, SliceLatentState) else _CaptureBranchLayer
+    return kind(group, bounds, layer_idx, chunk)
 
 
 def _window_before(tails, bounds, pos: int, keep: int):
@@ -437,9 +499,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
-    if prompt_grad == "exact" and kinds != {KVState}:
+    if prompt_grad == "exact" and not kinds <= set(_SLICED):
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
-                                  "full-attention layers only so far")
+                                  "full-attention and MLA layers only so far")
     device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -458,9 +520,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
 
     layers, branches = [], []
     for i, layer in enumerate(layer_states(parts.config, captured)):
-        if type(layer) is KVState:
-            layers.append(SliceKVState(parts.config, i, s, e))
-            branches.append(_CaptureBranchLayer(g, bounds, i, chunk_size))
+        if type(layer) in _SLICED:
+            layers.append(_SLICED[type(layer)](parts.config, i, s, e))
+            branches.append(_capture_branch(layers[-1], g, bounds, i, chunk_size))
         elif type(layer) is SlidingKVState:
             layers.append(layer)
             branches.append(_SlidingCaptureBranchLayer(g, bounds, i, layer.window))
@@ -633,6 +695,22 @@ class _SampleBranchLayer(AttentionBranchLayer):
         return out.to(q.dtype)
 
 
+class _LatentReplayBranchLayer(_LatentOwn, _ReplayBranchLayer):
+    """`_ReplayBranchLayer` of an MLA layer."""
+
+
+class _LatentSampleBranchLayer(_LatentOwn, _SampleBranchLayer):
+    """`_SampleBranchLayer` of an MLA layer."""
+
+
+def _replay_branch(layer, info: _ReplayInfo, start: int):
+    return (_LatentReplayBranchLayer if isinstance(layer, SliceLatentState) else _ReplayBranchLayer)(info, start)
+
+
+def _sample_branch(layer, group: Group, start: int):
+    return (_LatentSampleBranchLayer if isinstance(layer, SliceLatentState) else _SampleBranchLayer)(group, layer, start)
+
+
 class ContextParallelState(PromptState):
     """The durable state of this rank's slice of a prompt captured over a process group (`capture(..., group=)`).
 
@@ -698,7 +776,7 @@ class ContextParallelState(PromptState):
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        cache = BranchCache([_ReplayBranchLayer(_ReplayInfo(self.group, lengths, layer), start)
+        cache = BranchCache([_replay_branch(layer, _ReplayInfo(self.group, lengths, layer), start)
                              if isinstance(layer, SliceKVState) else layer.branch() for layer in layers],
                             block=self.block)
         hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
@@ -722,14 +800,16 @@ class ContextParallelState(PromptState):
             raise RuntimeError("PromptState.backward() was already called for this state")
         self.group.agree("ContextParallelState.backward", {"captured state": self._key, "replays": self._replays})
         s, e = self.slice
-        cache = BranchCache([_CaptureBranchLayer(self.group, self.bounds, i, self.chunk_size)
-                             for i in range(len(layers))], block=self.block)
+        cache = BranchCache([_capture_branch(layer, self.group, self.bounds, i, self.chunk_size)
+                             for i, layer in enumerate(layers)], block=self.block)
         device = self.last_token.device
         with torch.enable_grad():
             run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
         outputs, grads = [], []
         for layer, branch in zip(layers, cache.layers):
-            for own, leaf in ((branch.keys, layer.keys), (branch.values, layer.values)):
+            pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
+                (branch.keys, layer.keys), (branch.values, layer.values))  # MLA: one leaf, read as keys and values
+            for own, leaf in pairs:
                 if own.requires_grad and leaf.grad is not None:
                     outputs.append(own)
                     grads.append(leaf.grad.to(own.dtype))
@@ -764,5 +844,5 @@ class ContextParallelState(PromptState):
     def _cache(self, batch: int = 1) -> BranchCache:
         """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
         start = self.prompt_length - 1
-        return BranchCache([_SampleBranchLayer(self.group, layer, start) if isinstance(layer, SliceKVState)
+        return BranchCache([_sample_branch(layer, self.group, start) if isinstance(layer, SliceKVState)
                             else layer.branch(batch) for layer in self._live()], block=self.block)

@@ -148,7 +148,13 @@ class LatentAttention:
                                      cache.block, index_rotary)
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
-        if selection is None:
+        attend = getattr(layer, "attend", None)
+        if selection is None and attend is not None:
+            # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
+            # attention with the latents as the one key head and as the values, as `latent_attention` runs it
+            out = attend(m, query, own, own, q_start=q_start, own_start=own_start, scale=m.scaling, window=None,
+                         softcap=None, sinks=None, block=cache.block)[..., :r]
+        elif selection is None:
             out = latent_attention(query, own, layer.prompt, r, **kw)
         else:
             out = sparse_latent_attention(query, own, layer.prompt, selection, r, **kw)
