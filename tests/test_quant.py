@@ -113,10 +113,14 @@ def test_nbytes_at_a_whole_number_of_blocks():
     assert small.nbytes / full.nbytes <= 0.27
 
 
-def test_no_full_precision_copy_of_the_compressed_state():
-    """At P = 700 with key blocks of 32, no floating-point tensor other than the state has a dimension spanning
-    the 640 quantized prompt tokens, in capture or in a replay with backward: the state is dequantized one tile at
-    a time, never whole."""
+def test_no_full_precision_copy_of_the_compressed_state(monkeypatch):
+    """At P = 700 with key blocks and CPU tiles of 32, no floating-point tensor other than the state has a dimension
+    spanning the 640 quantized prompt tokens, in capture or in a replay with backward: the state is dequantized one
+    tile at a time, never whole (tiles hold `CPU_TILE_ELEMENTS` keys × heads × dims, 2M by default: at this size the
+    whole state would be one tile)."""
+    import longstraw.kernels.fused as fused
+
+    monkeypatch.setattr(fused, "CPU_TILE_ELEMENTS", 1)
     model = make_model("llama", use_lora=True)
     with _Outputs() as capture_mode:
         state = longstraw.capture(model, tokens(700, 4), chunk_size=64, block_size=32, state_dtype="int8")

@@ -13,7 +13,7 @@ with the part's whole log-sum-exp gives exactly that tile's share of dq). Transi
 of K/V (and of its dK / dV), never a copy of the part.
 
 - `flash_cpu`: `aten._scaled_dot_product_flash_attention_for_cpu` (+ backward), torch 2.11–2.13; float32,
-  bfloat16, float16; tiles of `part.block` keys.
+  bfloat16, float16; tiles of TILE_ELEMENTS keys × heads × dims (at least `part.block` keys).
 - `flash_cuda`: `aten._scaled_dot_product_flash_attention` (FlashAttention-2 in PyTorch), bfloat16 /
   float16, head dim ≤ 256 and a multiple of 8; tiles of `CUDA_TILE` keys.
 - `efficient_cuda`: `aten._scaled_dot_product_efficient_attention` (memory-efficient attention), float32
@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..quant import read_block
-from .part import Part, mask_free_mode
+from .part import TILE_ELEMENTS, Part, mask_free_mode
 
 aten = torch.ops.aten
+#: keys × heads × dims per tile when a CPU part is read tile by tile (a compressed state, dq-only backward)
+CPU_TILE_ELEMENTS = TILE_ELEMENTS
 #: keys per tile when a CUDA part is read tile by tile (compressed / host state, dq-only backward)
 CUDA_TILE = 1 << 16
 
@@ -93,7 +95,8 @@ class FusedKernel:
     def head_dim_ok(self, d: int) -> bool:
         return True
 
-    def tile(self, part: Part) -> int:
+    def tile(self, part: Part, k) -> int:
+        """Keys per tile when the part's keys are read tile by tile (`k` `[1, Hkv, T, D]`)."""
         return CUDA_TILE
 
     def raw_forward(self, q, k, v, causal: bool, scale: float):
@@ -134,7 +137,7 @@ class FusedKernel:
             out, lse = self.raw_forward(qf, k, v, False, part.scale)
         else:
             out = lse = None
-            for _, _, kb, vb in tiles(k, v, self.tile(part), q.dtype, q.device):
+            for _, _, kb, vb in tiles(k, v, self.tile(part, k), q.dtype, q.device):
                 o, l = self.raw_forward(qf, kb, vb, False, part.scale)
                 if out is None:
                     out, lse = o.float(), l
@@ -161,7 +164,7 @@ class FusedKernel:
             dq, dk, dv = self.raw_backward(dof, qf, k, v, outf, lsef, False, part.scale)
             return dq.reshape(q.shape), dk, dv
         dq = None
-        for _, _, kb, vb in tiles(k, v, self.tile(part), q.dtype, q.device):
+        for _, _, kb, vb in tiles(k, v, self.tile(part, k), q.dtype, q.device):
             d, _, _ = self.raw_backward(dof, qf, kb, vb, outf, lsef, False, part.scale)
             dq = d.float() if dq is None else dq + d.float()
         return dq.to(q.dtype).reshape(q.shape), None, None
@@ -184,8 +187,11 @@ class FlashCPU(FusedKernel):
     def available(self):
         return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
 
-    def tile(self, part):
-        return part.block
+    def tile(self, part, k):
+        # a tile of about CPU_TILE_ELEMENTS keys × heads × dims (8 MiB per float32 K or V tile), at least one key
+        # block: each tile costs a kernel call and a float32 merge of the whole output, so small tiles of a long
+        # state spend more time merging than attending (measured: 1,024-key tiles 2.3× slower than 65,536)
+        return max(part.block, CPU_TILE_ELEMENTS // max(1, k.shape[1] * k.shape[-1]))
 
     def raw_forward(self, q, k, v, causal, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
