@@ -8,6 +8,7 @@ reference runs in the test process. The ranks write what they measured with `tor
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 import warnings
@@ -19,13 +20,14 @@ import torch.distributed as dist
 import longstraw
 from longstraw.distributed import slice_bounds
 
-from .conftest import lora, rel_err, spawn_ranks, tokens
+from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank), MLA
-#: (sliced latents)
-ARCHS = ("llama", "gemma3_text", "qwen3_next", "deepseek_v3")
+#: (sliced latents), DSA (sliced latents and indexer keys, selection merged across ranks)
+ARCHS = ("llama", "gemma3_text", "qwen3_next", "deepseek_v3", "glm_moe_dsa")
 ARCH = "llama"  # the cases that are not about layer kinds
+SPARSE = ("glm_moe_dsa",)  # DSA: prompts chosen tie-free (`_tie_free_seed`)
 RESPONSE_LENGTHS = (5, 7, 3, 6)
 TIMEOUT_S = 60
 SAMPLE = dict(num=3, max_new_tokens=6, temperature=1.0, top_k=50, stop_token_ids=(1, 183, 229))
@@ -41,8 +43,27 @@ def _advantage(rank: int, length: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0 + rank, length)
 
 
-def _prompt(p: int, rank: int = 0, differ: bool = False) -> torch.Tensor:
-    t = tokens(p, seed=1)
+@functools.cache
+def _tie_free_seed(arch: str, p: int, n: int) -> int:
+    """DSA: the first prompt seed whose full sequences with every rank's responses have no top-k near-tie (a near-tie
+    may select differently under any change of summation order; `conftest.assert_tie_free`)."""
+    from longstraw.models import tiny_model
+
+    model = tiny_model(arch)
+    for seed in range(1, 40):
+        prompt = tokens(p, seed=seed)
+        try:
+            for round_ in range(2):
+                for r in range(n):
+                    assert_tie_free(model, torch.cat([prompt, _response(r, n, round_)]))
+        except AssertionError:
+            continue
+        return seed
+    raise AssertionError(f"no tie-free prompt for {arch} in 40 seeds")
+
+
+def _prompt(p: int, rank: int = 0, differ: bool = False, arch: str = ARCH, n: int = 1) -> torch.Tensor:
+    t = tokens(p, seed=_tie_free_seed(arch, p, n) if arch in SPARSE else 1)
     if differ and rank == 1:
         t = t.clone()
         t[3] = (t[3] + 1) % 256
@@ -67,7 +88,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
         t0 = time.perf_counter()
-        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, group=dist.group.WORLD)
+        state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, group=dist.group.WORLD)
         t_capture = time.perf_counter() - t0
         rounds = []
         for round_ in range(2):  # two replays of the same state: replays never write it
@@ -154,19 +175,20 @@ def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[d
                 ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models",
                  "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
                  "transformers.models.qwen3_next.modeling_qwen3_next",
-                 "transformers.models.deepseek_v3.modeling_deepseek_v3"], 3 * TIMEOUT_S, "their cases")
+                 "transformers.models.deepseek_v3.modeling_deepseek_v3",
+                 "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"], 3 * TIMEOUT_S, "their cases")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 
 def _reference(arch: str, p: int, n: int, use_lora: bool):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
     the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
-    from longstraw.layers import KVState, LatentState
+    from longstraw.layers import IndexedLatentState, KVState, LatentState
 
     model = longstraw.models.tiny_model(arch)
     model = lora(model) if use_lora else model
     params = [q for q in model.parameters() if q.requires_grad]
-    state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4)
+    state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4)
     rounds = []
     for round_ in range(2):
         model.zero_grad(set_to_none=True)
@@ -176,8 +198,10 @@ def _reference(arch: str, p: int, n: int, use_lora: bool):
             out = state.replay(response)
             (_advantage(r, response.numel()) * out.logprobs).sum().backward()
             logprobs.append(out.logprobs.detach())
-        rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() for q in params]))
-    growing = sum(layer.nbytes for layer in state.layers if type(layer) in (KVState, LatentState))
+        # parameters no branch reaches (the DSA indexer runs without grad, experts no token routes to): zero
+        rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() if q.grad is not None else torch.zeros_like(q)
+                                                     for q in params]))
+    growing = sum(layer.nbytes for layer in state.layers if type(layer) in (KVState, LatentState, IndexedLatentState))
     samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
     return rounds, state.nbytes, growing, samples
 
@@ -274,7 +298,7 @@ def test_context_parallel_two_ranks(tmp_path):
     """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds, LoRA; mismatches refused; a missing
     rank times out by name."""
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
-             ("deepseek_v3", 30, False))
+             ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False))
     t0 = time.perf_counter()
     exact = (("llama", 30, False), ("deepseek_v3", 30, True))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
@@ -291,7 +315,7 @@ def test_context_parallel_four_ranks(tmp_path):
     """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
     back); rank 3 replays the same response as rank 0."""
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
-             ("deepseek_v3", 12, True))
+             ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True))
     t0 = time.perf_counter()
     exact = (("llama", 30, True), ("deepseek_v3", 12, False))
     results = _run(4, tmp_path, cases, exact_cases=exact)

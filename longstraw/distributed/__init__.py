@@ -6,11 +6,12 @@
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
 Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder
-layers are full attention, MLA, sliding-window attention and linear attention (`KVState`, `LatentState`,
-`SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, kimi, gemma3, qwen3_next, ...; tested: llama,
-deepseek_v3, gemma3_text, qwen3_next). Refused by name (NotImplementedError, the same on every rank): other layer
-kinds (DSA, compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sliding-window
-or linear-attention layers, `state_dtype`, attention sinks. Exact mode works for models of full-attention and MLA
+layers are full attention, MLA, DSA, sliding-window attention and linear attention (`KVState`, `LatentState`,
+`IndexedLatentState`, `SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, deepseek_v32, glm_moe_dsa,
+gemma3, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, qwen3_next). Refused by name
+(NotImplementedError, the same on every rank): other layer kinds (compressed, chunked, hybrid-parallel, short
+conv), `prompt_grad="exact"` for models with DSA, sliding-window or linear-attention layers, `state_dtype`,
+attention sinks. Exact mode works for models of full-attention and MLA
 layers. Not there yet: FSDP2. The trainer on N processes (torchrun, `longstraw train --nproc N`) is
 `longstraw.parallel`.
 
@@ -27,8 +28,12 @@ What each rank holds
 - For every MLA layer rank r keeps the latents `[c | k_rot]` of its slice (`SliceLatentState`, 1/N of the
   single-process latents): MLA in latent space is multi-query attention with the latent as its one key head and as
   its values, so it runs through the same exchanges as K/V with keys and values one tensor (sent once).
-- Later (designed, not built): DSA indexer keys sliced like the latents (each rank its local top-k candidates,
-  merged by (score, position) so the selection does not depend on N).
+- For every DSA layer rank r also keeps the indexer keys of its slice (`SliceIndexedLatentState`; GLM-5's "shared"
+  layers none). The selection is computed where the keys are: each rank scores every branch's indexer queries
+  against its slice and returns its local top-k (score, position) pairs to the branch's owner, which merges them in
+  slice order with a stable sort, ties to the earlier position, so the selection does not depend on N; the sparse
+  attention then sends the queries with their selected positions to every rank, which returns (out, lse) over the
+  selected keys in its slice (`longstraw.distributed.sparse`, which also gives the costs). Detached mode only.
 
 Capture (collective)
 --------------------

@@ -14,7 +14,7 @@ from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
 from ..layers.full_attention import AttentionBranchLayer, KVState
-from ..layers.latent_attention import LatentState
+from ..layers.latent_attention import IndexedLatentState, LatentState
 from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
@@ -22,8 +22,11 @@ from ..models import ModelParts, base_model
 from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, check_capture_options,
                      model_device, run_decoder)
 from .collectives import Group, digest
+from .merge import fold as _fold, pad_rows as _pad_rows
+from .sparse import SparseReplayAttention, select, slice_partials, sparse_partial
 
-__all__ = ["ContextParallelState", "SliceKVState", "SliceLatentState", "capture", "slice_bounds"]
+__all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "capture",
+           "slice_bounds"]
 
 
 def slice_bounds(total: int, size: int) -> list[tuple[int, int]]:
@@ -39,34 +42,6 @@ def slice_bounds(total: int, size: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------------------- log-sum-exp folding
-
-
-def _fold(acc, part):
-    """Attention over the union of two disjoint key sets from each one's (out, lse); float32. Either side may see no
-    key (lse −inf); `acc` None: `part` alone."""
-    o_b, l_b = part[0].float(), part[1].float()
-    if acc is None:
-        return o_b, l_b
-    o_a, l_a = acc
-    m = torch.maximum(l_a, l_b)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w_a, w_b = torch.exp(l_a - m_safe), torch.exp(l_b - m_safe)
-    s = w_a + w_b
-    empty = s == 0
-    safe = torch.where(empty, torch.ones_like(s), s)
-    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / safe[..., None]
-    lse = torch.where(empty, torch.full_like(s, float("-inf")), m_safe + torch.log(safe))
-    return out, lse
-
-
-def _pad_rows(x: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
-    """`x` zero-padded along `dim` to `rows`."""
-    n = x.shape[dim]
-    if n == rows:
-        return x
-    shape = list(x.shape)
-    shape[dim] = rows - n
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _part(q_start, k_start, window, softcap, scale, block, q_period=None) -> Part:
@@ -146,6 +121,35 @@ class SliceLatentState(SliceKVState):
         self.keys.requires_grad_(True)
 
 
+class SliceIndexedLatentState(SliceLatentState):
+    """`SliceLatentState` of a DSA layer, plus the indexer keys `[1, end − start, index_head_dim]` of the slice (none on
+    GLM-5's "shared" layers, which reuse the selection of the layer before)."""
+
+    def __init__(self, config, layer_idx: int, start: int, end: int):
+        super().__init__(config, layer_idx, start, end)
+        types = getattr(config, "indexer_types", None)
+        self.has_indexer = types is None or types[layer_idx] != "shared"
+        self.index_keys: torch.Tensor | None = None
+
+    def commit(self, branch_layer, n: int) -> None:
+        super().commit(branch_layer, n)
+        if self.has_indexer:
+            keys = branch_layer.index_keys
+            if keys is None or keys.shape[-2] != n:
+                raise RuntimeError(f"layer {self.layer_idx}: the indexer produced no keys for the slice")
+            self.index_keys = base.empty_state(keys, tuple(keys.shape))
+            self.index_keys.copy_(keys)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return super().tensors() + ([] if self.index_keys is None else [self.index_keys])
+
+    def release(self) -> None:
+        super().release()
+        self.index_keys = None
+
+    supports_exact = False
+
+
 class _LatentOwn:
     """What `longstraw.layers.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
     layers of MLA layers: the branch's own latents are its keys and its values (one tensor), there is no local prompt
@@ -161,18 +165,24 @@ class _LatentOwn:
         self.values = self.keys
         return self.keys
 
+    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=-2)
+        return self.index_keys
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.keys is not None:
             self.keys = self.values = self.keys[indices]
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[indices]
 
 
 # ----------------------------------------------------------------------------------------- capture
 
 #: layer kinds the context-parallel capture serves: full attention (sliced), sliding window and linear attention
 #: (replicated O(1) states)
-_SERVED = frozenset({KVState, LatentState, SlidingKVState, RecurrentState})
+_SERVED = frozenset({KVState, LatentState, IndexedLatentState, SlidingKVState, RecurrentState})
 #: layer kinds whose state is sliced by position (the others are replicated): the slice's state kind, per kind
-_SLICED = {KVState: SliceKVState, LatentState: SliceLatentState}
+_SLICED = {KVState: SliceKVState, LatentState: SliceLatentState, IndexedLatentState: SliceIndexedLatentState}
 
 
 class _CaptureBranchLayer(AttentionBranchLayer):
@@ -355,8 +365,48 @@ class CaptureAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
+    """`_LatentCaptureBranchLayer` of a DSA layer: the selection and the sparse attention of this rank's slice, its
+    rows `chunk` at a time (every rank steps alike), against the earlier slices collectively (`longstraw.distributed.
+    sparse`) and its own keys locally. No gradient: detached capture only."""
+
+    def _steps(self):
+        lengths = [e - s for s, e in self.bounds]
+        me = self.group.rank
+        for step, lo in enumerate(range(0, max(lengths), self.chunk)):
+            counts = [max(0, min(self.chunk, n - lo)) for n in lengths]
+            yield step, lo, lo + counts[me], counts
+
+    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+        limits = [s for s, _ in self.bounds]
+        pos = []
+        for step, lo, hi, counts in self._steps():
+            q_pos = torch.arange(q_start + lo, q_start + hi, device=q.device)
+            sel = select(self.group, f"capture layer {self.layer_idx}: sparse selection, step {step}", q[:, lo:hi],
+                         weights[:, lo:hi], scale, own_keys, own_start, q_pos, topk, block, slice_keys=own_keys,
+                         slice_bounds=self.bounds[self.group.rank], lengths=counts, limits=limits)
+            pos.append(torch.where(sel.valid, sel.indices, torch.full_like(sel.indices, -1)))
+        from .sparse import as_selection
+
+        return as_selection(torch.cat(pos, dim=1), own_start)
+
+    def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
+        limits = [s for s, _ in self.bounds]
+        outs = []
+        for step, lo, hi, counts in self._steps():
+            q = query[:, :, lo:hi]
+            idx, valid = selection.indices[:, lo:hi], selection.valid[:, lo:hi]
+            sel = type(selection)(idx, valid, selection.prompt_length)
+            acc = slice_partials(self.group, f"capture layer {self.layer_idx}: sparse attention, step {step}", q, sel,
+                                 scale, slice_latents=own, slice_start=own_start, lengths=counts, limits=limits)
+            out, _ = _fold(acc, sparse_partial(q, own, own_start, idx, valid, scale))
+            outs.append(out)
+        return torch.cat(outs, dim=2).to(query.dtype)
+
+
 def _capture_branch(layer, group: Group, bounds, layer_idx: int, chunk: int) -> _CaptureBranchLayer:
-    kind = _LatentCaptureBranchLayer if isinstance(layer, SliceLatentState) else _CaptureBranchLayer
+    kind = (_DsaCaptureBranchLayer if isinstance(layer, SliceIndexedLatentState) else
+            _LatentCaptureBranchLayer if isinstance(layer, SliceLatentState) else _CaptureBranchLayer)
     return kind(group, bounds, layer_idx, chunk)
 
 
@@ -499,9 +549,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
-    if prompt_grad == "exact" and not kinds <= set(_SLICED):
+    if prompt_grad == "exact" and not kinds <= {KVState, LatentState}:
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
-                                  "full-attention and MLA layers only so far")
+                                  "full-attention and MLA layers only so far (not DSA, sliding-window or "
+                                  "linear-attention layers)")
     device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -703,12 +754,53 @@ class _LatentSampleBranchLayer(_LatentOwn, _SampleBranchLayer):
     """`_SampleBranchLayer` of an MLA layer."""
 
 
+class _DsaReplayBranchLayer(_LatentReplayBranchLayer):
+    """`_LatentReplayBranchLayer` of a DSA layer: the branch's selection over every slice (merged on its owner) and
+    the sparse attention as a collective autograd function (`SparseReplayAttention`)."""
+
+    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+        layer, g = self.info.layer, self.info.group
+        q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
+        return select(g, f"replay layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start,
+                      q_pos, topk, block, slice_keys=layer.index_keys, slice_bounds=(layer.start, layer.end),
+                      lengths=self.info.lengths, limits=[own_start] * g.size)
+
+    def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
+        if query.shape[0] != 1:
+            raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
+        return SparseReplayAttention.apply(query, own, self.info.layer.keys, selection, scale, self.info)
+
+
+class _DsaSampleBranchLayer(_LatentSampleBranchLayer):
+    """`_LatentSampleBranchLayer` of a DSA layer: every rank has all the rows, so the slices' candidates and partials
+    are all-gathered and merged alike on every rank."""
+
+    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+        layer, g = self.layer, self.group
+        q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
+        return select(g, f"sample layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start,
+                      q_pos, topk, block, slice_keys=layer.index_keys, slice_bounds=(layer.start, layer.end),
+                      lengths=[q.shape[1]] * g.size, limits=[own_start] * g.size, replicated=True)
+
+    def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
+        layer, g = self.layer, self.group
+        acc = slice_partials(g, f"sample layer {layer.layer_idx}: sparse attention", query, selection, scale,
+                             slice_latents=layer.keys, slice_start=layer.start, lengths=[query.shape[2]] * g.size,
+                             limits=[own_start] * g.size, replicated=True)
+        out, _ = _fold(acc, sparse_partial(query, own, own_start, selection.indices, selection.valid, scale))
+        return out.to(query.dtype)
+
+
 def _replay_branch(layer, info: _ReplayInfo, start: int):
-    return (_LatentReplayBranchLayer if isinstance(layer, SliceLatentState) else _ReplayBranchLayer)(info, start)
+    kind = (_DsaReplayBranchLayer if isinstance(layer, SliceIndexedLatentState) else
+            _LatentReplayBranchLayer if isinstance(layer, SliceLatentState) else _ReplayBranchLayer)
+    return kind(info, start)
 
 
 def _sample_branch(layer, group: Group, start: int):
-    return (_LatentSampleBranchLayer if isinstance(layer, SliceLatentState) else _SampleBranchLayer)(group, layer, start)
+    kind = (_DsaSampleBranchLayer if isinstance(layer, SliceIndexedLatentState) else
+            _LatentSampleBranchLayer if isinstance(layer, SliceLatentState) else _SampleBranchLayer)
+    return kind(group, layer, start)
 
 
 class ContextParallelState(PromptState):

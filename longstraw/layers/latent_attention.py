@@ -149,7 +149,14 @@ class LatentAttention:
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
         attend = getattr(layer, "attend", None)
-        if selection is None and attend is not None:
+        attend_sparse = getattr(layer, "attend_sparse", None)
+        if selection is not None and attend_sparse is not None:
+            # context parallel DSA: the selected keys live on several ranks (`longstraw.distributed.sparse`)
+            out = attend_sparse(query, own, selection, q_start=q_start, own_start=own_start, scale=m.scaling,
+                                block=cache.block)[..., :r]
+        elif selection is not None and attend is not None:
+            raise NotImplementedError(f"{type(layer).__name__} serves dense latent attention only, not DSA")
+        elif selection is None and attend is not None:
             # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
             # attention with the latents as the one key head and as the values, as `latent_attention` runs it
             out = attend(m, query, own, own, q_start=q_start, own_start=own_start, scale=m.scaling, window=None,
@@ -167,6 +174,10 @@ class LatentAttention:
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
         q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
         own_keys = layer.append_index(k)
+        select_sparse = getattr(layer, "select_sparse", None)
+        if select_sparse is not None:  # context parallel: the prompt's indexer keys live on several ranks
+            return select_sparse(q, weights, indexer.softmax_scale, own_keys, indexer.index_topk, q_start=q_start,
+                                 own_start=own_start, block=block)
         return select_topk(q, weights, indexer.softmax_scale, layer.prompt_index, own_keys, indexer.index_topk,
                            q_start=q_start, own_start=own_start, block=block)
 
