@@ -347,3 +347,29 @@ def test_group_needs_initialized_distributed():
     model = longstraw.models.tiny_model(ARCH)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         longstraw.capture(model, tokens(8, 0), group=object())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_sparse_selection_is_the_same_for_any_number_of_slices(n):
+    """DSA selection over keys with exact ties (every key appears 3 times): each slice's local top-k merged in slice
+    order gives the positions the whole key list sorted by (score descending, position ascending) gives, for any N."""
+    from longstraw.distributed.sparse import local_topk, merge_topk
+    from longstraw.latent_attention import index_scores
+
+    g = torch.Generator().manual_seed(0)
+    p, own, s, heads, dim, topk = 27, 5, 6, 4, 8, 7
+    keys = torch.randn(1, 9, dim, generator=g).repeat_interleave(3, dim=1)  # 27 prompt keys, ties in threes
+    own_keys = torch.randn(1, own, dim, generator=g)
+    q = torch.randn(1, s, heads, dim, generator=g)
+    w = torch.rand(1, s, heads, generator=g)
+    q_pos = torch.arange(p - 1, p - 1 + s)  # query i sees the prompt and the first i own keys
+    q_pos[0] = p - 4  # ... the first query only the prompt keys up to p − 4
+    scores = index_scores(q, w, torch.cat([keys, own_keys], dim=1), 0.5)[0]
+    visible = torch.arange(p + own)[None, :] <= q_pos[:, None]
+    want = torch.sort(scores.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices
+    want = want[:, :topk]
+    bounds = slice_bounds(p, n)
+    cands = [local_topk(q, w, 0.5, keys[:, a:b], a, q_pos, topk, block=2) for a, b in bounds]
+    cands.append(local_topk(q, w, 0.5, own_keys, p, q_pos, topk, block=2))
+    _, got = merge_topk(cands, topk)
+    assert torch.equal(got[0], want)
