@@ -12,12 +12,13 @@ gemma3, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, q
 (NotImplementedError, the same on every rank): other layer kinds (compressed, chunked, hybrid-parallel, short
 conv), `prompt_grad="exact"` for models with DSA, sliding-window or linear-attention layers, `state_dtype`,
 attention sinks. Exact mode works for models of full-attention and MLA
-layers. Not there yet: FSDP2. The trainer on N processes (torchrun, `longstraw train --nproc N`) is
+layers. FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; not yet in the trainer). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
 `longstraw.parallel`.
 
 What each rank holds
 --------------------
-- The model's weights (a full copy; FSDP2 sharding is later work) and the prompt's last token (replicated).
+- The model's weights (a full copy, or with `shard` 1/N of each decoder layer's, `longstraw.distributed.fsdp`) and the
+  prompt's last token (replicated).
 - The captured positions [0, P − 1) in N contiguous slices, rank r holding [s_r, e_r): slices differ by at most one
   position (the first (P − 1) mod N ranks hold one more). For every full-attention layer rank r keeps the post-RoPE
   K/V of its slice only (`SliceKVState`): 1/N of the single-process state, the sum over ranks exactly that state.
@@ -135,5 +136,7 @@ Consistency and failures (`longstraw.distributed.collectives`)
 
 from .collectives import CollectiveError, Group, MismatchError
 from .context_parallel import ContextParallelState, slice_bounds
+from .fsdp import gradient_sync, replicated_parameters, shard, sharded_layers
 
-__all__ = ["CollectiveError", "ContextParallelState", "Group", "MismatchError", "slice_bounds"]
+__all__ = ["CollectiveError", "ContextParallelState", "Group", "MismatchError", "gradient_sync", "replicated_parameters",
+           "shard", "sharded_layers", "slice_bounds"]

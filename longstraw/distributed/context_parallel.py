@@ -896,8 +896,10 @@ class ContextParallelState(PromptState):
                              for i, layer in enumerate(layers)], block=self.block)
         device = self.last_token.device
         with torch.enable_grad():
-            run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
-        outputs, grads = [], []
+            hidden = run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+        # the slice's output with a zero gradient: every layer's output then takes part in the backward, so hooks
+        # on the layers' outputs run before their inner nodes (FSDP2 gathers a sharded layer's parameters there)
+        outputs, grads = ([hidden], [torch.zeros_like(hidden)]) if hidden.requires_grad else ([], [])
         for layer, branch in zip(layers, cache.layers):
             pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
                 (branch.keys, layer.keys), (branch.values, layer.values))  # MLA: one leaf, read as keys and values
