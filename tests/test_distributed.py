@@ -24,8 +24,9 @@ from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank), MLA
-#: (sliced latents), DSA (sliced latents and indexer keys, selection merged across ranks)
-ARCHS = ("llama", "gemma3_text", "qwen3_next", "deepseek_v3", "glm_moe_dsa")
+#: (sliced latents), DSA (sliced latents and indexer keys, selection merged across ranks), attention sinks with
+#: sliding and full layers (gpt-oss: the sink folded in as one more key of value 0)
+ARCHS = ("llama", "gemma3_text", "qwen3_next", "deepseek_v3", "glm_moe_dsa", "gpt_oss")
 ARCH = "llama"  # the cases that are not about layer kinds
 SPARSE = ("glm_moe_dsa",)  # DSA: prompts chosen tie-free (`_tie_free_seed`)
 RESPONSE_LENGTHS = (5, 7, 3, 6)
@@ -176,7 +177,8 @@ def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[d
                  "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
                  "transformers.models.qwen3_next.modeling_qwen3_next",
                  "transformers.models.deepseek_v3.modeling_deepseek_v3",
-                 "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"], 3 * TIMEOUT_S, "their cases")
+                 "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
+                 "transformers.models.gpt_oss.modeling_gpt_oss"], 3 * TIMEOUT_S, "their cases")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
 
 
@@ -298,7 +300,7 @@ def test_context_parallel_two_ranks(tmp_path):
     """N = 2: an even (P − 1 = 30) and an uneven (29) prompt, the three layer kinds, LoRA; mismatches refused; a missing
     rank times out by name."""
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
-             ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False))
+             ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False), ("gpt_oss", 30, False))
     t0 = time.perf_counter()
     exact = (("llama", 30, False), ("deepseek_v3", 30, True))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
@@ -315,7 +317,7 @@ def test_context_parallel_four_ranks(tmp_path):
     """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
     back); rank 3 replays the same response as rank 0."""
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
-             ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True))
+             ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True), ("gpt_oss", 12, False))
     t0 = time.perf_counter()
     exact = (("llama", 30, True), ("deepseek_v3", 12, False))
     results = _run(4, tmp_path, cases, exact_cases=exact)

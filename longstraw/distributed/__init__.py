@@ -8,10 +8,11 @@
 Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder
 layers are full attention, MLA, DSA, sliding-window attention and linear attention (`KVState`, `LatentState`,
 `IndexedLatentState`, `SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, deepseek_v32, glm_moe_dsa,
-gemma3, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, qwen3_next). Refused by name
-(NotImplementedError, the same on every rank): other layer kinds (compressed, chunked, hybrid-parallel, short
-conv), `prompt_grad="exact"` for models with DSA, sliding-window or linear-attention layers, `state_dtype`,
-attention sinks. Exact mode works for models of full-attention and MLA
+gemma3, gpt_oss, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, gpt_oss, qwen3_next);
+attention sinks fold in as one more key of score `sink` and value 0 after the last merge (the replay's backward
+gives the sinks their gradient). Refused by name (NotImplementedError, the same on every rank): other layer kinds
+(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with DSA, sliding-window or
+linear-attention layers or sinks, `state_dtype`. Exact mode works for models of full-attention and MLA
 layers. FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; not yet in the trainer). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
 `longstraw.parallel`.
 

@@ -22,7 +22,7 @@ from ..models import ModelParts, base_model
 from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, check_capture_options,
                      model_device, run_decoder)
 from .collectives import Group, digest
-from .merge import fold as _fold, pad_rows as _pad_rows
+from .merge import fold as _fold, fold_sinks, pad_rows as _pad_rows
 from .sparse import SparseReplayAttention, select, slice_partials, sparse_partial
 
 __all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "capture",
@@ -204,10 +204,14 @@ class _CaptureBranchLayer(AttentionBranchLayer):
         self.group, self.bounds, self.layer_idx, self.chunk = group, bounds, layer_idx, chunk
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-        if sinks is not None:
-            raise NotImplementedError("context-parallel capture does not support attention sinks yet")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = _part(q_start, own_start, window, softcap, scale, block)
+        if sinks is not None:
+            if torch.is_grad_enabled():
+                raise NotImplementedError("context-parallel exact mode (the reverse pass) does not support attention "
+                                          "sinks yet")
+            out, lse = self.forward_parts(q, k, v, own, rounded=False)
+            return fold_sinks(out, lse, sinks)[0].to(q.dtype)
         return CaptureAttention.apply(q, k, v, own, self)
 
     def _layout(self):
@@ -223,8 +227,9 @@ class _CaptureBranchLayer(AttentionBranchLayer):
             return _part(own.q_start, self.bounds[j][0] + lo, None, own.softcap, own.scale, own.block)
         return _part(self.bounds[r][0] + halves[r] + lo, self.bounds[j][0], None, own.softcap, own.scale, own.block)
 
-    def forward_parts(self, q, k, v, own: Part):
-        """(out in q's dtype, lse float32 over every key) of this rank's rows; see the class."""
+    def forward_parts(self, q, k, v, own: Part, rounded: bool = True):
+        """(out in q's dtype, or float32 where not `rounded`; lse float32 over every key) of this rank's rows; see the
+        class."""
         g, me, c = self.group, self.group.rank, self.chunk
         n_me, heads, dv = q.shape[2], q.shape[1], v.shape[-1]
         lengths, halves, second = self._layout()
@@ -279,7 +284,7 @@ class _CaptureBranchLayer(AttentionBranchLayer):
                         oj, lj = back[j]
                         fold_rows(half + lo_q, half + lo_q + m, (oj[:, :, :m], lj[:, :, :m]))
         out, lse = _fold((acc_o, acc_l), part_forward(q, k, v, own))
-        return out.to(q.dtype), lse
+        return (out.to(q.dtype) if rounded else out), lse
 
     def backward_parts(self, dout, q, k, v, out, lse, own: Part):
         """(dq, dk, dv) of this rank's rows and slice (exact mode's reverse pass), the forward's exchanges run again
@@ -441,8 +446,9 @@ class _SlidingCaptureBranchLayer(AttentionBranchLayer):
         self.tails = None
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-        if sinks is not None:
-            raise NotImplementedError("context-parallel capture does not support attention sinks yet")
+        if sinks is not None and torch.is_grad_enabled():
+            raise NotImplementedError("context-parallel exact mode (the reverse pass) does not support attention "
+                                      "sinks yet")
         g = self.group
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = _part(q_start, own_start, window, softcap, scale, block)
@@ -458,7 +464,7 @@ class _SlidingCaptureBranchLayer(AttentionBranchLayer):
             self.tails = [(k[:, :, :0], v[:, :, :0])] * g.size
         pk, pv, start = _window_before(self.tails, self.bounds, self.bounds[g.rank][0], keep)
         acc = None if pk is None else part_forward(q, pk, pv, _prompt_part(own, start))
-        out, _ = _fold(acc, part_forward(q, k, v, own))
+        out, _ = fold_sinks(*_fold(acc, part_forward(q, k, v, own)), sinks)
         return out.to(q.dtype)
 
 
@@ -640,7 +646,7 @@ class ReplayAttention(torch.autograd.Function):
     K/V never move; detached: no dK/dV), an all-to-all returns them, and the owner sums them in slice order."""
 
     @staticmethod
-    def forward(ctx, q, own_k, own_v, slice_k, slice_v, own: Part, info: _ReplayInfo):
+    def forward(ctx, q, own_k, own_v, slice_k, slice_v, own: Part, info: _ReplayInfo, sinks=None):
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax = max(lengths)
         name = f"replay forward layer {layer.layer_idx}"
@@ -657,22 +663,27 @@ class ReplayAttention(torch.autograd.Function):
             acc = _fold(acc, (o[:, :, :r], l[:, :, :r]))
         out_p, lse_p = acc
         out_o, lse_o = part_forward(q, own_k, own_v, own)
-        out, _ = _fold((out_p, lse_p), (out_o, lse_o))
+        out, lse = fold_sinks(*_fold((out_p, lse_p), (out_o, lse_o)), sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, own_k, own_v, slice_k, slice_v, out, lse_o.float(), lse_p)
+        ctx.save_for_backward(q, own_k, own_v, slice_k, slice_v, out, lse_o.float(), lse_p, lse, sinks)
         ctx.own, ctx.info = own, info
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, own_k, own_v, slice_k, slice_v, out, lse_o, lse_p = ctx.saved_tensors
+        q, own_k, own_v, slice_k, slice_v, out, lse_o, lse_p, lse, sinks = ctx.saved_tensors
         need_kv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # exact mode: the slice's state gradient
         own, info = ctx.own, ctx.info
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax, r = max(lengths), q.shape[2]
-        w_p = torch.sigmoid(lse_p - lse_o)[..., None]
+        # each part's share of the softmax mass over every key (and the sink): exp(lse_part − lse)
+        w_p = torch.exp(lse_p - lse)[..., None]
         g_p = (dout.float() * w_p).to(dout.dtype)
-        g_o = (dout.float() * (1 - w_p)).to(dout.dtype)
+        g_o = (dout.float() * torch.exp(lse_o - lse)[..., None]).to(dout.dtype)
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[7]:  # the sink is a key of value 0: dS = −P_sink · (dO · O)
+            p_sink = torch.exp(sinks.float()[None, :, None] - lse)
+            d_sinks = -(p_sink * (dout.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
         dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
         name = f"replay backward layer {layer.layer_idx}"
         got = g.all_gather(f"{name}: queries and gradients",
@@ -693,7 +704,7 @@ class ReplayAttention(torch.autograd.Function):
             dq_p = dq_p + dqi[:, :, :r]
         if need_kv:
             dk_s, dv_s = dk_s.to(slice_k.dtype), dv_s.to(slice_v.dtype)
-        return (dq_o.float() + dq_p).to(q.dtype), dk, dv, dk_s, dv_s, None, None
+        return (dq_o.float() + dq_p).to(q.dtype), dk, dv, dk_s, dv_s, None, None, d_sinks
 
 
 class _ReplayBranchLayer(AttentionBranchLayer):
@@ -704,14 +715,12 @@ class _ReplayBranchLayer(AttentionBranchLayer):
         self.info = info
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-        if sinks is not None:
-            raise NotImplementedError("context-parallel replay does not support attention sinks yet")
         if q.shape[0] != 1:
             raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = _part(q_start, own_start, window, softcap, scale, block)
         layer = self.info.layer
-        return ReplayAttention.apply(q, k, v, layer.keys, layer.values, own, self.info)
+        return ReplayAttention.apply(q, k, v, layer.keys, layer.values, own, self.info, sinks)
 
 
 class _SampleBranchLayer(AttentionBranchLayer):
@@ -726,8 +735,6 @@ class _SampleBranchLayer(AttentionBranchLayer):
         self.group, self.layer = group, layer
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-        if sinks is not None:
-            raise NotImplementedError("context-parallel sampling does not support attention sinks yet")
         b, h, r, d = q.shape
         dv = v.shape[-1]
         scale = float(d ** -0.5 if scale is None else scale)
@@ -742,7 +749,7 @@ class _SampleBranchLayer(AttentionBranchLayer):
             acc = _fold(acc, (oj, lj))
         out_p = acc[0].reshape(h, b, r, dv).transpose(0, 1)
         lse_p = acc[1].reshape(h, b, r).transpose(0, 1)
-        out, _ = _fold((out_p, lse_p), part_forward(q, k, v, own))
+        out, _ = fold_sinks(*_fold((out_p, lse_p), part_forward(q, k, v, own)), sinks)
         return out.to(q.dtype)
 
 

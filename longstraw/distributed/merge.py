@@ -31,3 +31,14 @@ def pad_rows(x: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = rows - n
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    """Attention sinks (gpt-oss: a learned logit per head in the softmax denominator with no value) folded in as one
+    more key of score `sinks[h]` and value 0: (out · sigmoid(lse − sink), logaddexp(lse, sink)), float32. out
+    `[B, H, R, D]`, lse `[B, H, R]`, sinks `[H]`; None: (out, lse) unchanged."""
+    out, lse = out.float(), lse.float()
+    if sinks is None:
+        return out, lse
+    s = sinks.detach().float()[None, :, None]
+    return out * torch.sigmoid(lse - s)[..., None], torch.logaddexp(lse, s)
