@@ -513,6 +513,91 @@ class _RecurrentRelay:
             g.send(self.name, self.pack(self.cache.layers[self.layer_idx], self.state.number_of_states), g.rank + 1)
 
 
+def _present(branch: RecurrentBranchLayer, number: int) -> list[tuple[dict, int]]:
+    """(dict, index) of a branch layer's states that are set, in `_RecurrentRelay.pack` order."""
+    out = []
+    for i in range(number):
+        for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
+                             (branch.recurrent_states, branch.is_recurrent_states_initialized)):
+            if bool(done[i]) and states.get(i) is not None:
+                out.append((states, i))
+    return out
+
+
+class _RelayIn(torch.autograd.Function):
+    """Exact mode's reverse pass, rank r > 0: the states that rank r − 1's slice ended in enter this rank's layer
+    through this function; its backward sends their gradient back to rank r − 1. `anchor` (a scalar that requires
+    grad) keeps the function in the graph whatever else requires grad."""
+
+    @staticmethod
+    def forward(ctx, relay, anchor, *states):
+        ctx.relay = relay
+        return tuple(t.view_as(t) for t in states)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        relay = ctx.relay
+        relay.group.send(relay.grad_name, [g if g is not None else torch.zeros_like(t)
+                                           for g, t in zip(grads, relay.received)], relay.group.rank - 1)
+        return (None, None) + (None,) * len(grads)
+
+
+class _RelayOut(torch.autograd.Function):
+    """Exact mode's reverse pass: the layer's output passes through this function with the states its slice ends in;
+    its backward (run when the output's gradient is there) adds their gradient: received from rank r + 1, or on the
+    last rank the final states' gradient summed over every rank's replays."""
+
+    @staticmethod
+    def forward(ctx, relay, hidden, anchor, *states):
+        ctx.relay, ctx.shapes = relay, [(t.shape, t.dtype) for t in states]
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        relay = ctx.relay
+        g = relay.group
+        if g.rank < g.size - 1:
+            got = g.recv(relay.grad_name, g.rank + 1, relay.device)
+        else:
+            got = relay.final_grads
+        return (None, grad, None, *[t.to(dtype) for t, (_, dtype) in zip(got, ctx.shapes)])
+
+
+class _RecurrentRelayExact(_RecurrentRelay):
+    """`_RecurrentRelay` for exact mode's reverse pass: the same forward relay (rank r starts from rank r − 1's end
+    states), with the state gradients travelling back rank r + 1 → r through `_RelayOut` / `_RelayIn`. Serial per
+    layer, as the forward relay is: rank r's layer l backward completes when rank r + 1's has sent its gradient."""
+
+    def __init__(self, group, cache, layer_idx, state, device, final_grads):
+        super().__init__(group, cache, layer_idx, state, device)
+        self.grad_name = f"reverse pass layer {layer_idx}: linear-attention state gradient"
+        self.final_grads = final_grads
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.received = []
+
+    def before(self, module, args):
+        g, st = self.group, self.state
+        if g.rank == 0:
+            return
+        conv, rec = self.unpack(g.recv(self.name, g.rank - 1, self.device), st.number_of_states)
+        branch = RecurrentBranchLayer(conv, rec, st.number_of_states, st.conv_trim)
+        slots = _present(branch, st.number_of_states)
+        self.received = [states[i] for states, i in slots]
+        for (states, i), t in zip(slots, _RelayIn.apply(self, self.anchor, *self.received)):
+            states[i] = t
+        self.cache.layers[self.layer_idx] = branch
+
+    def after(self, module, args, output):
+        g, st = self.group, self.state
+        branch = self.cache.layers[self.layer_idx]
+        ends = [states[i] for states, i in _present(branch, st.number_of_states)]
+        if g.rank < g.size - 1:
+            g.send(self.name, self.pack(branch, st.number_of_states), g.rank + 1)
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = _RelayOut.apply(self, hidden, self.anchor, *ends)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached", block_size: int = DEFAULT_BLOCK,
             verify: bool | None = None, state_dtype=None, *, group, state_device=None) -> "ContextParallelState":
     """`longstraw.capture(..., group=group)`: a collective of every rank of `group` (a `torch.distributed` process
@@ -555,10 +640,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
-    if prompt_grad == "exact" and not kinds <= {KVState, LatentState}:
+    if prompt_grad == "exact" and not kinds <= {KVState, LatentState, RecurrentState}:
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
-                                  "full-attention and MLA layers only so far (not DSA, sliding-window or "
-                                  "linear-attention layers)")
+                                  "full-attention, MLA and linear-attention layers only so far (not DSA or "
+                                  "sliding-window layers)")
     device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -899,15 +984,39 @@ class ContextParallelState(PromptState):
             raise RuntimeError("PromptState.backward() was already called for this state")
         self.group.agree("ContextParallelState.backward", {"captured state": self._key, "replays": self._replays})
         s, e = self.slice
-        cache = BranchCache([_capture_branch(layer, self.group, self.bounds, i, self.chunk_size)
-                             for i, layer in enumerate(layers)], block=self.block)
+        g = self.group
         device = self.last_token.device
-        with torch.enable_grad():
-            hidden = run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+        branches, hooks = [], []
+        for i, layer in enumerate(layers):
+            if isinstance(layer, RecurrentState):
+                branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+            else:
+                branches.append(_capture_branch(layer, g, self.bounds, i, self.chunk_size))
+        cache = BranchCache(branches, block=self.block)
+        for i, layer in enumerate(layers):
+            if isinstance(layer, RecurrentState):
+                # the final states' gradient: every rank's replays added theirs to its own copy; summed in rank order
+                final = _present(layer.branch(), layer.number_of_states)
+                mine = [states[i2].grad if states[i2].grad is not None else torch.zeros_like(states[i2])
+                        for states, i2 in final]
+                got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
+                total = [sum(parts[k] for parts in got[1:]) + got[0][k] if len(got) > 1 else got[0][k]
+                         for k in range(len(mine))]
+                relay = _RecurrentRelayExact(g, cache, i, layer, device, total)
+                block = self._parts.decoder.layers[i]
+                hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
+        try:
+            with torch.enable_grad():
+                hidden = run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+        finally:
+            for h in hooks:
+                h.remove()
         # the slice's output with a zero gradient: every layer's output then takes part in the backward, so hooks
         # on the layers' outputs run before their inner nodes (FSDP2 gathers a sharded layer's parameters there)
         outputs, grads = ([hidden], [torch.zeros_like(hidden)]) if hidden.requires_grad else ([], [])
         for layer, branch in zip(layers, cache.layers):
+            if not isinstance(layer, SliceKVState):  # linear attention: its gradient travels through the relay
+                continue
             pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
                 (branch.keys, layer.keys), (branch.values, layer.values))  # MLA: one leaf, read as keys and values
             for own, leaf in pairs:
