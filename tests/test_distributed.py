@@ -302,7 +302,7 @@ def test_context_parallel_two_ranks(tmp_path):
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
              ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False), ("gpt_oss", 30, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, False), ("deepseek_v3", 30, True), ("qwen3_next", 30, False))
+    exact = (("llama", 30, False), ("deepseek_v3", 30, True), ("qwen3_next", 30, False), ("gemma3_text", 30, False))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
     measured = {}
     _check(results, 2, cases, measured)
@@ -319,7 +319,7 @@ def test_context_parallel_four_ranks(tmp_path):
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
              ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True), ("gpt_oss", 12, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, True), ("deepseek_v3", 12, False), ("qwen3_next", 12, True))
+    exact = (("llama", 30, True), ("deepseek_v3", 12, False), ("qwen3_next", 12, True), ("gemma3_text", 12, False))
     results = _run(4, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 4, cases, measured)

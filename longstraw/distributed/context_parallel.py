@@ -462,10 +462,62 @@ class _SlidingCaptureBranchLayer(AttentionBranchLayer):
             self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
         else:
             self.tails = [(k[:, :, :0], v[:, :, :0])] * g.size
+        if torch.is_grad_enabled():  # exact mode's reverse pass: the window's gradient goes back to its owners
+            return SlidingCaptureAttention.apply(q, k, v, own, self)
         pk, pv, start = _window_before(self.tails, self.bounds, self.bounds[g.rank][0], keep)
         acc = None if pk is None else part_forward(q, pk, pv, _prompt_part(own, start))
         out, _ = fold_sinks(*_fold(acc, part_forward(q, k, v, own)), sinks)
         return out.to(q.dtype)
+
+
+class SlidingCaptureAttention(torch.autograd.Function):
+    """A sliding-window layer of exact mode's reverse pass (`_SlidingCaptureBranchLayer`, whose `tails` the forward
+    has gathered): forward as in capture; backward computes dq and the own dK/dV, and the gradient of the window
+    before the slice, which lies in the tails of earlier ranks, goes back to them (one all-to-all of W − 1 rows per
+    rank), each owner adding what it receives in rank order to its own tail's rows."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, own: Part, layer: "_SlidingCaptureBranchLayer"):
+        g = layer.group
+        keep = own.window - 1
+        pk, pv, start = _window_before(layer.tails, layer.bounds, layer.bounds[g.rank][0], keep)
+        prompt = None if pk is None else _prompt_part(own, start)
+        acc = None if pk is None else part_forward(q, pk, pv, prompt)
+        out, lse = _fold(acc, part_forward(q, k, v, own))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if pk is None else (pk, pv)))
+        ctx.own, ctx.layer, ctx.prompt, ctx.start = own, layer, prompt, start
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *window = ctx.saved_tensors
+        layer, own = ctx.layer, ctx.own
+        g, bounds = layer.group, layer.bounds
+        keep = own.window - 1
+        dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
+        send = [[k.new_zeros((*k.shape[:2], keep, k.shape[-1]), dtype=torch.float32),
+                 v.new_zeros((*v.shape[:2], keep, v.shape[-1]), dtype=torch.float32)] for _ in range(g.size)]
+        if window:
+            pk, pv = window
+            dqw, dpk, dpv = part_backward(dout, q, pk, pv, out, lse, ctx.prompt, need_kv=True)
+            dq = dq + dqw.float()
+            row = 0  # rows of the window come from the ranks' tails in position order (`_window_before`)
+            for j, ((sj, ej), (kj, _)) in enumerate(zip(bounds, layer.tails)):
+                a, b = max(sj, ctx.start), min(ej, bounds[g.rank][0])
+                if a >= b:
+                    continue
+                first = ej - kj.shape[-2]  # position of tail j's first row
+                send[j][0][:, :, a - first:b - first] += dpk[:, :, row:row + b - a].float()
+                send[j][1][:, :, a - first:b - first] += dpv[:, :, row:row + b - a].float()
+                row += b - a
+        back = g.all_to_all(f"reverse pass layer {layer.layer_idx}: window gradients", send)
+        m = min(keep, k.shape[-2])
+        if m > 0:
+            for dkr, dvr in back:  # rank order
+                dk[:, :, k.shape[-2] - m:] += dkr[:, :, :m]
+                dv[:, :, v.shape[-2] - m:] += dvr[:, :, :m]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class _RecurrentRelay:
@@ -640,10 +692,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
-    if prompt_grad == "exact" and not kinds <= {KVState, LatentState, RecurrentState}:
+    if prompt_grad == "exact" and not kinds <= {KVState, LatentState, RecurrentState, SlidingKVState}:
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
-                                  "full-attention, MLA and linear-attention layers only so far (not DSA or "
-                                  "sliding-window layers)")
+                                  "full-attention, MLA, sliding-window and linear-attention layers only so far (not "
+                                  "DSA)")
     device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
@@ -990,9 +1042,19 @@ class ContextParallelState(PromptState):
         for i, layer in enumerate(layers):
             if isinstance(layer, RecurrentState):
                 branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+            elif isinstance(layer, SlidingKVState):
+                branches.append(_SlidingCaptureBranchLayer(g, self.bounds, i, layer.window))
             else:
                 branches.append(_capture_branch(layer, g, self.bounds, i, self.chunk_size))
         cache = BranchCache(branches, block=self.block)
+        # sliding windows: the replays' gradient of the replicated final window, summed over the ranks; each rank
+        # adds the rows of its own slice to the roots below
+        windows = {}
+        for i, layer in enumerate(layers):
+            if isinstance(layer, SlidingKVState) and layer.keys is not None:
+                mine = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (layer.keys, layer.values)]
+                got = g.all_gather(f"reverse pass layer {i}: final window gradient", mine)
+                windows[i] = [sum(parts[w] for parts in got[1:]) + got[0][w] for w in range(2)]
         for i, layer in enumerate(layers):
             if isinstance(layer, RecurrentState):
                 # the final states' gradient: every rank's replays added theirs to its own copy; summed in rank order
@@ -1014,7 +1076,16 @@ class ContextParallelState(PromptState):
         # the slice's output with a zero gradient: every layer's output then takes part in the backward, so hooks
         # on the layers' outputs run before their inner nodes (FSDP2 gathers a sharded layer's parameters there)
         outputs, grads = ([hidden], [torch.zeros_like(hidden)]) if hidden.requires_grad else ([], [])
-        for layer, branch in zip(layers, cache.layers):
+        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
+            if i in windows:  # this slice's rows of the prompt's final window
+                dk_w, dv_w = windows[i]
+                w_start = self.prompt_length - 1 - layer.keys.shape[-2]
+                a, b = max(s, w_start), e
+                if a < b and branch.keys.requires_grad:
+                    outputs += [branch.keys[:, :, a - s:b - s], branch.values[:, :, a - s:b - s]]
+                    grads += [dk_w[:, :, a - w_start:b - w_start].to(branch.keys.dtype),
+                              dv_w[:, :, a - w_start:b - w_start].to(branch.values.dtype)]
+                continue
             if not isinstance(layer, SliceKVState):  # linear attention: its gradient travels through the relay
                 continue
             pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
