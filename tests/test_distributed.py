@@ -116,7 +116,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     for arch, p, use_lora in exact_cases:
         model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
-        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact",
+        state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, prompt_grad="exact",
                                   group=dist.group.WORLD)
         response = _response(rank, n, 0)
         out = state.replay(response)
@@ -215,7 +215,7 @@ def _check_exact(results, n: int, cases, measured: dict):
         model = longstraw.models.tiny_model(arch)
         model = lora(model) if use_lora else model
         params = [q for q in model.parameters() if q.requires_grad]
-        state = longstraw.capture(model, _prompt(p), chunk_size=4, block_size=4, prompt_grad="exact")
+        state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, prompt_grad="exact")
         logprobs = []
         for r in range(n):
             response = _response(r, n, 0)
@@ -223,7 +223,7 @@ def _check_exact(results, n: int, cases, measured: dict):
             (_advantage(r, response.numel()) * out.logprobs).sum().backward()
             logprobs.append(out.logprobs.detach())
         state.backward()
-        want = [q.grad for q in params]
+        want = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         worst = 0.0
         for r in range(n):
             got = results[r]["exact", arch, p, use_lora]
@@ -302,7 +302,8 @@ def test_context_parallel_two_ranks(tmp_path):
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
              ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False), ("gpt_oss", 30, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, False), ("deepseek_v3", 30, True), ("qwen3_next", 30, False), ("gemma3_text", 30, False))
+    exact = (("llama", 30, False), ("deepseek_v3", 30, True), ("qwen3_next", 30, False), ("gemma3_text", 30, False),
+             ("glm_moe_dsa", 30, False))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
     measured = {}
     _check(results, 2, cases, measured)
@@ -319,7 +320,8 @@ def test_context_parallel_four_ranks(tmp_path):
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
              ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True), ("gpt_oss", 12, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, True), ("deepseek_v3", 12, False), ("qwen3_next", 12, True), ("gemma3_text", 12, False))
+    exact = (("llama", 30, True), ("deepseek_v3", 12, False), ("qwen3_next", 12, True), ("gemma3_text", 12, False),
+             ("glm_moe_dsa", 12, True))
     results = _run(4, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 4, cases, measured)

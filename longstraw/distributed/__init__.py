@@ -11,8 +11,8 @@ layers are full attention, MLA, DSA, sliding-window attention and linear attenti
 gemma3, gpt_oss, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, gpt_oss, qwen3_next);
 attention sinks fold in as one more key of score `sink` and value 0 after the last merge (the replay's backward
 gives the sinks their gradient). Refused by name (NotImplementedError, the same on every rank): other layer kinds
-(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with DSA layers or sinks, `state_dtype`. Exact mode works for models of full-attention, MLA,
-sliding-window and linear-attention layers. FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; not yet in the trainer). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
+(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sinks, `state_dtype`. Exact mode works for every served layer kind (not with
+sinks). FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; not yet in the trainer). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
 `longstraw.parallel`.
 
 What each rank holds
@@ -94,8 +94,8 @@ R_total·P, is split evenly (each rank R_total·P/N). Memory per rank: the graph
 Each rank's parameter gradients are those of its own branch; summed over ranks (all-reduce, or FSDP's
 reduce-scatter) they are the single-process sum over the same branches.
 
-Exact mode (collective; full-attention, MLA, sliding-window and linear-attention layers)
----------------------------------------------------------------------------------------
+Exact mode (collective; every layer kind served above, sinks not yet)
+--------------------------------------------------------------------
 Replays: the replay attention's backward also computes, on each rank, dK/dV of its slice for every rank's queries
 (summed in rank order) and accumulates them in the slice's K/V leaves: each rank holds the state gradient of its own
 slice (1/N of the buffer). `state.backward()`: every rank recomputes its slice with autograd (the capture's forward,
@@ -111,9 +111,11 @@ r + 1 → r (point to point, `_RelayOut` on the layer's output, `_RelayIn` on it
 forward relay is. Sliding-window layers: the gradient of the window before a slice (the tails of earlier ranks it
 read) goes back to their owners by one all-to-all of W − 1 rows per rank (`SlidingCaptureAttention`), and the
 replays' gradient of the replicated final window, summed over the ranks, enters the rows of the slices holding those
-positions. Memory: the slice's whole graph (every layer's activations over P/N tokens), unlike the single process's
-one chunk: a per-layer checkpointed recompute is the next step. Not yet: DSA (the sparse attention's backward to the
-slices' latents) and attention sinks in the reverse pass.
+positions. DSA layers: the replay's sparse backward also returns the gradient of each slice's selected latents to
+their owner (summed in rank order), and the reverse pass runs the capture's sparse exchange again with gradients
+travelling back (`longstraw.distributed.sparse.SparseCaptureAttention`); the indexer gets no gradient, as in one
+process. Memory: the slice's whole graph (every layer's activations over P/N tokens), unlike the single process's
+one chunk: a per-layer checkpointed recompute is the next step. Not yet: attention sinks in the reverse pass.
 
 Sampling (collective)
 ---------------------

@@ -23,7 +23,7 @@ from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainab
                      model_device, run_decoder)
 from .collectives import Group, digest
 from .merge import fold as _fold, fold_sinks, pad_rows as _pad_rows
-from .sparse import SparseReplayAttention, select, slice_partials, sparse_partial
+from .sparse import SparseCaptureAttention, SparseReplayAttention, select, slice_partials, sparse_partial
 
 __all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "capture",
            "slice_bounds"]
@@ -146,8 +146,6 @@ class SliceIndexedLatentState(SliceLatentState):
     def release(self) -> None:
         super().release()
         self.index_keys = None
-
-    supports_exact = False
 
 
 class _LatentOwn:
@@ -375,7 +373,7 @@ class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
     rows `chunk` at a time (every rank steps alike), against the earlier slices collectively (`longstraw.distributed.
     sparse`) and its own keys locally. No gradient: detached capture only."""
 
-    def _steps(self):
+    def steps(self):
         lengths = [e - s for s, e in self.bounds]
         me = self.group.rank
         for step, lo in enumerate(range(0, max(lengths), self.chunk)):
@@ -385,7 +383,7 @@ class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         limits = [s for s, _ in self.bounds]
         pos = []
-        for step, lo, hi, counts in self._steps():
+        for step, lo, hi, counts in self.steps():
             q_pos = torch.arange(q_start + lo, q_start + hi, device=q.device)
             sel = select(self.group, f"capture layer {self.layer_idx}: sparse selection, step {step}", q[:, lo:hi],
                          weights[:, lo:hi], scale, own_keys, own_start, q_pos, topk, block, slice_keys=own_keys,
@@ -396,17 +394,25 @@ class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
         return as_selection(torch.cat(pos, dim=1), own_start)
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
+        if torch.is_grad_enabled():  # exact mode's reverse pass
+            return SparseCaptureAttention.apply(query, own, selection.indices, selection.valid, own_start, scale, self)
+        return self.sparse_forward(query, own, selection, scale)[0].to(query.dtype)
+
+    def sparse_forward(self, query, own, selection, scale):
+        """(out, lse) float32 of this rank's rows (see the class)."""
         limits = [s for s, _ in self.bounds]
-        outs = []
-        for step, lo, hi, counts in self._steps():
+        outs, lses = [], []
+        for step, lo, hi, counts in self.steps():
             q = query[:, :, lo:hi]
             idx, valid = selection.indices[:, lo:hi], selection.valid[:, lo:hi]
             sel = type(selection)(idx, valid, selection.prompt_length)
             acc = slice_partials(self.group, f"capture layer {self.layer_idx}: sparse attention, step {step}", q, sel,
-                                 scale, slice_latents=own, slice_start=own_start, lengths=counts, limits=limits)
-            out, _ = _fold(acc, sparse_partial(q, own, own_start, idx, valid, scale))
+                                 scale, slice_latents=own, slice_start=selection.prompt_length, lengths=counts,
+                                 limits=limits)
+            out, lse = _fold(acc, sparse_partial(q, own, selection.prompt_length, idx, valid, scale))
             outs.append(out)
-        return torch.cat(outs, dim=2).to(query.dtype)
+            lses.append(lse)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _capture_branch(layer, group: Group, bounds, layer_idx: int, chunk: int) -> _CaptureBranchLayer:
@@ -692,10 +698,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
                                   f"so far; {parts.config.model_type!r} also has layer kinds {other}")
-    if prompt_grad == "exact" and not kinds <= {KVState, LatentState, RecurrentState, SlidingKVState}:
+    if prompt_grad == "exact" and not kinds <= {KVState, LatentState, IndexedLatentState, RecurrentState,
+                                                SlidingKVState}:
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
-                                  "full-attention, MLA, sliding-window and linear-attention layers only so far (not "
-                                  "DSA)")
+                                  "full-attention, MLA, DSA, sliding-window and linear-attention layers only so far")
     device = model_device(parts.model)
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())

@@ -18,8 +18,9 @@ query rows owned by rank i (its branch in a replay, a chunk of its slice in capt
    its share: the gradient of the flash-style surrogate Σ_k exp(s_k − lse) · (dO · v_k − Δ) (`sparse_partial_grad`).
 
 The latents are keys and values alike (MLA in latent space, `longstraw.latent_attention`); outputs carry the full
-latent width and the caller keeps the first `kv_lora_rank` columns. Detached mode only (the slices' latents and
-indexer keys get no gradient).
+latent width and the caller keeps the first `kv_lora_rank` columns. In exact mode the slices' latents get their
+gradient (every rank's rows that selected them, summed in rank order); the indexer keys get none (transformers runs
+the indexer without grad, as the single process does).
 """
 
 from __future__ import annotations
@@ -236,6 +237,31 @@ def slice_partials(g: Group, name: str, query, selection: Selection, scale: floa
     return acc
 
 
+def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Selection, scale: float, *, slice_latents,
+                        slice_start: int, lengths: list[int], limits: list[int], need_keys: bool):
+    """The backward of `slice_partials`: (dq `[B, H, S, D]` float32 of this rank's rows, summed over the slices in
+    slice order; the gradient of this rank's `slice_latents` from every rank's rows, summed in rank order, or None).
+    `lse` is the merged attention's over all keys, `delta` = rowsum(dout · out) (`sparse_partial_grad`)."""
+    rmax = max(lengths)
+    total = []
+
+    def compute(i, tensors):  # called for i = 0, 1, ... in rank order
+        qi, gi, li, di, ii, vi = tensors
+        dqi, dlat = sparse_partial_grad(qi, slice_latents, slice_start, ii, vi, scale, gi, li, di, need_keys,
+                                        limit=limits[i])
+        if dlat is not None:
+            total.append(dlat if not total else total.pop() + dlat)
+        return [pad_rows(dqi, rmax, 2)]
+
+    back = rows_to_slices(g, name, [(q, 2), (dout, 2), (lse, 2), (delta, 2), (selection.indices, 1),
+                                    (selection.valid, 1)], lengths, compute)
+    r = q.shape[2]
+    dq = None
+    for (dqj,) in back:  # slice order
+        dq = dqj[:, :, :r] if dq is None else dq + dqj[:, :, :r]
+    return dq, (total[0] if total else None)
+
+
 class SparseReplayAttention(torch.autograd.Function):
     """DSA attention of this rank's branch `[1, H, R, D]` over the selected keys in [every rank's slice | its own
     latents], a collective with a collective backward (see the module). Saves q, the own latents, the selection, the
@@ -262,18 +288,45 @@ class SparseReplayAttention(torch.autograd.Function):
         delta = (dout.float() * out).sum(-1)
         dq, d_own = sparse_partial_grad(q, own, own_start, idx, valid, scale, dout, lse, delta,
                                         need_keys=ctx.needs_input_grad[1])
-        rmax = max(lengths)
+        need_slice = ctx.needs_input_grad[2]  # exact mode: the slice's latents collect every branch's gradient
+        dq_s, d_slice = slice_partials_grad(
+            g, f"replay backward layer {layer.layer_idx} (sparse)", q, dout, lse, delta,
+            Selection(idx, valid, own_start), scale, slice_latents=slice_latents, slice_start=layer.start,
+            lengths=lengths, limits=[own_start] * g.size, need_keys=need_slice)
+        dq = dq + dq_s
+        return (dq.to(q.dtype), None if d_own is None else d_own.to(own.dtype),
+                None if d_slice is None else d_slice.to(slice_latents.dtype), None, None, None)
 
-        def compute(i, tensors):
-            qi, gi, li, di, ii, vi = tensors
-            dqi, _ = sparse_partial_grad(qi, slice_latents, layer.start, ii, vi, scale, gi, li, di, need_keys=False,
-                                         limit=own_start)
-            return [pad_rows(dqi, rmax, 2)]
 
-        name = f"replay backward layer {layer.layer_idx} (sparse)"
-        back = rows_to_slices(g, name, [(q, 2), (dout, 2), (lse, 2), (delta, 2), (idx, 1), (valid, 1)], lengths,
-                              compute)
-        r = q.shape[2]
-        for (dqj,) in back:  # slice order
-            dq = dq + dqj[:, :, :r]
-        return dq.to(q.dtype), None if d_own is None else d_own.to(own.dtype), None, None, None, None
+class SparseCaptureAttention(torch.autograd.Function):
+    """A DSA layer of exact mode's reverse pass: this rank's slice rows over their selected keys in the earlier slices
+    and in its own, `chunk` rows per step as capture runs them (`_DsaCaptureBranchLayer`); the backward returns dq
+    and the gradient of the slice's latents, as own keys of its rows and as keys the later ranks' rows selected."""
+
+    @staticmethod
+    def forward(ctx, q, own, idx, valid, own_start: int, scale: float, layer):
+        out, lse = layer.sparse_forward(q, own, Selection(idx, valid, own_start), scale)
+        ctx.save_for_backward(q, own, idx, valid, out, lse)
+        ctx.own_start, ctx.scale, ctx.layer = own_start, scale, layer
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, own, idx, valid, out, lse = ctx.saved_tensors
+        layer, scale, own_start = ctx.layer, ctx.scale, ctx.own_start
+        limits = [s for s, _ in layer.bounds]
+        delta = (dout.float() * out).sum(-1)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        d_own = torch.zeros_like(own, dtype=torch.float32)
+        for step, lo, hi, counts in layer.steps():
+            z = slice(lo, hi)
+            sel = Selection(idx[:, z], valid[:, z], own_start)
+            dq_o, d_o = sparse_partial_grad(q[:, :, z], own, own_start, sel.indices, sel.valid, scale, dout[:, :, z],
+                                            lse[:, :, z], delta[:, :, z], need_keys=True)
+            dq_s, d_s = slice_partials_grad(
+                layer.group, f"reverse pass layer {layer.layer_idx}: sparse attention, step {step}", q[:, :, z],
+                dout[:, :, z], lse[:, :, z], delta[:, :, z], sel, scale, slice_latents=own, slice_start=own_start,
+                lengths=counts, limits=limits, need_keys=True)
+            dq[:, :, z] = dq_o + dq_s
+            d_own += d_o + d_s
+        return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None
