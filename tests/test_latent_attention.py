@@ -197,11 +197,16 @@ class _Outputs(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("arch", MLA_ARCHS)
-def test_replay_never_expands_the_prompt(arch):
+def test_replay_never_expands_the_prompt(arch, monkeypatch):
     """At P = 700 (longer than every other dimension of the tiny model), no tensor but the durable state and
     its views has a dimension spanning the prompt: capture (chunks of 64) holds no P × P or chunk × P scores,
     and a replay (forward and backward) neither the expanded prompt K/V (heads × P × head_dim) nor R × P
-    scores or indexer scores."""
+    scores or indexer scores. The fused CPU kernel's dq-only backward reads the prompt in tiles of
+    `CPU_TILE_ELEMENTS` keys × heads × dims (2M by default: the whole of this prompt), each tile's unused dK/dV
+    as large as the tile: tiles of one key block here, so that a prompt-sized temporary would show."""
+    import longstraw.kernels.fused as fused
+
+    monkeypatch.setattr(fused, "CPU_TILE_ELEMENTS", 1)
     model = _model(arch)
     p, r = 700, 8
     prompt, response = tokens(p, 16), tokens(r, 17)

@@ -819,10 +819,15 @@ class ReplayAttention(torch.autograd.Function):
         own, info = ctx.own, ctx.info
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax, r = max(lengths), q.shape[2]
-        # each part's share of the softmax mass over every key (and the sink): exp(lse_part − lse)
-        w_p = torch.exp(lse_p - lse)[..., None]
+        # each part's share of the softmax mass over every key (and the sink): exp(lse_part − lse); without a sink
+        # the two shares are sigmoid(lse_p − lse_o) and its complement, as `longstraw.attention` computes them
+        if sinks is None:
+            w_p = torch.sigmoid(lse_p - lse_o)[..., None]
+            w_o = 1 - w_p
+        else:
+            w_p, w_o = torch.exp(lse_p - lse)[..., None], torch.exp(lse_o - lse)[..., None]
         g_p = (dout.float() * w_p).to(dout.dtype)
-        g_o = (dout.float() * torch.exp(lse_o - lse)[..., None]).to(dout.dtype)
+        g_o = (dout.float() * w_o).to(dout.dtype)
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[7]:  # the sink is a key of value 0: dS = −P_sink · (dO · O)
             p_sink = torch.exp(sinks.float()[None, :, None] - lse)
