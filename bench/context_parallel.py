@@ -7,6 +7,12 @@ collective) with backward. Each configuration runs in fresh processes in the sam
 times are the slowest rank's, the median of `--repeat` steps after a warm-up.
 
     python bench/context_parallel.py --P 65536 --G 8 --R 64 --ranks 2   # → bench/results/context_parallel.{json,md}
+
+Step memory per rank against G (`--memory-G`): N ranks only, one fresh set of processes per G; each rank's step
+memory is its peak RSS during the steps minus its RSS before them (the captured state and the weights are already
+there), beside the durable state per rank.
+
+    python bench/context_parallel.py --P 16384 --R 64 --ranks 2 --memory-G 2 4 8 16   # → ..._memory.{json,md}
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
     torch.set_num_threads(1)
     import longstraw
     from longstraw.compare import bench_model
+    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb, trim_heap
 
     group = None
     if n > 1:
@@ -51,6 +58,9 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
     state = longstraw.capture(model, prompt, chunk_size=chunk, group=group)
     t_capture, c_capture = time.perf_counter() - t0, time.process_time() - c0
     steps, cpu = [], []
+    trim_heap()
+    before = rss_mb()
+    reset_peak()
     for i in range(repeat + 1):
         barrier()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -60,7 +70,7 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         steps.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     row = dict(rank=rank, capture_s=t_capture, capture_cpu_s=c_capture, step_s=statistics.median(steps[1:]),
-               step_cpu_s=statistics.median(cpu[1:]), nbytes=state.nbytes)
+               step_cpu_s=statistics.median(cpu[1:]), nbytes=state.nbytes, step_mem_mib=peak_rss_mb() - before)
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
     if n > 1:
         dist.destroy_process_group()
@@ -77,7 +87,26 @@ def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
                 capture_s=max(r["capture_s"] for r in rows), step_s=max(r["step_s"] for r in rows),
                 capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
                 step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
-                state_bytes_per_rank=[r["nbytes"] for r in rows])
+                state_bytes_per_rank=[r["nbytes"] for r in rows],
+                step_mem_mib_per_rank=[round(r["step_mem_mib"], 1) for r in rows])
+
+
+def memory_grid(a) -> None:
+    rows = []
+    for G in a.memory_G:
+        rows.append(run(a.ranks, a.P, G, a.R, a.chunk, 1))
+        print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out + "_memory")
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, load_average=os.getloadavg()), indent=1))
+    lines = ["| ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['G'] / r['ranks']:g} | "
+                     f"{', '.join(f'{m:.1f}' for m in r['step_mem_mib_per_rank'])} | "
+                     f"{', '.join(f'{b / 2**20:.1f}' for b in r['state_bytes_per_rank'])} |")
+    text = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 def main():
@@ -89,7 +118,10 @@ def main():
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "context_parallel"))
+    ap.add_argument("--memory-G", type=int, nargs="*", default=None, help="step memory per rank for these G")
     a = ap.parse_args()
+    if a.memory_G:
+        return memory_grid(a)
     rows = []
     for n in (1, a.ranks):
         rows.append(run(n, a.P, a.G, a.R, a.chunk, a.repeat))
