@@ -377,3 +377,83 @@ def test_sparse_selection_is_the_same_for_any_number_of_slices(n):
     cands.append(local_topk(q, w, 0.5, own_keys, p, q_pos, topk, block=2))
     _, got = merge_topk(cands, topk)
     assert torch.equal(got[0], want)
+
+
+#: (arch, P, state_dtype): P − 1 = 300 positions over 2 ranks in whole 64-position blocks: 192 and 108 (64 + a tail
+#: of 44 kept in the model's dtype, as one process keeps its last 44)
+QUANT_CASES = (("llama", 301, "fp8"), ("deepseek_v3", 301, "int8"), ("glm_moe_dsa", 301, "fp8"))
+
+
+def _quant_worker(rank: int, n: int, init: str, out_dir: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from longstraw.models import tiny_model
+
+    result = {}
+    for arch, p, dtype in QUANT_CASES:
+        model = tiny_model(arch)
+        state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=64, block_size=32, state_dtype=dtype,
+                                  group=dist.group.WORLD)
+        response = _response(rank, n, 0)
+        out = state.replay(response)
+        (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+        grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in model.parameters()]
+        for g in grads:
+            dist.all_reduce(g)
+        samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
+        result[arch] = dict(logprobs=out.logprobs.detach(), grads=grads, sliced=state.sliced_nbytes, slice=state.slice,
+                            samples=[t.tolist() for t in samples.tokens])
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_context_parallel_8bit_state(tmp_path):
+    """`state_dtype` with `group=`: each rank keeps its slice in 8 bits (whole 64-position blocks, so the ranks' 8-bit
+    bytes add up to one process's). Not bitwise one process's: its later chunks read the earlier ones' 8-bit state,
+    while the ranks read each other's slices in full precision during capture and quantize their own once. So: the
+    replay log-probs' and the summed detached gradients' error against the full-precision state is at most 1.5× one
+    process's with the same 8-bit state (dense K/V, MLA latents, DSA latents), and every rank samples alike."""
+    from longstraw.layers import IndexedLatentState, KVState, LatentState
+
+    n = 2
+    spawn_ranks(_quant_worker, (n, str(tmp_path / "init"), str(tmp_path)), n,
+                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models"], 3 * TIMEOUT_S,
+                "the 8-bit cases")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    for arch, p, dtype in QUANT_CASES:
+        model = longstraw.models.tiny_model(arch)
+        prompt = _prompt(p, arch=arch, n=n)
+        grads = {}
+        for name, kw in (("8-bit", dict(state_dtype=dtype)), ("full", {})):
+            model.zero_grad(set_to_none=True)
+            state = longstraw.capture(model, prompt, chunk_size=64, block_size=32, **kw)
+            logprobs = []
+            for r in range(n):
+                response = _response(r, n, 0)
+                out = state.replay(response)
+                (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+                logprobs.append(out.logprobs.detach())
+            grads[name] = (logprobs, torch.cat([q.grad.flatten() if q.grad is not None else torch.zeros(q.numel())
+                                                for q in model.parameters()]))
+            if name == "8-bit":
+                growing = sum(layer.nbytes for layer in state.layers
+                              if type(layer) in (KVState, LatentState, IndexedLatentState))
+        (one_lp, one_g), (full_lp, full_g) = grads["8-bit"], grads["full"]
+        assert [results[r][arch]["slice"] for r in range(n)] == [(0, 192), (192, 300)]
+        assert sum(results[r][arch]["sliced"] for r in range(n)) == growing
+        assert results[0][arch]["samples"] == results[1][arch]["samples"]
+        for r in range(n):
+            got = results[r][arch]
+            cp_err = (got["logprobs"] - full_lp[r]).abs().max().item()
+            one_err = (one_lp[r] - full_lp[r]).abs().max().item()
+            assert 0 < cp_err <= 1.5 * one_err, f"{arch} {dtype} rank {r}: log-probs off by {cp_err:.2e} " \
+                                                f"(one process: {one_err:.2e})"
+            cp_g = rel_err(torch.cat([a.flatten() for a in got["grads"]]), full_g)
+            assert 0 < cp_g <= 1.5 * rel_err(one_g, full_g), f"{arch} {dtype}: gradient off by {cp_g:.2e}"
+
+
+def test_slice_bounds_in_whole_blocks():
+    assert slice_bounds(300, 2, 64) == [(0, 192), (192, 300)]
+    assert slice_bounds(256, 2, 64) == [(0, 128), (128, 256)]
+    assert slice_bounds(257, 4, 64) == [(0, 128), (128, 192), (192, 256), (256, 257)]

@@ -11,7 +11,10 @@ layers are full attention, MLA, DSA, sliding-window attention and linear attenti
 gemma3, gpt_oss, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, gpt_oss, qwen3_next);
 attention sinks fold in as one more key of score `sink` and value 0 after the last merge (the replay's backward
 gives the sinks their gradient). Refused by name (NotImplementedError, the same on every rank): other layer kinds
-(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sinks, `state_dtype`. Exact mode works for every served layer kind (not with
+(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sinks, `state_device`. `state_dtype`
+(8-bit K/V and latents, detached mode) slices the prompt in whole blocks of 64 positions and quantizes each slice once
+at the end of capture; during capture the ranks read each other's slices in full precision, so the result is not
+bitwise one process's (whose later chunks read the earlier chunks' 8-bit state) but no less accurate. Exact mode works for every served layer kind (not with
 sinks). FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; not yet in the trainer). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
 `longstraw.parallel`.
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import quant
 from ..attention import DEFAULT_BLOCK, Part, part_backward, part_forward
+from ..quant import QUANT_BLOCK, QuantizedTokens
 from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
@@ -29,13 +31,15 @@ __all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "S
            "slice_bounds"]
 
 
-def slice_bounds(total: int, size: int) -> list[tuple[int, int]]:
-    """Contiguous slices `[(start, end)]` of `total` positions over `size` ranks: the first `total % size` ranks hold
-    one position more than the others."""
-    base_len, extra = divmod(total, size)
+def slice_bounds(total: int, size: int, align: int = 1) -> list[tuple[int, int]]:
+    """Contiguous slices `[(start, end)]` of `total` positions over `size` ranks, every boundary a multiple of `align`
+    (but the last end, `total`): the ⌈total / align⌉ units are split as evenly as they go, the first ranks holding one
+    more. align 1: the first `total % size` ranks hold one position more than the others."""
+    units = -(-total // align)
+    base_len, extra = divmod(units, size)
     bounds, s = [], 0
     for r in range(size):
-        e = s + base_len + (1 if r < extra else 0)
+        e = min(total, s + (base_len + (1 if r < extra else 0)) * align)
         bounds.append((s, e))
         s = e
     return bounds
@@ -78,14 +82,24 @@ class SliceKVState(LayerState):
         if n != self.end - self.start or k.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
                                f"produced {k.shape[-2]} keys")
-        self.keys = base.empty_state(k, tuple(k.shape))
-        self.values = base.empty_state(v, tuple(v.shape))
-        self.keys.copy_(k)
-        self.values.copy_(v)
+        self.keys, self.values = self._store(k), self._store(v)
         self.length = self.end
 
+    def _store(self, x: torch.Tensor):
+        """The slice's copy of `x`: in the model's dtype, or in 8 bits with `capture(state_dtype=...)` (blocks of
+        `QUANT_BLOCK` positions counted from position 0: the slices start on block boundaries, so the blocks and
+        their scales are those of one process)."""
+        if self.state_dtype is not None:
+            stored = QuantizedTokens(x, x.shape[-2], self.state_dtype)
+            stored.append(x)
+            return stored
+        stored = base.empty_state(x, tuple(x.shape))
+        stored.copy_(x)
+        return stored
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values) if t is not None]
+        return [t for x in (self.keys, self.values) if x is not None
+                for t in (x.tensors() if isinstance(x, QuantizedTokens) else [x])]
 
     def release(self) -> None:
         self.keys = self.values = None
@@ -109,13 +123,13 @@ class SliceLatentState(SliceKVState):
         if n != self.end - self.start or latent.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
                                f"produced {latent.shape[-2]} latents")
-        self.keys = base.empty_state(latent, tuple(latent.shape))
-        self.keys.copy_(latent)
-        self.values = self.keys
+        self.keys = self.values = self._store(latent)
         self.length = self.end
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.keys is None else [self.keys]
+        if self.keys is None:
+            return []
+        return self.keys.tensors() if isinstance(self.keys, QuantizedTokens) else [self.keys]
 
     def require_grad(self) -> None:
         self.keys.requires_grad_(True)
@@ -681,9 +695,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         "trainable parameters": trainable,
     })
     check_capture_options(prompt_grad, chunk_size, block_size)
-    if state_dtype is not None:
-        raise NotImplementedError("context-parallel capture (group=...) keeps the state in the model's dtype so far; "
-                                  "state_dtype is not supported with group=")
+    compressed = quant.state_dtype(state_dtype)
+    if compressed is not None and prompt_grad == "exact":
+        raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
+                         "the model's dtype; use prompt_grad='detached' or state_dtype=None")
     if state_device is not None:
         raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
                                   "state_device is not supported with group=")
@@ -706,22 +721,28 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     captured = prompt.numel() - 1
-    if captured < g.size:
+    # a quantized state's slices start on block boundaries (the blocks of one process)
+    align = QUANT_BLOCK if compressed is not None else 1
+    if captured < g.size * align:
         raise ValueError(f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
-                         "ranks a slice; use fewer ranks or capture without group=")
+                         f"ranks a slice{' of whole 8-bit blocks of %d positions' % align if align > 1 else ''}; "
+                         "use fewer ranks or capture without group=")
     prepare(model)
     if verify or (verify is None and family(parts.config.model_type) is None):
         from ..self_check import ensure_verified
 
         ensure_verified(model)
-    bounds = slice_bounds(captured, g.size)
+    bounds = slice_bounds(captured, g.size, align)
     s, e = bounds[g.rank]
+    if compressed is not None:
+        quant.check_device(compressed, device)
     from ..support import layer_states
 
     layers, branches = [], []
     for i, layer in enumerate(layer_states(parts.config, captured)):
         if type(layer) in _SLICED:
             layers.append(_SLICED[type(layer)](parts.config, i, s, e))
+            layers[-1].state_dtype = compressed
             branches.append(_capture_branch(layers[-1], g, bounds, i, chunk_size))
         elif type(layer) is SlidingKVState:
             layers.append(layer)
@@ -808,13 +829,18 @@ class ReplayAttention(torch.autograd.Function):
         out_o, lse_o = part_forward(q, own_k, own_v, own)
         out, lse = fold_sinks(*_fold((out_p, lse_p), (out_o, lse_o)), sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, own_k, own_v, slice_k, slice_v, out, lse_o.float(), lse_p, lse, sinks)
+        quantized = isinstance(slice_k, QuantizedTokens)  # a constant, kept on ctx (not a tensor to save)
+        ctx.slice_kv = (slice_k, slice_v) if quantized else None
+        ctx.save_for_backward(q, own_k, own_v, None if quantized else slice_k, None if quantized else slice_v, out,
+                              lse_o.float(), lse_p, lse, sinks)
         ctx.own, ctx.info = own, info
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, own_k, own_v, slice_k, slice_v, out, lse_o, lse_p, lse, sinks = ctx.saved_tensors
+        if ctx.slice_kv is not None:
+            slice_k, slice_v = ctx.slice_kv
         need_kv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]  # exact mode: the slice's state gradient
         own, info = ctx.own, ctx.info
         g, lengths, layer = info.group, info.lengths, info.layer

@@ -29,6 +29,7 @@ import torch
 
 from ..attention import TILE_ELEMENTS
 from ..latent_attention import Selection, index_scores
+from ..quant import QuantizedTokens
 from .collectives import Group
 from .merge import fold, pad_rows
 
@@ -106,6 +107,8 @@ def _gathered(latents, start: int, idx, valid, limit: int | None):
     if limit is not None:
         mask = mask & (idx < limit)
     local = local.clamp(0, max(n - 1, 0))
+    if isinstance(latents, QuantizedTokens):  # an 8-bit slice: only the selected rows are dequantized
+        return latents.gather_rows(local, torch.float32), mask
     lb = latents.shape[0]
     flat = latents[:, 0].reshape(lb * n, -1)
     if lb > 1:
@@ -148,7 +151,12 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
     dq = torch.zeros((b, h, s, d), dtype=torch.float32, device=q.device)
     if latents is None or latents.shape[-2] == 0 or s == 0:
         return dq, None
-    lat = latents.detach().float().requires_grad_(need_keys)
+    if isinstance(latents, QuantizedTokens):  # a constant (detached mode only)
+        if need_keys:
+            raise ValueError("an 8-bit prompt state gets no gradient (exact mode needs the model's dtype)")
+        lat = latents
+    else:
+        lat = latents.detach().float().requires_grad_(need_keys)
     dlat = torch.zeros_like(lat) if need_keys else None
     rows = _row_block(b, s, idx.shape[-1], d, h)
     for a in range(0, s, rows):
@@ -276,13 +284,18 @@ class SparseReplayAttention(torch.autograd.Function):
                              lengths=lengths, limits=limits)
         o_own = sparse_partial(q, own, selection.prompt_length, selection.indices, selection.valid, scale)
         out, lse = fold(acc, o_own)
-        ctx.save_for_backward(q, own, slice_latents, selection.indices, selection.valid, out, lse)
+        quantized = isinstance(slice_latents, QuantizedTokens)  # a constant, kept on ctx (not a tensor to save)
+        ctx.slice_latents = slice_latents if quantized else None
+        ctx.save_for_backward(q, own, None if quantized else slice_latents, selection.indices, selection.valid, out,
+                              lse)
         ctx.scale, ctx.info, ctx.own_start = scale, info, selection.prompt_length
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, own, slice_latents, idx, valid, out, lse = ctx.saved_tensors
+        if ctx.slice_latents is not None:
+            slice_latents = ctx.slice_latents
         g, lengths, layer = ctx.info.group, ctx.info.lengths, ctx.info.layer
         scale, own_start = ctx.scale, ctx.own_start
         delta = (dout.float() * out).sum(-1)
