@@ -194,18 +194,24 @@ def _reference(arch: str, p: int, n: int, use_lora: bool):
     rounds = []
     for round_ in range(2):
         model.zero_grad(set_to_none=True)
-        logprobs = []
-        for r in range(n):
-            response = _response(r, n, round_)
-            out = state.replay(response)
-            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
-            logprobs.append(out.logprobs.detach())
+        logprobs = _replay_branches(state, n, round_)
         # parameters no branch reaches (the DSA indexer runs without grad, experts no token routes to): zero
         rounds.append(dict(logprobs=logprobs, grads=[q.grad.clone() if q.grad is not None else torch.zeros_like(q)
                                                      for q in params]))
     growing = sum(layer.nbytes for layer in state.layers if type(layer) in (KVState, LatentState, IndexedLatentState))
     samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
     return rounds, state.nbytes, growing, samples
+
+
+def _replay_branches(state, n: int, round_: int = 0) -> list[torch.Tensor]:
+    """One process: replay every rank's branch of a round with its advantage-weighted backward; their log-probs."""
+    logprobs = []
+    for r in range(n):
+        response = _response(r, n, round_)
+        out = state.replay(response)
+        (_advantage(r, response.numel()) * out.logprobs).sum().backward()
+        logprobs.append(out.logprobs.detach())
+    return logprobs
 
 
 def _check_exact(results, n: int, cases, measured: dict):
@@ -216,12 +222,7 @@ def _check_exact(results, n: int, cases, measured: dict):
         model = lora(model) if use_lora else model
         params = [q for q in model.parameters() if q.requires_grad]
         state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, prompt_grad="exact")
-        logprobs = []
-        for r in range(n):
-            response = _response(r, n, 0)
-            out = state.replay(response)
-            (_advantage(r, response.numel()) * out.logprobs).sum().backward()
-            logprobs.append(out.logprobs.detach())
+        logprobs = _replay_branches(state, n)
         state.backward()
         want = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         worst = 0.0
@@ -428,12 +429,7 @@ def test_context_parallel_8bit_state(tmp_path):
         for name, kw in (("8-bit", dict(state_dtype=dtype)), ("full", {})):
             model.zero_grad(set_to_none=True)
             state = longstraw.capture(model, prompt, chunk_size=64, block_size=32, **kw)
-            logprobs = []
-            for r in range(n):
-                response = _response(r, n, 0)
-                out = state.replay(response)
-                (_advantage(r, response.numel()) * out.logprobs).sum().backward()
-                logprobs.append(out.logprobs.detach())
+            logprobs = _replay_branches(state, n)
             grads[name] = (logprobs, torch.cat([q.grad.flatten() if q.grad is not None else torch.zeros(q.numel())
                                                 for q in model.parameters()]))
             if name == "8-bit":

@@ -16,7 +16,7 @@ from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
 from ..layers.full_attention import AttentionBranchLayer, KVState
-from ..layers.latent_attention import IndexedLatentState, LatentState
+from ..layers.latent_attention import IndexedLatentState, LatentOwn, LatentState
 from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
@@ -162,7 +162,7 @@ class SliceIndexedLatentState(SliceLatentState):
         self.index_keys = None
 
 
-class _LatentOwn:
+class _LatentOwn(LatentOwn):
     """What `longstraw.layers.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
     layers of MLA layers: the branch's own latents are its keys and its values (one tensor), there is no local prompt
     part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch."""
@@ -171,21 +171,7 @@ class _LatentOwn:
     prompt_index = None
     absorbed = None
     index_keys = None
-
-    def append(self, latent: torch.Tensor) -> torch.Tensor:
-        self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
-        self.values = self.keys
-        return self.keys
-
-    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=-2)
-        return self.index_keys
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.keys is not None:
-            self.keys = self.values = self.keys[indices]
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys[indices]
+    values_alias = True
 
 
 # ----------------------------------------------------------------------------------------- capture

@@ -40,7 +40,33 @@ def _returns_selection(cls) -> bool:
     return "prev_topk_indices" in inspect.signature(cls.forward).parameters
 
 
-class LatentBranchLayer(PromptBranchLayer):
+class LatentOwn:
+    """The branch's own latents `[B, 1, T, r + dr]` (`keys`) and DSA indexer keys `[B, T, Di]` (`index_keys`),
+    appended as the branch runs."""
+
+    #: whether `values` names the own latents too (the context-parallel layers read them as keys and as values)
+    values_alias = False
+
+    def append(self, latent: torch.Tensor) -> torch.Tensor:
+        self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
+        if self.values_alias:
+            self.values = self.keys
+        return self.keys
+
+    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=-2)
+        return self.index_keys
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[indices]
+            if self.values_alias:
+                self.values = self.keys
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[indices]
+
+
+class LatentBranchLayer(LatentOwn, PromptBranchLayer):
     """transformers cache layer of one branch over a read-only prompt latent (and indexer keys).
 
     `prompt` `[1, 1, P, r + dr]` (or None), `prompt_index` `[1, P, Di]` (DSA, or None); the branch's own
@@ -65,20 +91,6 @@ class LatentBranchLayer(PromptBranchLayer):
 
     def update(self, *args, **kwargs):
         raise RuntimeError("latent-attention layers run through longstraw's LatentAttention, not cache.update")
-
-    def append(self, latent: torch.Tensor) -> torch.Tensor:
-        self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
-        return self.keys
-
-    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=-2)
-        return self.index_keys
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.keys is not None:
-            self.keys = self.keys[indices]
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys[indices]
 
 
 
