@@ -44,8 +44,8 @@ def main() -> None:
         ("Qwen3.6-27B-class hybrid", CONFIG_MAPPING["qwen3_5_text"](**HYBRID), 8),
         ("GLM-5-class MLA / DSA MoE (78 layers)", CONFIG_MAPPING["glm_moe_dsa"](**GLM5), 32),
     ]
-    rows, lines = [], ["| model | ranks | state dtype | durable state / rank | weights / rank | predicted peak / rank | "
-                       "fits 96 GB |", "|---|---:|---|---:|---:|---:|---|"]
+    rows, lines = [], ["| model | ranks | state dtype | durable state / rank | weights / rank | capture transient / rank "
+                       "| predicted peak / rank | fits 96 GB |", "|---|---:|---|---:|---:|---:|---:|---|"]
     for name, cfg, ranks in cases:
         for state_dtype in (None, "fp8"):
             p = plan(PlanConfig(cfg, 2_097_152, num_generations=8, completion_length=128, dtype="bf16",
@@ -54,7 +54,8 @@ def main() -> None:
             rows.append(dict(model=name, ranks=ranks, state_dtype=state_dtype, **json.loads(p.to_json())))
             gb = 1e9
             lines.append(f"| {name} | {ranks} | {state_dtype or 'bf16'} | {p.durable_state / gb:.1f} GB | "
-                         f"{p.weights / gb:.1f} GB | {p.peak / gb:.1f} GB | {'yes' if p.fits else 'no'} |")
+                         f"{p.weights / gb:.1f} GB | {p.capture_transient / gb:.1f} GB | {p.peak / gb:.1f} GB | "
+                         f"{'yes' if p.fits else 'no'} |")
     out = HERE / "results" / "plan_paper"
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     text = "\n".join(lines)

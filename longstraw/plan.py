@@ -14,7 +14,9 @@ per rank, in bytes:
   without autograd: its activations and its own K/V before they are committed), `sampler` (G sequences'
   own K/V while decoding R tokens, their logits), `replay_graph` (one response's autograd graph; with
   replay checkpointing, each layer's input plus one layer's graph), and in exact mode the reverse pass's
-  graph of one chunk.
+  graph of one chunk. With context parallelism (`context_parallel` > 1) capture runs each rank's whole slice
+  through a layer at once and the exact reverse pass keeps the slice's graph (`longstraw.distributed`): the
+  slice, P / ranks, takes the chunk's place in both.
 `step` = durable state + state gradient + the largest transient: the memory a step adds to a loaded model
 and optimizer (what `longstraw compare` and the planner benchmark measure). `peak` adds weights and
 optimizer. The activation terms are estimates (documented per term); the state terms are exact.
@@ -225,6 +227,10 @@ def plan(pc: PlanConfig) -> Plan:
         # live in transformers 5.24's torch path
         act += 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
     c = min(pc.chunk_size, captured) if captured else 1
+    if pc.context_parallel > 1:
+        # the context-parallel capture runs each rank's whole slice through a layer at once, and its exact-mode
+        # reverse pass keeps the slice's whole graph (`longstraw.distributed`): the slice, not the chunk, bounds them
+        c = local
     # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
     # `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
     blockwise = any(k in ("sliding_attention", "chunked_attention", "indexed_attention") for k in kinds) or \
@@ -267,8 +273,12 @@ def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph) -> li
                    "or half of that from bf16")
     if not pc.state_offload:
         out.append("state_offload (state_device='cpu'): the durable state leaves the device")
-    out.append(f"context_parallel={pc.context_parallel * 2}: the growing state per rank halves")
-    if capture_transient > replay_graph and pc.chunk_size > 512:
+    if pc.context_parallel > 1:
+        out.append(f"context_parallel={pc.context_parallel * 2}: the growing state and the capture transient (one "
+                   "whole slice through a layer; chunk_size does not bound it with several ranks) per rank halve")
+    else:
+        out.append(f"context_parallel={pc.context_parallel * 2}: the growing state per rank halves")
+    if capture_transient > replay_graph and pc.chunk_size > 512 and pc.context_parallel == 1:
         out.append(f"chunk_size={pc.chunk_size // 2}: the capture transient roughly halves")
     if not pc.checkpoint_layers and replay_graph > capture_transient:
         out.append("checkpoint_layers=True: one replay keeps each layer's input instead of its activations")
