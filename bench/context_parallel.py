@@ -53,10 +53,19 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         if n > 1:
             dist.barrier()
 
+    # warm-up (first-call allocations, communication buffers): a short capture and one replay with backward
+    warm = longstraw.capture(model, prompt[:256], chunk_size=chunk, group=group)
+    (-warm.replay(mine[0][:8]).logprobs.sum()).backward()
+    warm.release()
+    model.zero_grad(set_to_none=True)
     barrier()
+    trim_heap()
+    rss0 = rss_mb()
+    reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
     state = longstraw.capture(model, prompt, chunk_size=chunk, group=group)
     t_capture, c_capture = time.perf_counter() - t0, time.process_time() - c0
+    capture_mem = peak_rss_mb() - rss0
     steps, cpu = [], []
     trim_heap()
     before = rss_mb()
@@ -70,7 +79,8 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         steps.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     row = dict(rank=rank, capture_s=t_capture, capture_cpu_s=c_capture, step_s=statistics.median(steps[1:]),
-               step_cpu_s=statistics.median(cpu[1:]), nbytes=state.nbytes, step_mem_mib=peak_rss_mb() - before)
+               step_cpu_s=statistics.median(cpu[1:]), nbytes=state.nbytes, step_mem_mib=peak_rss_mb() - before,
+               capture_mem_mib=capture_mem)
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
     if n > 1:
         dist.destroy_process_group()
@@ -88,7 +98,8 @@ def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
                 capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
                 step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
                 state_bytes_per_rank=[r["nbytes"] for r in rows],
-                step_mem_mib_per_rank=[round(r["step_mem_mib"], 1) for r in rows])
+                step_mem_mib_per_rank=[round(r["step_mem_mib"], 1) for r in rows],
+                capture_mem_mib_per_rank=[round(r["capture_mem_mib"], 1) for r in rows])
 
 
 def memory_grid(a) -> None:
@@ -97,13 +108,22 @@ def memory_grid(a) -> None:
         rows.append(run(a.ranks, a.P, G, a.R, a.chunk, 1))
         print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out + "_memory")
-    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, load_average=os.getloadavg()), indent=1))
-    lines = ["| ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+    from longstraw.compare import bench_model
+    from longstraw.plan import PlanConfig, plan
+
+    config = bench_model("dense").config
+    lines = ["| ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) "
+             "| capture memory per rank (MiB) | planner: capture transient + state per rank (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        pl = plan(PlanConfig(config, r["P"], num_generations=r["G"], completion_length=r["R"], dtype="fp32",
+                             chunk_size=r["chunk"], context_parallel=r["ranks"], lora_rank=0))
+        r["planned_capture_mib"] = round((pl.capture_transient + pl.durable_state) / 2**20, 1)
         lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['G'] / r['ranks']:g} | "
                      f"{', '.join(f'{m:.1f}' for m in r['step_mem_mib_per_rank'])} | "
-                     f"{', '.join(f'{b / 2**20:.1f}' for b in r['state_bytes_per_rank'])} |")
+                     f"{', '.join(f'{b / 2**20:.1f}' for b in r['state_bytes_per_rank'])} | "
+                     f"{', '.join(f'{m:.1f}' for m in r['capture_mem_mib_per_rank'])} | {r['planned_capture_mib']} |")
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, load_average=os.getloadavg()), indent=1))
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     print(text)
