@@ -149,8 +149,9 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
     (dS = P ⊙ (dO·Vᵀ − Δ), dV = Pᵀ dO). Rows run in blocks, each block's graph freed before the next."""
     b, h, s, d = q.shape
     dq = torch.zeros((b, h, s, d), dtype=torch.float32, device=q.device)
-    if latents is None or latents.shape[-2] == 0 or s == 0:
-        return dq, None
+    if latents is None or latents.shape[-2] == 0 or s == 0:  # nothing to attend to (a rank short of rows)
+        return dq, (torch.zeros(latents.shape, dtype=torch.float32, device=q.device)
+                    if need_keys and latents is not None else None)
     if isinstance(latents, QuantizedTokens):  # a constant (detached mode only)
         if need_keys:
             raise ValueError("an 8-bit prompt state gets no gradient (exact mode needs the model's dtype)")
