@@ -133,18 +133,21 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--P", type=int, default=None, help="override the prompt length (rehearsal)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=None, help="override the capture chunk size")
     ap.add_argument("--out", default=str(HERE / "results" / "stress.jsonl"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = Path(args.out)
     if args.child:
-        run = dict(RUNS[args.child], **({"P": args.P} if args.P else {}))
+        run = dict(RUNS[args.child], **({"P": args.P} if args.P else {}), **({"chunk": args.chunk} if args.chunk else {}))
         child(args.child, run, args.threads, out)
         return
     for name in args.runs:
         cmd = [sys.executable, __file__, "--child", name, "--threads", str(args.threads), "--out", str(out)]
         if args.P:
             cmd += ["--P", str(args.P)]
+        if args.chunk:
+            cmd += ["--chunk", str(args.chunk)]
         subprocess.run(cmd, check=False)
 
 
