@@ -107,7 +107,11 @@ def memory_grid(a) -> None:
     for G in a.memory_G:
         rows.append(run(a.ranks, a.P, G, a.R, a.chunk, 1))
         print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out + "_memory")
+    write_memory(rows, Path(a.out + "_memory"))
+
+
+def write_memory(rows: list[dict], out: Path) -> None:
+    """The memory grid's JSON and markdown table, with the planner's capture figure for each row."""
     from longstraw.compare import bench_model
     from longstraw.plan import PlanConfig, plan
 

@@ -237,6 +237,11 @@ def plan(pc: PlanConfig) -> Plan:
         getattr(cfg, "attn_logit_softcapping", None)
     attn_tile = 4 * 4 * TILE_ELEMENTS if blockwise else 0
     capture_transient = c * (own_per_token + act) + attn_tile
+    if pc.context_parallel > 1:
+        # the exchange's float32 accumulators, partials and gathered chunks over the whole slice, and the slice's K/V
+        # held twice while committed: measured 1.8-2.1x the one-process terms per position (bench/context_parallel.py
+        # --memory-G, dense benchmark model, P = 4K-32K over 2 ranks)
+        capture_transient *= 2
     r, g = pc.completion_length, pc.num_generations
     sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
     # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
