@@ -285,7 +285,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         unsupported = sorted({type(layer).__name__ for layer in layers if not layer.supports_exact})
         if unsupported:
             raise NotImplementedError(f"prompt_grad='exact' is not supported yet for layer kinds {unsupported}")
-    state = PromptState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size)
+    # the last token copied: a view would keep the caller's whole prompt (8 bytes per position) alive with the state
+    state = PromptState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad, block_size)
     with torch.no_grad():
         for s in range(0, captured, chunk_size):
             e = min(s + chunk_size, captured)

@@ -119,3 +119,11 @@ def test_capture_reports_progress_per_chunk(model):
     assert calls == [(4, 10), (8, 10), (10, 10)]
     with pytest.raises(TypeError, match="progress"):
         longstraw.capture(model, tokens(11, 1), progress="yes")
+
+
+def test_state_keeps_no_view_of_the_callers_prompt(model):
+    """Dropping the prompt frees it: the state holds a copy of its last token, not a view of the whole prompt."""
+    prompt = tokens(40, 3)
+    state = longstraw.capture(model, prompt, chunk_size=16)
+    assert state.last_token.untyped_storage().data_ptr() != prompt.untyped_storage().data_ptr()
+    assert state.last_token.untyped_storage().nbytes() == 8

@@ -763,7 +763,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
                 layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
     del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
-    state = ContextParallelState(parts, layers, prompt[-1:], prompt.numel(), chunk_size, prompt_grad, block_size,
+    state = ContextParallelState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad, block_size,
                                  group=g, bounds=bounds, key=key)
     if prompt_grad == "exact":
         state._prompt = prompt[:captured]
