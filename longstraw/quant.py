@@ -127,8 +127,13 @@ class QuantizedTokens:
             a, b = start, min(end, self.quantized)
             v = to_device(self.values[:, :, a:b], device).to(torch.float32)
             s = to_device(self.scales[:, :, a // self.block : (b - 1) // self.block + 1], device)
-            idx = torch.arange(a, b, device=device) // self.block - a // self.block
-            parts.append((v * s[:, :, idx, None]).to(dtype))
+            if a % self.block == 0 and (b - a) % self.block == 0:  # whole blocks (tiles are): one broadcast product
+                one, h, n, d = v.shape
+                v = v.view(one, h, n // self.block, self.block, d).mul_(s[..., None, None]).view(one, h, n, d)
+                parts.append(v.to(dtype))
+            else:
+                idx = torch.arange(a, b, device=device) // self.block - a // self.block
+                parts.append((v * s[:, :, idx, None]).to(dtype))
         if end > self.quantized:
             tail = self.tail[:, :, max(start, self.quantized) - self.quantized : end - self.quantized]
             parts.append(to_device(tail, device).to(dtype))

@@ -161,3 +161,15 @@ def test_trainer_with_a_compressed_state(tmp_path):
     assert all(s["loss"] == s["loss"] for s in small)
     with pytest.raises(ValueError, match="prompt_grad: detached"):
         TrainConfig(model="llama", state_dtype="fp8", prompt_grad="exact")
+
+
+@pytest.mark.parametrize("start,n", [(0, 960), (64, 128), (10, 100), (0, 1000), (900, 100)])
+def test_read_equals_values_times_their_block_scales(start, n):
+    """`QuantizedTokens.read` over whole blocks (one broadcast product) and over partial ones (per-position scale
+    index), with the unfinished tail: each position's 8-bit value times its block's scale, exactly."""
+    x = torch.randn(1, 2, 1000, 16, generator=torch.Generator().manual_seed(0))
+    q = QuantizedTokens(x, 1000, torch.int8)
+    q.append(x)
+    scaled = q.values[:, :, :q.quantized].float() * q.scales.repeat_interleave(QUANT_BLOCK, dim=2)[..., None]
+    want = torch.cat([scaled, x[:, :, q.quantized:]], dim=2)[:, :, start:start + n]
+    assert torch.equal(q.read(start, n, torch.float32), want)
