@@ -7,7 +7,8 @@ P = 2,097,152 (the fp8 run), 4 query heads of 32 / 2 KV heads at P = 1,048,576 (
 
 One step = capture (chunks of 2,048 for the fp8 run, 65,536 for the exact run), G = 8 responses of 128 tokens sampled from the state (temperature
 1, seeded), G replays with backward (random advantages), one AdamW step. Each run in its own fresh process
-(`--child NAME`), 2 torch threads unless --threads; time per stage (and the process's CPU time and the
+(`--child NAME`, with glibc's mmap threshold fixed at 128 KiB so that freed temporaries leave RSS; see main), 2 torch
+threads unless --threads; time per stage (and the process's CPU time and the
 machine's load average, since wall time on a shared machine includes what others ran), the durable state,
 and step memory = peak RSS during the step − RSS before it, against the planner's figures
 (`longstraw.plan`) for the same configuration.
@@ -134,6 +135,8 @@ def main() -> None:
     ap.add_argument("--P", type=int, default=None, help="override the prompt length (rehearsal)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=None, help="override the capture chunk size")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="keep glibc's adaptive mmap threshold (see main: freed tiles then count in RSS)")
     ap.add_argument("--out", default=str(HERE / "results" / "stress.jsonl"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -148,7 +151,11 @@ def main() -> None:
             cmd += ["--P", str(args.P)]
         if args.chunk:
             cmd += ["--chunk", str(args.chunk)]
-        subprocess.run(cmd, check=False)
+        # glibc raises its mmap threshold to the largest block freed so far, after which the attention's freed tiles
+        # (8 MiB each here) stay in the heap and count in RSS: a fixed threshold returns them (measured at P = 262,144,
+        # chunk 2,048: step memory 96.7 MiB with glibc's default, 64.9 MiB with this); --malloc-default to compare
+        env = dict(os.environ) if args.malloc_default else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+        subprocess.run(cmd, check=False, env=env)
 
 
 if __name__ == "__main__":
