@@ -25,7 +25,8 @@ from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainab
                      model_device, run_decoder)
 from .collectives import Group, digest
 from .merge import fold as _fold, fold_sinks, pad_rows as _pad_rows
-from .sparse import SparseCaptureAttention, SparseReplayAttention, select, slice_partials, sparse_partial
+from .sparse import (SparseCaptureAttention, SparseReplayAttention, as_selection, select, slice_partials,
+                     sparse_partial)
 
 __all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "capture",
            "slice_bounds"]
@@ -389,8 +390,6 @@ class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
                          weights[:, lo:hi], scale, own_keys, own_start, q_pos, topk, block, slice_keys=own_keys,
                          slice_bounds=self.bounds[self.group.rank], lengths=counts, limits=limits)
             pos.append(torch.where(sel.valid, sel.indices, torch.full_like(sel.indices, -1)))
-        from .sparse import as_selection
-
         return as_selection(torch.cat(pos, dim=1), own_start)
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
@@ -416,9 +415,7 @@ class _DsaCaptureBranchLayer(_LatentCaptureBranchLayer):
 
 
 def _capture_branch(layer, group: Group, bounds, layer_idx: int, chunk: int) -> _CaptureBranchLayer:
-    kind = (_DsaCaptureBranchLayer if isinstance(layer, SliceIndexedLatentState) else
-            _LatentCaptureBranchLayer if isinstance(layer, SliceLatentState) else _CaptureBranchLayer)
-    return kind(group, bounds, layer_idx, chunk)
+    return _BRANCH_KINDS[type(layer)][0](group, bounds, layer_idx, chunk)
 
 
 def _window_before(tails, bounds, pos: int, keep: int):
@@ -526,6 +523,13 @@ class SlidingCaptureAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def _slots(branch: RecurrentBranchLayer, number: int) -> list[tuple[dict, int, bool]]:
+    """(dict, index, whether set) of a linear-attention branch layer's conv and recurrent state slots, in order."""
+    return [(states, i, bool(done[i]) and states.get(i) is not None) for i in range(number)
+            for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
+                                 (branch.recurrent_states, branch.is_recurrent_states_initialized))]
+
+
 class _RecurrentRelay:
     """Carries a linear-attention layer's conv and recurrent state across the slice boundaries during capture: rank r
     waits for the state at the end of rank r − 1's slice before its decoder layer runs (a forward pre-hook puts it in
@@ -539,15 +543,9 @@ class _RecurrentRelay:
 
     @staticmethod
     def pack(branch: RecurrentBranchLayer, number: int) -> list[torch.Tensor]:
-        flags, tensors = [], []
-        for i in range(number):
-            for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
-                                 (branch.recurrent_states, branch.is_recurrent_states_initialized)):
-                present = bool(done[i]) and states.get(i) is not None
-                flags.append(int(present))
-                if present:
-                    tensors.append(states[i])
-        return [torch.tensor(flags, dtype=torch.int64), *tensors]
+        slots = _slots(branch, number)
+        return [torch.tensor([int(present) for _, _, present in slots], dtype=torch.int64),
+                *[states[i] for states, i, present in slots if present]]
 
     @staticmethod
     def unpack(tensors: list[torch.Tensor], number: int) -> tuple[dict, dict]:
@@ -573,13 +571,15 @@ class _RecurrentRelay:
 
 def _present(branch: RecurrentBranchLayer, number: int) -> list[tuple[dict, int]]:
     """(dict, index) of a branch layer's states that are set, in `_RecurrentRelay.pack` order."""
-    out = []
-    for i in range(number):
-        for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
-                             (branch.recurrent_states, branch.is_recurrent_states_initialized)):
-            if bool(done[i]) and states.get(i) is not None:
-                out.append((states, i))
-    return out
+    return [(states, i) for states, i, present in _slots(branch, number) if present]
+
+
+def _rank_sum(got: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Element-wise sums of every rank's tensors (an all-gather's result), added in rank order from rank 0."""
+    total = list(got[0])
+    for parts in got[1:]:
+        total = [t + p for t, p in zip(total, parts)]
+    return total
 
 
 class _RelayIn(torch.autograd.Function):
@@ -958,16 +958,20 @@ class _DsaSampleBranchLayer(_LatentSampleBranchLayer):
         return out.to(query.dtype)
 
 
+#: the branch layers (capture, replay, sampling) that read each kind of sliced state
+_BRANCH_KINDS = {
+    SliceKVState: (_CaptureBranchLayer, _ReplayBranchLayer, _SampleBranchLayer),
+    SliceLatentState: (_LatentCaptureBranchLayer, _LatentReplayBranchLayer, _LatentSampleBranchLayer),
+    SliceIndexedLatentState: (_DsaCaptureBranchLayer, _DsaReplayBranchLayer, _DsaSampleBranchLayer),
+}
+
+
 def _replay_branch(layer, info: _ReplayInfo, start: int):
-    kind = (_DsaReplayBranchLayer if isinstance(layer, SliceIndexedLatentState) else
-            _LatentReplayBranchLayer if isinstance(layer, SliceLatentState) else _ReplayBranchLayer)
-    return kind(info, start)
+    return _BRANCH_KINDS[type(layer)][1](info, start)
 
 
 def _sample_branch(layer, group: Group, start: int):
-    kind = (_DsaSampleBranchLayer if isinstance(layer, SliceIndexedLatentState) else
-            _LatentSampleBranchLayer if isinstance(layer, SliceLatentState) else _SampleBranchLayer)
-    return kind(group, layer, start)
+    return _BRANCH_KINDS[type(layer)][2](group, layer, start)
 
 
 class ContextParallelState(PromptState):
@@ -1077,7 +1081,7 @@ class ContextParallelState(PromptState):
             if isinstance(layer, SlidingKVState) and layer.keys is not None:
                 mine = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (layer.keys, layer.values)]
                 got = g.all_gather(f"reverse pass layer {i}: final window gradient", mine)
-                windows[i] = [sum(parts[w] for parts in got[1:]) + got[0][w] for w in range(2)]
+                windows[i] = _rank_sum(got)
         for i, layer in enumerate(layers):
             if isinstance(layer, RecurrentState):
                 # the final states' gradient: every rank's replays added theirs to its own copy; summed in rank order
@@ -1085,9 +1089,7 @@ class ContextParallelState(PromptState):
                 mine = [states[i2].grad if states[i2].grad is not None else torch.zeros_like(states[i2])
                         for states, i2 in final]
                 got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
-                total = [sum(parts[k] for parts in got[1:]) + got[0][k] if len(got) > 1 else got[0][k]
-                         for k in range(len(mine))]
-                relay = _RecurrentRelayExact(g, cache, i, layer, device, total)
+                relay = _RecurrentRelayExact(g, cache, i, layer, device, _rank_sum(got))
                 block = self._parts.decoder.layers[i]
                 hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
         try:

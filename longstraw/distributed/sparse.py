@@ -252,14 +252,15 @@ def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Sel
     slice order; the gradient of this rank's `slice_latents` from every rank's rows, summed in rank order, or None).
     `lse` is the merged attention's over all keys, `delta` = rowsum(dout · out) (`sparse_partial_grad`)."""
     rmax = max(lengths)
-    total = []
+    total = None
 
     def compute(i, tensors):  # called for i = 0, 1, ... in rank order
+        nonlocal total
         qi, gi, li, di, ii, vi = tensors
         dqi, dlat = sparse_partial_grad(qi, slice_latents, slice_start, ii, vi, scale, gi, li, di, need_keys,
                                         limit=limits[i])
         if dlat is not None:
-            total.append(dlat if not total else total.pop() + dlat)
+            total = dlat if total is None else total + dlat
         return [pad_rows(dqi, rmax, 2)]
 
     back = rows_to_slices(g, name, [(q, 2), (dout, 2), (lse, 2), (delta, 2), (selection.indices, 1),
@@ -268,7 +269,7 @@ def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Sel
     dq = None
     for (dqj,) in back:  # slice order
         dq = dqj[:, :, :r] if dq is None else dq + dqj[:, :, :r]
-    return dq, (total[0] if total else None)
+    return dq, total
 
 
 class SparseReplayAttention(torch.autograd.Function):
