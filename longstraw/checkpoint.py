@@ -16,6 +16,17 @@ callable, say) is refused instead of executed.
 On N processes rank 0 writes (the ranks hold the same weights, optimizer and RNG states; `trainer_state.json`
 records `world_size`), and every rank loads the checkpoint rank 0 names (`latest_name`, then `load_checkpoint(...,
 name=)`).
+
+With the decoder layers sharded over the ranks (FSDP2, `fsdp: true`; `save_sharded_checkpoint`):
+
+      step-12/
+        weights/trainable.safetensors   every trainable parameter whole, by its name in the model (gathered)
+        optimizer.pt                    scheduler, RNG, master weights of replicated bf16 parameters (rank 0's)
+        optimizer-rank0.pt, ...         each rank's optimizer state: the moments of its shards (plain tensors)
+        trainer_state.json              ... "fsdp": true, "world_size": N
+
+Every rank writes its optimizer file into the temporary folder before rank 0 renames it, so a checkpoint is whole
+or absent. It resumes on the same number of processes with `fsdp: true` (the optimizer's shards are per rank).
 """
 
 from __future__ import annotations
@@ -108,12 +119,11 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} is not there (on N processes every rank reads rank 0's checkpoint: "
                               "the output folder must be on a file system every rank sees)")
-    try:
-        blob = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{ckpt / 'optimizer.pt'} holds objects other than tensors and plain containers: "
-                              f"refused (it could run code when loaded). {str(e).splitlines()[0]}") from None
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    blob = _load_tensors(ckpt / "optimizer.pt")
+    state = read_trainer_state(ckpt)
+    if state.get("fsdp"):
+        raise CheckpointError(f"checkpoint {ckpt} was written with fsdp (decoder layers sharded over "
+                              f"{state.get('world_size')} processes): resume it with fsdp: true on as many")
     load_weights(model, ckpt / "weights")
     if masters is not None:
         masters.load_state(blob.get("master_weights"))
@@ -123,3 +133,84 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     return state
+
+
+SHARDED_WEIGHTS = "trainable.safetensors"
+
+
+def save_sharded_checkpoint(root: Path, step: int, ranks, weights: dict, optimizer_local: dict, scheduler,
+                            trainer_state: dict, masters=None) -> Path | None:
+    """Write `root/step-{step}` of a run whose decoder layers are sharded (a collective of `ranks`): `weights`
+    {name: whole tensor} (rank 0's is written), `optimizer_local` this rank's optimizer state with plain tensors
+    (`longstraw.distributed.fsdp.local_optimizer_state`). Returns the folder on rank 0, None elsewhere."""
+    final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+
+    def start():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+
+    ranks.from_main("checkpoint: temporary folder", start)
+    ranks.run_alike("checkpoint: optimizer shards",
+                    lambda: torch.save(optimizer_local, tmp / f"optimizer-rank{ranks.rank}.pt"))
+
+    def finish():
+        from safetensors.torch import save_file
+
+        (tmp / "weights").mkdir()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights" / SHARDED_WEIGHTS))
+        blob = {"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+        if masters is not None and masters.pairs:
+            blob["master_weights"] = masters.state()
+        torch.save(blob, tmp / "optimizer.pt")
+        version, internal, gauss = random.getstate()
+        state = {"step": step, **trainer_state, "fsdp": True, "world_size": ranks.size,
+                 "python_rng": [version, list(internal), gauss]}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(root / "latest", final.name)
+        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    final = ranks.from_main("checkpoint: write", finish)
+    return final if ranks.main else None
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, scheduler, masters=None) -> dict:
+    """Restore a checkpoint of `save_sharded_checkpoint` on this rank: `load_weights_fn({name: whole tensor})` puts
+    the weights into the (sharded) model, this rank's optimizer file into `optimizer` (shards wrapped as the
+    parameters' `DTensor`s again), the rest as `load_checkpoint`. Returns the trainer state."""
+    from .distributed.fsdp import sharded_optimizer_state
+
+    state = read_trainer_state(ckpt)
+    if not state.get("fsdp") or state.get("world_size") != ranks.size:
+        raise CheckpointError(f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
+                              f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} with fsdp: "
+                              "a sharded run resumes only from its own kind of checkpoint on as many processes")
+    from safetensors.torch import load_file
+
+    load_weights_fn(load_file(ckpt / "weights" / SHARDED_WEIGHTS))
+    blob = _load_tensors(ckpt / "optimizer.pt")
+    local = _load_tensors(ckpt / f"optimizer-rank{ranks.rank}.pt")
+    if masters is not None:
+        masters.load_state(blob.get("master_weights"))
+    optimizer.load_state_dict(sharded_optimizer_state(optimizer, local))
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    return state
+
+
+def _load_tensors(path: Path):
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds objects other than tensors and plain containers: refused (it could run "
+                              f"code when loaded). {str(e).splitlines()[0]}") from None

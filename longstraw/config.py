@@ -111,6 +111,9 @@ class TrainConfig:
     dist_timeout: float = _f(600.0, "seconds a rank waits in a collective (runs of several processes: torchrun or "
                                     "--nproc) before it raises an error naming the collective, instead of hanging on "
                                     "a rank that died or hangs")
+    fsdp: bool = _f(False, "runs of several processes: shard the decoder layers' weights, gradients and optimizer "
+                           "state over the ranks (FSDP2; 1/N per rank); checkpoints keep one optimizer file per rank "
+                           "and resume on as many processes")
     device: str = _f("auto", "where the model runs: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     dtype: str = _f("auto", "model dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32; LoRA adapters and "
                             "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies")

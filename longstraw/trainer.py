@@ -14,6 +14,15 @@ TensorBoard with `report_to: tensorboard`).
 
 On N processes (torchrun, `longstraw train --nproc N`; `longstraw.parallel`): the stages take `self.ranks`, the
 gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files.
+
+With `fsdp: true` on N processes the decoder layers are sharded over the ranks (FSDP2,
+`longstraw.distributed.shard`): each rank holds 1/N of their weights, gradients and AdamW moments. Their gradients
+accumulate unreduced over the step's backwards and are reduce-scattered once, in the step's last backward; the
+replicated parameters (embeddings, final norm, LM head) are all-reduced; the clipping norm and the finite check
+come from the shards and the replicated gradients together (`clip_grad_norm`), the same on every rank.
+Full fine-tuning of a bf16 model keeps the layers' shards in float32 (the masters) and gathers them in bf16.
+Checkpoints hold the whole trainable weights and one optimizer file per rank (`save_sharded_checkpoint`); rank 0
+exports the final model from the last checkpoint into a model of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_name, load_checkpoint, save_checkpoint
+from .checkpoint import (SHARDED_WEIGHTS, latest_name, load_checkpoint, load_sharded_checkpoint, read_trainer_state,
+                         save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import build_data
 from .export import export_model
@@ -145,6 +155,13 @@ class Trainer:
         # every rank starts from rank 0's trainable weights (randomly initialised adapters may differ)
         self.ranks.broadcast_params([(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
                                     "Trainer: initial weights from rank 0")
+        self.sharded = cfg.fsdp and self.ranks.size > 1
+        if self.sharded:
+            from .distributed.fsdp import shard
+            from .models import base_model, decoder_of
+
+            in_layers = [p for p in decoder_of(base_model(self.model)).layers.parameters() if p.requires_grad]
+            shard(self.model, float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers))
         self.data = build_data(cfg, self.tok)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
@@ -199,7 +216,16 @@ class Trainer:
 
     def update(self, rollout) -> dict:
         """Accumulate the gradient of `rollout`'s GRPO loss (no optimizer step)."""
-        return policy_update(self.model, rollout, self.loss_fn, self.update_settings, self.meter, ranks=self.ranks)
+        return policy_update(self.model, rollout, self.loss_fn, self.update_settings, self.meter, ranks=self.ranks,
+                             before_last_backward=self._before_last_backward())
+
+    def _before_last_backward(self):
+        """With sharded layers: what turns their gradient reduction on for the step's last backward."""
+        if not self.sharded:
+            return None
+        from .distributed.fsdp import gradient_sync
+
+        return lambda: gradient_sync(self.model, True)
 
     def grpo_step(self, step: int) -> dict:
         r = self.rollout(step)
@@ -216,18 +242,22 @@ class Trainer:
 
     def sft_step(self, step: int) -> dict:
         m = sft_update(self.policy, self.examples(step, sft=True), self.update_settings, self.cfg.sft_full_sequence,
-                       self.meter, ranks=self.ranks)
+                       self.meter, ranks=self.ranks, before_last_backward=self._before_last_backward())
         return dict(phase="sft", **m)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (supervised during warm-up); a non-finite loss or gradient skips the update."""
         self.meter.start_step()
         self.opt.zero_grad(set_to_none=True)
+        if self.sharded:  # the layers' gradients accumulate unreduced until the step's last backward
+            from .distributed.fsdp import gradient_sync
+
+            gradient_sync(self.model, False)
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
         if self.ranks.size > 1:
             with self.meter.stage("all_reduce"):  # the gradients of every rank's replays, summed: once per step
                 # (where the gradients are: the float32 parameters, float32 masters of bf16 ones)
-                self.ranks.all_reduce_grads(self.masters.params, "trainer: gradient all-reduce")
+                self.ranks.all_reduce_grads(self._replicated(self.masters.params), "trainer: gradient all-reduce")
             m["world_size"] = self.ranks.size
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
@@ -240,7 +270,14 @@ class Trainer:
 
     def _optimizer_step(self, m: dict) -> None:
         params = self.masters.params  # where the gradients are (float32)
-        grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
+        norm = None
+        if self.sharded:  # shards and replicated gradients: one norm, one verdict, the same on every rank
+            from .distributed.fsdp import clip_grad_norm
+
+            norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg)
+            grads_ok = math.isfinite(norm)
+        else:
+            grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
         m["lr"] = self.sched.get_last_lr()[0]
         if not math.isfinite(m["loss"]) or not grads_ok:
             self.opt.zero_grad(set_to_none=True)
@@ -249,7 +286,8 @@ class Trainer:
             self.opt.step()  # no gradients: a no-op that keeps the scheduler's step count in order
         else:
             if self.cfg.max_grad_norm > 0:
-                m["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+                m["grad_norm"] = norm if norm is not None else \
+                    float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             self.opt.step()
             self.masters.copy_to_model()
         self.sched.step()
@@ -315,27 +353,52 @@ class Trainer:
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
+    def _replicated(self, params):
+        """`params` but sharded ones (with sharded layers); every one of them otherwise."""
+        if not self.sharded:
+            return list(params)
+        from .distributed.fsdp import is_sharded
+
+        return [p for p in params if not is_sharded(p[1] if isinstance(p, tuple) else p)]
+
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
-        self.ranks.check_same(self._named_trainable(), "checkpoint: weights compared", f"at step {self.step}")
+        self.ranks.check_same(self._replicated(self._named_trainable()), "checkpoint: weights compared",
+                              f"at step {self.step}")
+        extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
+        state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
+        if self.sharded:
+            from .distributed.fsdp import full_tensors, local_optimizer_state
+
+            return save_sharded_checkpoint(self.out / "checkpoints", self.step, self.ranks,
+                                           full_tensors(self._named_trainable()),
+                                           local_optimizer_state(self.opt.state_dict()), self.sched, state,
+                                           masters=self.masters)
         if not self.ranks.main:
             return None
-        extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
-        return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched,
-                               {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(),
-                                **extra}, masters=self.masters)
+        return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched, state,
+                               masters=self.masters)
 
     def load_checkpoint(self) -> bool:
         """Resume from the latest checkpoint if there is one; returns whether it did. On N ranks every rank loads
         the checkpoint rank 0 names."""
         root = self.out / "checkpoints"
         name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
-        state = self.ranks.run_alike("resume: loading the checkpoint",
-                                     lambda: load_checkpoint(root, self.model, self.opt, self.sched,
-                                                             masters=self.masters, name=name))
+        def load():
+            if name is not None and self.sharded:
+                from .distributed.fsdp import load_full_tensors
+
+                return load_sharded_checkpoint(
+                    root / name, self.ranks,
+                    lambda values: load_full_tensors(self._named_trainable(), values, f"checkpoint {name}"),
+                    self.opt, self.sched, masters=self.masters)
+            return load_checkpoint(root, self.model, self.opt, self.sched, masters=self.masters, name=name)
+
+        state = self.ranks.run_alike("resume: loading the checkpoint", load)
         if state is None:
             return False
-        self.ranks.check_same(self._named_trainable(), "resume: weights compared", f"after loading {name}")
+        self.ranks.check_same(self._replicated(self._named_trainable()), "resume: weights compared",
+                              f"after loading {name}")
         saved = state.get("world_size", 1)
         if saved != self.ranks.size and self.ranks.main:  # the steps do not depend on N beyond rounding
             print(f"longstraw: resuming {name}, written by a run of {saved} process(es), on {self.ranks.size}",
@@ -351,17 +414,35 @@ class Trainer:
                 base_model = _tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
+        model = self._unsharded_copy() if self.sharded else self.model
         # save_pretrained writes `dtype` and `architectures` into the live config; on N ranks rank 0 alone exports,
         # and the ranks' configs must stay equal (a context-parallel capture compares them): put them back
-        config = self.model.config
+        config = model.config
         before = dict(vars(config))
         try:
-            return export_model(self.model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
+            return export_model(model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
                                 base_model=base_model, base_path=base_path)
         finally:
             for key in set(vars(config)) - set(before):
                 delattr(config, key)
             vars(config).update(before)
+
+    def _unsharded_copy(self):
+        """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
+        with sharded layers; memory: a second copy of the model on rank 0, at the end)."""
+        from safetensors.torch import load_file
+
+        from .distributed.fsdp import load_full_tensors
+
+        name = latest_name(self.out / "checkpoints")
+        ckpt = self.out / "checkpoints" / name
+        if read_trainer_state(ckpt)["step"] != self.step:
+            raise RuntimeError(f"export: the last checkpoint {ckpt} is not of the final step {self.step}")
+        with torch.random.fork_rng(devices=[]):  # rank 0's random streams stay those of the other ranks
+            model, _ = build_model_and_tokenizer(self.cfg)
+        load_full_tensors([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                          load_file(ckpt / "weights" / SHARDED_WEIGHTS), f"export from {ckpt}")
+        return model
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:

@@ -72,16 +72,19 @@ class _Totals:
 
 
 def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSettings, meter: MemoryMeter,
-                  ranks=None) -> dict:
+                  ranks=None, before_last_backward=None) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
-    `ranks` (`longstraw.parallel.Ranks`, N processes): this rank's share of the replays (see the module doc)."""
+    `ranks` (`longstraw.parallel.Ranks`, N processes): this rank's share of the replays (see the module doc).
+    `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
+    there: `longstraw.distributed.gradient_sync`); the same point on every rank."""
     masks = [loss_mask(r, settings) for r in rollout.responses]
     lengths = [int(m.sum()) for m in masks]
     norm = loss_fn.normalizer(lengths, rollout.group_ids, settings.max_completion_length)
     entropy_scale = settings.entropy_coef / max(sum(lengths), 1)
     parallel = ranks is not None and ranks.size > 1
     totals, first = _Totals(), 0
-    for group in rollout.groups:
+    last_group = len(rollout.groups) - 1
+    for g, group in enumerate(rollout.groups):
         state = group.state
         if state is None:
             with meter.stage("capture"):
@@ -89,14 +92,19 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
                                 prompt_grad=settings.prompt_grad, state_dtype=settings.state_dtype,
                                 group=ranks.pg if parallel else None)
         with meter.stage("replay"):
-            turns = ranks.spread(len(group.responses)) if parallel else range(len(group.responses))
-            for k in turns:
+            turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
+            exact = state.prompt_grad == "exact"
+            for t, k in enumerate(turns):
+                # the step's last backward: the last replay of the last group, or its state's reverse pass
+                last = before_last_backward if g == last_group and t == len(turns) - 1 and not exact else None
                 if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                    _padding_backward(state, group.responses[0], settings)
+                    _padding_backward(state, group.responses[0], settings, last)
                     continue
                 i = first + k
                 _response_backward(state, group.responses[k], masks[i], float(rollout.advantages[i]), norm[i],
-                                   entropy_scale, loss_fn, settings, totals)
+                                   entropy_scale, loss_fn, settings, totals, last)
+            if exact and g == last_group and before_last_backward is not None:
+                before_last_backward()
             state.backward()  # exact mode: the prompt's share of the gradient (nothing when detached)
             state.release()
         first += len(group.responses)
@@ -113,13 +121,16 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
 
 
 def _response_backward(state, response: Response, mask: torch.Tensor, advantage: float, scale: float,
-                       entropy_scale: float, loss_fn: GRPOLoss, settings: UpdateSettings, totals: _Totals) -> None:
+                       entropy_scale: float, loss_fn: GRPOLoss, settings: UpdateSettings, totals: _Totals,
+                       before_backward=None) -> None:
     """Replay one response, back-propagate its share of the batch loss, free its graph."""
     out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
     loss, st = loss_fn.response_loss(out.logprobs, response.old_logprobs, advantage, scale,
                                      ref_logps=response.ref_logprobs, mask=mask)
     if entropy_scale > 0:
         loss = loss - entropy_scale * (out.entropy * mask).sum()
+    if before_backward is not None:
+        before_backward()
     loss.backward()
     on = mask > 0
     totals.loss += loss.item()
@@ -130,19 +141,25 @@ def _response_backward(state, response: Response, mask: torch.Tensor, advantage:
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
 
 
-def _padding_backward(state, response: Response, settings: UpdateSettings) -> None:
+def _padding_backward(state, response: Response, settings: UpdateSettings, before_backward=None) -> None:
     """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros."""
     out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
+    if before_backward is not None:
+        before_backward()
     (out.logprobs.sum() * 0.0).backward()
 
 
 def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings, full_sequence: bool,
-               meter: MemoryMeter, ranks=None) -> dict:
+               meter: MemoryMeter, ranks=None, before_last_backward=None) -> dict:
     """Supervised: − mean log-prob of the answer tokens (and the stop token) over the step's prompts.
 
     `full_sequence`: ordinary forwards of [prompt + answer] with grad, so the prompt positions learn too
     (what retrieval needs from a random start); examples of equal length go in one batch. Otherwise each
     prompt is captured and its answer replayed (detached, like GRPO).
+
+    `before_last_backward` (FSDP2, see `policy_update`): given, the full-sequence forwards go one prompt at a time,
+    ⌈B / N⌉ on every rank (a rank short of prompts runs one of weight 0), since every rank of a sharded model must
+    run the same forwards and backwards.
     """
     eos = torch.tensor([policy.eos_token_id])
     for ex in examples:
@@ -153,40 +170,70 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
     parallel = ranks is not None and ranks.size > 1
     if full_sequence:
-        mine = ranks.mine(len(pairs)) if parallel else range(len(pairs))  # data parallel: whole prompts per rank
-        loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
+        if before_last_backward is None:
+            mine = ranks.mine(len(pairs)) if parallel else range(len(pairs))  # data parallel: whole prompts per rank
+            loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok,
+                                      meter)
+        else:
+            loss = _sft_full_sequence_lockstep(policy.model, pairs, examples, n_tok, meter,
+                                               ranks.spread(len(pairs)) if parallel else list(range(len(pairs))),
+                                               before_last_backward)
         durable = 0
     else:
         loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter,
-                                      ranks if parallel else None)
+                                      ranks if parallel else None, before_last_backward)
     if parallel:
         loss = ranks.sum_floats("sft_update: loss", [loss])[0]
     return dict(loss=loss, durable_bytes=durable, tokens=tokens)
 
 
 def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter) -> float:
-    parts = model_parts(model)
     by_shape: dict[tuple[int, int, int], list] = {}
     for (p, a), ex in zip(pairs, examples):
         by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append((p, a, ex.supervised))
     total = 0.0
-    for (plen, alen, _), group in by_shape.items():
+    for group in by_shape.values():
         with meter.stage("replay"):
-            seqs = torch.stack([torch.cat([p, a]) for p, a, _ in group])  # [B, P + A]
-            # positions whose token is a target: the supervised prompt positions, then the answer
-            pos = torch.tensor([list(sup) + list(range(plen, plen + alen)) for _, _, sup in group])
-            targets = seqs.gather(1, pos)
-            hidden = parts.decoder(input_ids=seqs).last_hidden_state
-            hidden = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
-            lp, _ = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), parts.lm_head, targets.reshape(-1),
-                                     softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
-            loss = -lp.sum() / n_tok
+            loss = _sft_batch_loss(model, group, n_tok)
             loss.backward()
         total += loss.item()
     return total
 
 
-def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None) -> tuple[float, int]:
+def _sft_batch_loss(model, group: list, n_tok: int) -> torch.Tensor:
+    """− Σ log-prob of the targets / n_tok for a batch of (prompt, answer, supervised prompt positions) of one
+    shape: one forward of [prompt + answer] with grad."""
+    parts = model_parts(model)
+    plen, alen = group[0][0].numel(), group[0][1].numel()
+    seqs = torch.stack([torch.cat([p, a]) for p, a, _ in group])  # [B, P + A]
+    # positions whose token is a target: the supervised prompt positions, then the answer
+    pos = torch.tensor([list(sup) + list(range(plen, plen + alen)) for _, _, sup in group])
+    targets = seqs.gather(1, pos)
+    hidden = parts.decoder(input_ids=seqs).last_hidden_state
+    hidden = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
+    lp, _ = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), parts.lm_head, targets.reshape(-1),
+                             softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+    return -lp.sum() / n_tok
+
+
+def _sft_full_sequence_lockstep(model, pairs, examples, n_tok: int, meter: MemoryMeter, turns: list,
+                                before_last_backward) -> float:
+    """One prompt per forward, this rank's `turns` (indices into `pairs`, None: the first prompt with weight 0), the
+    last backward announced."""
+    total = 0.0
+    for t, b in enumerate(turns):
+        (p, a), ex = pairs[0 if b is None else b], examples[0 if b is None else b]
+        with meter.stage("replay"):
+            loss = _sft_batch_loss(model, [(p, a, ex.supervised)], n_tok) * (0.0 if b is None else 1.0)
+            if t == len(turns) - 1:
+                before_last_backward()
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None,
+                  before_last_backward=None) -> tuple[float, int]:
     """Each prompt captured (context parallel on N ranks) and its answer replayed; on N ranks prompt b's owner
     (b mod N) replays it with weight 1, the others with weight 0 (a replay is a collective)."""
     total, durable = 0.0, 0
@@ -197,6 +244,8 @@ def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter,
         with meter.stage("replay"), state:
             weight = 1.0 if ranks is None or b % ranks.size == ranks.rank else 0.0
             loss = -state.replay(ans).logprobs.sum() / n_tok * weight
+            if before_last_backward is not None and b == len(pairs) - 1:
+                before_last_backward()
             loss.backward()
         total += loss.item()
     return total, durable

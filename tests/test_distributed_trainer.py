@@ -52,8 +52,16 @@ def _cfg(out: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor, whole (a sharded one gathered: a collective)."""
+    from longstraw.distributed.fsdp import is_sharded
+
+    t = t.detach()
+    return (t.full_tensor() if is_sharded(t) else t).clone()
+
+
 def _weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    return {k: _whole(v) for k, v in trainer.model.named_parameters() if v.requires_grad}
 
 
 def _recording(trainer) -> list:
@@ -75,7 +83,8 @@ def _train(out: str, cfg: dict | None = None, **kw) -> dict:
     trainer = Trainer(_cfg(out, **(cfg or {})))
     seen = _recording(trainer)
     grads = []  # the summed gradient each optimizer step applies (after clipping)
-    trainer.opt.register_step_pre_hook(lambda *a: grads.append(torch.cat([p.grad.flatten() for p in trainer.params])))
+    trainer.opt.register_step_pre_hook(lambda *a: grads.append(torch.cat([_whole(p.grad).flatten()
+                                                                          for p in trainer.masters.params])))
     rows = trainer.train(**kw)
     return dict(rows=rows, rollouts=seen, weights=_weights(trainer), grads=grads)
 

@@ -29,20 +29,27 @@ forward and backward all-gathers and reduce-scatters over the group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from ..models import base_model, decoder_of
 
-__all__ = ["gradient_sync", "replicated_parameters", "shard", "sharded_layers"]
+__all__ = ["clip_grad_norm", "full_tensors", "gradient_sync", "is_sharded", "load_full_tensors", "local_optimizer_state",
+           "replicated_parameters", "shard", "sharded_layers", "sharded_optimizer_state"]
 
 
-def shard(model, mesh=None, reshard_after_forward: bool = True):
+def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters: bool = False):
     """Shard every decoder layer of `model` (a transformers causal LM, optionally PEFT-wrapped) over `mesh` (a 1-D
     `DeviceMesh`; None: all ranks of the default group on the model's device type) with `fully_shard`; returns
     `model`. `reshard_after_forward`: free the gathered parameters after each layer's forward (and gather again in
-    backward), the memory-lean FSDP2 default. Call it once, after PEFT wrapping and before building the optimizer."""
-    from torch.distributed.fsdp import fully_shard
+    backward), the memory-lean FSDP2 default. Call it once, after PEFT wrapping and before building the optimizer.
+
+    `float32_masters` (full fine-tuning of a bf16 model): the layers' parameters are kept sharded in float32 (the
+    optimizer's master weights, 4 bytes per parameter / N per rank) and gathered in their original dtype for the
+    forward, their gradients reduced in float32 (FSDP2's `MixedPrecisionPolicy`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..prepare import prepare
 
@@ -50,7 +57,14 @@ def shard(model, mesh=None, reshard_after_forward: bool = True):
         raise ValueError("the model's decoder layers are already sharded (longstraw.distributed.shard was called)")
     prepare(model)  # longstraw's stand-in classes first; fully_shard then subclasses them
     for layer in decoder_of(base_model(model)).layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        policy = MixedPrecisionPolicy()
+        if float32_masters:
+            dtypes = {p.dtype for p in layer.parameters()}
+            if len(dtypes) != 1:
+                raise ValueError(f"float32_masters: a decoder layer holds parameters of several dtypes {dtypes}")
+            policy = MixedPrecisionPolicy(param_dtype=dtypes.pop(), reduce_dtype=torch.float32)
+            layer.float()
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         # summed over the ranks' branches, not averaged: a plain SUM reduction (gloo has no PREMUL_SUM, which a
         # divide factor of 1 would otherwise select; torch 2.11-2.13 FSDP2)
         layer.set_gradient_divide_factor(1.0)
@@ -79,3 +93,95 @@ def replicated_parameters(model) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+
+
+# ---------------------------------------------------------------------------------------------- training helpers
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> float:
+    """The L2 norm of all gradients of `params` (sharded `DTensor`s and replicated tensors whose gradients every rank
+    holds whole and equal, e.g. after `all_reduce`), the same float on every rank (a collective: one all-reduce of
+    the shards' sums of squares); scales every gradient by min(1, max_norm / norm) when `max_norm` > 0 and the norm
+    is finite. A non-finite gradient on any rank gives a non-finite norm on every rank, so the ranks agree whether
+    to skip the step. Memory: one scalar per gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    dev = grads[0].device if grads else torch.device("cpu")
+    shard_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    whole_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for g in grads:
+        if is_sharded(g):
+            shard_sq += g.to_local().double().square().sum()
+        else:
+            whole_sq += g.double().square().sum()
+    torch.distributed.all_reduce(shard_sq, group=group)
+    norm = float((shard_sq + whole_sq).sqrt())
+    if max_norm > 0 and math.isfinite(norm):
+        coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0:
+            for g in grads:
+                (g.to_local() if is_sharded(g) else g).mul_(coef)
+    return norm
+
+
+def full_tensors(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{name: the whole tensor on the CPU} for sharded and replicated tensors (a collective: one all-gather per
+    sharded tensor, in the given order on every rank). Memory: each tensor whole once, one at a time on the device."""
+    out = {}
+    for name, t in named:
+        t = t.detach()
+        out[name] = (t.full_tensor() if is_sharded(t) else t).cpu().clone()
+    return out
+
+
+def load_full_tensors(named: list[tuple[str, torch.Tensor]], values: dict[str, torch.Tensor], where: str) -> None:
+    """Copy whole tensors `values[name]` into the (sharded or replicated) tensors `named`: each rank keeps its shard
+    of a sharded one. Raises naming `where` on a missing name or a shape mismatch."""
+    from torch.distributed.tensor import distribute_tensor
+
+    missing = [n for n, _ in named if n not in values]
+    if missing:
+        raise ValueError(f"{where}: no values for {len(missing)} parameter(s), first {missing[0]}")
+    with torch.no_grad():
+        for name, t in named:
+            v = values[name]
+            if tuple(v.shape) != tuple(t.shape):
+                raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, the model's is {tuple(t.shape)}")
+            if is_sharded(t):
+                t.to_local().copy_(distribute_tensor(v.to(t.device, t.dtype), t.device_mesh, t.placements,
+                                                     src_data_rank=None).to_local())
+            else:
+                t.copy_(v)
+
+
+def local_optimizer_state(state_dict: dict) -> dict:
+    """An optimizer's `state_dict()` with every `DTensor` replaced by this rank's local shard (for `torch.save` and a
+    `weights_only` load); `sharded_optimizer_state` restores them."""
+    return _map_state(state_dict, lambda v: v.to_local().clone() if is_sharded(v) else v)
+
+
+def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """`state_dict` from `local_optimizer_state` with the shards of sharded parameters wrapped as `DTensor`s of the
+    optimizer's parameters again (AdamW's moments of a sharded parameter must be sharded like it)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out = {"param_groups": state_dict["param_groups"], "state": {}}
+    for idx, st in state_dict["state"].items():
+        p = params[int(idx)]
+        out["state"][idx] = {k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+                             if is_sharded(p) and torch.is_tensor(v) and v.dim() > 0 else v
+                             for k, v in st.items()}
+    return out
+
+
+def _map_state(obj, fn):
+    if isinstance(obj, dict):
+        return {k: _map_state(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_state(v, fn) for v in obj]
+    return fn(obj) if torch.is_tensor(obj) else obj
