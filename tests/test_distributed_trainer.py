@@ -300,3 +300,54 @@ def test_cli_nproc_2_hung_rank_is_a_named_timeout(tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step-1"
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     print(f"\nhung rank 0: the command failed after {waited:.1f} s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_with_fsdp_and_resume(tmp_path):
+    """Two torchrun agents of one process each joining through the c10d rendezvous (`--nnodes 2`, as on two machines;
+    both on this one), training with sharded layers (`fsdp: true`): one process group of 2 ranks (`world_size` 2 in
+    every row), a sharded checkpoint, one metrics writer; the same commands with `num_steps` 3 resume at step 3."""
+    (tmp_path / "rewards.py").write_text("def dense(prompts, completions, completion_ids, **kw):\n"
+                                         "    return [(ids[0] % 5) / 4 for ids in completion_ids]\n")
+    out = tmp_path / "run"
+
+    def launch(steps: int) -> None:
+        cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8},
+                   num_generations=3, max_completion_length=2, num_steps=steps, eval_examples=2, lora=True,
+                   progress=False, device="cpu", fsdp=True, dist_timeout=60,
+                   reward_funcs=[f"{tmp_path / 'rewards.py'}:dense"])
+        path = tmp_path / f"cfg{steps}.yaml"
+        path.write_text(json.dumps(cfg))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", f"two-nodes-{steps}",
+               "-m", "longstraw", "train", str(path), "--output_dir", str(out)]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(2)]
+        try:
+            logs = [p.communicate(timeout=150) for p in nodes]
+        finally:
+            for p in nodes:
+                p.kill()
+        assert all(p.returncode == 0 for p in nodes), [err[-2000:] for _, err in logs]
+
+    t0 = time.perf_counter()
+    launch(2)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
+    assert any(r["grad_norm"] > 1e-3 for r in rows)
+    ckpt = out / "checkpoints" / "step-2"
+    assert (ckpt / "optimizer-rank0.pt").exists() and (ckpt / "optimizer-rank1.pt").exists()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["fsdp"] is True
+    launch(3)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (out / "checkpoints" / "latest").read_text() == "step-3" and (out / "adapter").is_dir()
+    print(f"\ntwo torchrun nodes (c10d rendezvous, fsdp), 2 steps then resumed to 3: {time.perf_counter() - t0:.1f} s")
