@@ -87,7 +87,14 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_weights(model, tmp / "weights")
-    blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+    return _finish(root, tmp, final, step, {"optimizer": optimizer.state_dict()}, scheduler, trainer_state, masters)
+
+
+def _finish(root: Path, tmp: Path, final: Path, step: int, blob: dict, scheduler, trainer_state: dict,
+            masters) -> Path:
+    """Write `optimizer.pt` (`blob` + scheduler, torch RNG, masters) and `trainer_state.json` (+ Python RNG) into
+    `tmp`, rename it to `final`, point `latest` at it, keep the last `KEEP`."""
+    blob = {**blob, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
     if masters is not None and masters.pairs:
         blob["master_weights"] = masters.state()
     torch.save(blob, tmp / "optimizer.pt")
@@ -100,6 +107,16 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_
     for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _restore(blob: dict, state: dict, scheduler, masters) -> None:
+    """The scheduler, RNGs and master weights from a checkpoint's `optimizer.pt` and trainer state."""
+    if masters is not None:
+        masters.load_state(blob.get("master_weights"))
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 def latest_name(root: Path) -> str | None:
@@ -125,13 +142,8 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
         raise CheckpointError(f"checkpoint {ckpt} was written with fsdp (decoder layers sharded over "
                               f"{state.get('world_size')} processes): resume it with fsdp: true on as many")
     load_weights(model, ckpt / "weights")
-    if masters is not None:
-        masters.load_state(blob.get("master_weights"))
     optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"])
-    version, internal, gauss = state["python_rng"]
-    random.setstate((version, tuple(internal), gauss))
+    _restore(blob, state, scheduler, masters)
     return state
 
 
@@ -159,20 +171,8 @@ def save_sharded_checkpoint(root: Path, step: int, ranks, weights: dict, optimiz
 
         (tmp / "weights").mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights" / SHARDED_WEIGHTS))
-        blob = {"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
-        if masters is not None and masters.pairs:
-            blob["master_weights"] = masters.state()
-        torch.save(blob, tmp / "optimizer.pt")
-        version, internal, gauss = random.getstate()
-        state = {"step": step, **trainer_state, "fsdp": True, "world_size": ranks.size,
-                 "python_rng": [version, list(internal), gauss]}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write(root / "latest", final.name)
-        for old in sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        return _finish(root, tmp, final, step, {}, scheduler,
+                       {**trainer_state, "fsdp": True, "world_size": ranks.size}, masters)
 
     final = ranks.from_main("checkpoint: write", finish)
     return final if ranks.main else None
@@ -198,13 +198,8 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
     load_weights_fn(load_file(ckpt / "weights" / SHARDED_WEIGHTS))
     blob = _load_tensors(ckpt / "optimizer.pt")
     local = _load_tensors(ckpt / f"optimizer-rank{ranks.rank}.pt")
-    if masters is not None:
-        masters.load_state(blob.get("master_weights"))
     optimizer.load_state_dict(sharded_optimizer_state(optimizer, local))
-    scheduler.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"])
-    version, internal, gauss = state["python_rng"]
-    random.setstate((version, tuple(internal), gauss))
+    _restore(blob, state, scheduler, masters)
     return state
 
 
