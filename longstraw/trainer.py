@@ -156,6 +156,8 @@ class Trainer:
         self.ranks.broadcast_params([(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
                                     "Trainer: initial weights from rank 0")
         self.sharded = cfg.fsdp and self.ranks.size > 1
+        if cfg.fsdp and not self.sharded:
+            print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
         if self.sharded:
             from .distributed.fsdp import shard
             from .models import base_model, decoder_of
