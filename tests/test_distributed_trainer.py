@@ -180,7 +180,8 @@ def test_two_processes_train_like_one(runs, run):
         assert got["phase"] == want["phase"] and "skipped" not in got
         for key in ("loss", "entropy", "kl", "clip_ratio", "grad_norm", "reward"):
             if key in want:
-                assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-7), (got["step"], key, got[key],
+                # (an on-policy GRPO loss is a sum of O(1) terms that cancel to ~0: its rounding is ~1e-7 absolute)
+                assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6), (got["step"], key, got[key],
                                                                                         want[key])
     # (a GRPO loss is about 0 on-policy, its gradient is not)
     assert all(r["grad_norm"] > 1e-2 for r in one["rows"])
