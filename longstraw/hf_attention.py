@@ -50,6 +50,9 @@ class BranchCache(Cache):
         self.last_updated = -1
         #: tokens before the current forward (set by `run_decoder`)
         self.past_length = 0
+        #: (size, decoder layer indices): those layers run `size` positions at a time (`longstraw.prepare`; the
+        #: context-parallel capture sets it for its recurrent layers); None: every layer runs on the whole forward
+        self.layer_chunks = None
         #: ids of recurrent-state copies handed to the model (and the copies, so the ids stay theirs)
         self._written: set[int] = set()
         self._keep: list = []

@@ -15,8 +15,9 @@ per rank, in bytes:
   own K/V while decoding R tokens, their logits), `replay_graph` (one response's autograd graph; with
   replay checkpointing, each layer's input plus one layer's graph), and in exact mode the reverse pass's
   graph of one chunk. With context parallelism (`context_parallel` > 1) capture runs each rank's whole slice
-  through a layer at once and the exact reverse pass keeps the slice's graph (`longstraw.distributed`): the
-  slice, P / ranks, takes the chunk's place in both.
+  through an attention layer at once and the exact reverse pass keeps the slice's graph (`longstraw.distributed`):
+  the slice, P / ranks, takes the chunk's place in both, except for the recurrent layers' intermediates
+  (gated DeltaNet's chunked recurrence), which capture still holds for one chunk.
 `step` = durable state + state gradient + the largest transient: the memory a step adds to a loaded model
 and optimizer (what `longstraw compare` and the planner benchmark measure). `peak` adds weights and
 optimizer. The activation terms are estimates (documented per term); the state terms are exact.
@@ -221,15 +222,19 @@ def plan(pc: PlanConfig) -> Plan:
         # attention output; DSA gathers top-k latents instead)
         factor = 5 if "latent_attention" in kinds else 3
         act += elem * cfg.num_attention_heads * factor * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    recurrence = 0
     if "linear_attention" in kinds and getattr(cfg, "linear_num_value_heads", None):
         # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
         # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
         # live in transformers 5.24's torch path
-        act += 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
+        recurrence = 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim +
+                                                                         cfg.linear_value_head_dim))
     c = min(pc.chunk_size, captured) if captured else 1
+    chunk = c
     if pc.context_parallel > 1:
-        # the context-parallel capture runs each rank's whole slice through a layer at once, and its exact-mode
-        # reverse pass keeps the slice's whole graph (`longstraw.distributed`): the slice, not the chunk, bounds them
+        # the context-parallel capture runs each rank's whole slice through an attention layer at once, and its
+        # exact-mode reverse pass keeps the slice's whole graph (`longstraw.distributed`): the slice, not the chunk,
+        # bounds them; recurrent layers still run a chunk at a time (`longstraw.prepare._forward_in_chunks`)
         c = local
     # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
     # `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
@@ -242,6 +247,7 @@ def plan(pc: PlanConfig) -> Plan:
         # held twice while committed: measured 1.8-2.1x the one-process terms per position (bench/context_parallel.py
         # --memory-G, dense benchmark model, P = 4K-32K over 2 ranks)
         capture_transient *= 2
+    capture_transient += chunk * recurrence
     r, g = pc.completion_length, pc.num_generations
     sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
     # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's

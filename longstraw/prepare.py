@@ -78,6 +78,15 @@ class CheckpointedLayer:
                 return self._longstraw_checkpointed(cache, args, kwargs)
             return nn.Module.__call__(self, *args, **kwargs)
 
+    def forward(self, *args, **kwargs):
+        cache = active_cache()
+        chunks = getattr(cache, "layer_chunks", None) if cache is not None else None
+        if chunks is not None and self.longstraw_index in chunks[1]:
+            out = _forward_in_chunks(super().forward, chunks[0], cache, args, kwargs)
+            if out is not None:
+                return out
+        return super().forward(*args, **kwargs)
+
     def _longstraw_checkpointed(self, cache, args, kwargs):
         i = self.longstraw_index
         before = snapshot(cache.layers[i])
@@ -94,6 +103,60 @@ class CheckpointedLayer:
 
         return checkpoint(partial(nn.Module.__call__, self), *args, use_reentrant=False,
                           context_fn=lambda: (nullcontext(), recompute()), **kwargs)
+
+
+#: the per-position keyword arguments of a decoder layer that `_forward_in_chunks` slices
+_PER_POSITION = ("position_embeddings", "position_ids", "cache_position", "attention_mask")
+
+
+class _NotPerPosition(Exception):
+    """An argument holds the forward's positions in a way `_forward_in_chunks` does not slice."""
+
+
+def _positions(x, a: int, b: int, t: int):
+    """Positions [a, b) of `x`, a per-position argument of a `t`-position forward: `[B, t, ...]` (sliced on dim 1),
+    `[t]`, a tuple / list of those (RoPE's cos, sin), None, or a non-tensor."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_positions(v, a, b, t) for v in x)
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.dim() >= 2 and x.shape[1] == t:
+        return x[:, a:b]
+    if x.dim() == 1 and x.shape[0] == t:
+        return x[a:b]
+    raise _NotPerPosition
+
+
+def _forward_in_chunks(forward, size: int, cache, args, kwargs):
+    """`forward(*args, **kwargs)` of a decoder layer whose state is recurrent (no position attends to another rank's
+    positions: its only input from before is the state in `cache`), run on `size` positions at a time: the same
+    result, with the layer's intermediates (gated DeltaNet's chunked recurrence in transformers' torch path: ~470 KB
+    per position at Qwen3.5-27B's width) held for `size` positions instead of all. Returns None, and nothing runs,
+    when an argument holds the positions in a way this does not slice (a 4-D attention mask, say)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] <= size:
+        return None
+    t = hidden.shape[1]
+    rest = dict(kwargs)
+    rest.pop("hidden_states", None)
+    others = [v for k, v in rest.items() if k not in _PER_POSITION and isinstance(v, torch.Tensor) and t in v.shape]
+    if others or len(args) > 1:
+        return None
+    try:
+        pieces = [(a, min(a + size, t), {k: _positions(v, a, min(a + size, t), t) if k in _PER_POSITION else v
+                                         for k, v in rest.items()}) for a in range(0, t, size)]
+    except _NotPerPosition:
+        return None
+    start, outs, out = cache.past_length, [], None
+    try:
+        for a, b, kw in pieces:
+            cache.past_length = start + a
+            out = forward(hidden[:, a:b], **kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+    finally:
+        cache.past_length = start
+    joined = torch.cat(outs, dim=1)
+    return (joined, *out[1:]) if isinstance(out, tuple) else joined
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}

@@ -88,9 +88,16 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     for arch, p, use_lora in cases:
         model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
+        # the most positions a linear-attention mixer saw in one call during capture (chunk_size bounds it)
+        mixed = [0]
+        mixers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        hooks = [m.register_forward_hook(lambda mod, a, kw, out: mixed.__setitem__(0, max(
+            mixed[0], kw.get("hidden_states", a[0] if a else None).shape[1])), with_kwargs=True) for m in mixers]
         t0 = time.perf_counter()
         state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, group=dist.group.WORLD)
         t_capture = time.perf_counter() - t0
+        for h in hooks:
+            h.remove()
         rounds = []
         for round_ in range(2):  # two replays of the same state: replays never write it
             model.zero_grad(set_to_none=True)
@@ -109,7 +116,8 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
                    for t in layer.tensors()}
         result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()),
                                slice=state.slice, sliced=state.sliced_nbytes, replicated=state.replicated_nbytes,
-                               t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated))
+                               t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated),
+                               mixed=mixed[0] if mixers else None)
         state.release()
 
     # exact mode: each rank replays its branch, then the collective reverse pass over the slices
@@ -269,6 +277,8 @@ def _check(results, n: int, cases, measured: dict):
         # each rank holds its contiguous slice of the full-attention K/V (1/N of it; uneven: ⌈(P−1)/N⌉ tokens) and
         # the O(1) states (sliding windows, linear-attention states) every rank reads alike
         res = [results[r][arch, p, use_lora] for r in range(n)]
+        # linear-attention layers ran chunk_size (4) positions at a time, not the whole slice
+        assert all(x["mixed"] in (None, min(4, e - s)) for x, (s, e) in zip(res, bounds)), [x["mixed"] for x in res]
         per_rank = [x["nbytes"] for x in res]
         assert per_rank == [x["storage"] for x in res]
         assert sum(x["sliced"] for x in res) == ref_growing

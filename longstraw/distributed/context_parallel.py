@@ -737,6 +737,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
             layers.append(layer)
             branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
     cache = BranchCache(branches, block=block_size)
+    # recurrent layers read nothing of the other ranks but the relayed state: they run chunk_size positions at a
+    # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole)
+    cache.layer_chunks = (chunk_size, {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
     hooks = []
     for i, layer in enumerate(layers):
         if isinstance(layer, RecurrentState):
