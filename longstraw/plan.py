@@ -216,7 +216,8 @@ def plan(pc: PlanConfig) -> Plan:
                         for i, k in enumerate(kinds))
     # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
     # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
-    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"] + 2 * d["i"])
+    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"])
+    ffn = elem * 2 * d["i"]  # the MLP's gate / up
     if "latent_attention" in kinds or "indexed_attention" in kinds:
         # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
         # attention output; DSA gathers top-k latents instead)
@@ -241,13 +242,14 @@ def plan(pc: PlanConfig) -> Plan:
     blockwise = any(k in ("sliding_attention", "chunked_attention", "indexed_attention") for k in kinds) or \
         getattr(cfg, "attn_logit_softcapping", None)
     attn_tile = 4 * 4 * TILE_ELEMENTS if blockwise else 0
-    capture_transient = c * (own_per_token + act) + attn_tile
     if pc.context_parallel > 1:
         # the exchange's float32 accumulators, partials and gathered chunks over the whole slice, and the slice's K/V
-        # held twice while committed: measured 1.8-2.1x the one-process terms per position (bench/context_parallel.py
-        # --memory-G, dense benchmark model, P = 4K-32K over 2 ranks)
-        capture_transient *= 2
-    capture_transient += chunk * recurrence
+        # held twice while committed: about twice the one-process terms per position (bench/context_parallel.py
+        # --memory-G); the feed-forward modules and recurrent layers run a chunk at a time
+        # (`longstraw.prepare.ChunkedFeedForward`, `_forward_in_chunks`)
+        capture_transient = 2 * c * (own_per_token + act) + chunk * (ffn + recurrence) + attn_tile
+    else:
+        capture_transient = c * (own_per_token + act + ffn + recurrence) + attn_tile
     r, g = pc.completion_length, pc.num_generations
     sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
     # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
@@ -285,8 +287,9 @@ def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph) -> li
     if not pc.state_offload:
         out.append("state_offload (state_device='cpu'): the durable state leaves the device")
     if pc.context_parallel > 1:
-        out.append(f"context_parallel={pc.context_parallel * 2}: the growing state and the capture transient (one "
-                   "whole slice through a layer; chunk_size does not bound it with several ranks) per rank halve")
+        out.append(f"context_parallel={pc.context_parallel * 2}: the growing state and the capture transient (an "
+                   "attention layer's whole slice; with several ranks chunk_size bounds only the feed-forward and "
+                   "recurrent parts) per rank halve")
     else:
         out.append(f"context_parallel={pc.context_parallel * 2}: the growing state per rank halves")
     if capture_transient > replay_graph and pc.chunk_size > 512 and pc.context_parallel == 1:

@@ -11,7 +11,10 @@
   modules, `CompressedAttention` likewise (attends to compressed entries, `longstraw.layers.compressed_attention`);
 - on every decoder layer, `CheckpointedLayer` in front of its class: inside a longstraw forward it runs
   the layer under longstraw's activation checkpointing when the branch asks for it (or when
-  transformers' own checkpointing is on, which would drop the cache), and the plain layer otherwise.
+  transformers' own checkpointing is on, which would drop the cache), and the plain layer otherwise;
+  it also runs a recurrent layer a chunk of positions at a time when the cache asks (`BranchCache.layer_chunks`);
+- on every decoder layer's feed-forward module (`block.mlp`), `ChunkedFeedForward`: a chunk of positions at a
+  time when the cache asks (`BranchCache.ffn_chunk`; the context-parallel capture does both).
 
 The stand-ins are subclasses made per class, the way `torch.distributed.fsdp.fully_shard` extends a
 module's class: parameters, adapters, hooks and the state dict stay the module's own, so the prepared
@@ -159,6 +162,42 @@ def _forward_in_chunks(forward, size: int, cache, args, kwargs):
     return (joined, *out[1:]) if isinstance(out, tuple) else joined
 
 
+class ChunkedFeedForward:
+    """Mixin in front of a decoder layer's feed-forward class (`block.mlp`: dense MLP or a mixture of experts
+    routing each position on its own): when the active cache asks for it (`BranchCache.ffn_chunk`, set by the
+    context-parallel capture, whose attention layers run a rank's whole slice at once), the module runs on that many
+    positions at a time. Same result (a position-wise function), with the gate / up intermediates of a chunk
+    instead of the slice's. Its output: a tensor of the input's shape, or a tuple of that and per-position tensors
+    (`[B·T, ...]`, e.g. gpt-oss's router scores) joined on their position dimension; another output runs the module
+    whole (and is remembered as such)."""
+
+    longstraw_base: type = object
+    #: False once a forward showed that this class's output cannot be joined chunk by chunk
+    longstraw_chunkable: bool = True
+
+    def forward(self, *args, **kwargs):
+        cache = active_cache()
+        size = getattr(cache, "ffn_chunk", None) if cache is not None else None
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if size is None or not type(self).longstraw_chunkable or not isinstance(x, torch.Tensor) or x.dim() != 3 \
+                or x.shape[1] <= size:
+            return super().forward(*args, **kwargs)
+        outs = []
+        for a in range(0, x.shape[1], size):
+            piece = x[:, a:a + size]
+            out = super().forward(piece)
+            parts = out if isinstance(out, tuple) else (out,)
+            dims = [1 if k == 0 and isinstance(t, torch.Tensor) and t.shape == piece.shape else
+                    0 if k > 0 and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == piece.shape[0] * piece.shape[1]
+                    else None for k, t in enumerate(parts)]
+            if None in dims:
+                type(self).longstraw_chunkable = False
+                return super().forward(*args, **kwargs)
+            outs.append(parts)
+        joined = tuple(torch.cat([o[k] for o in outs], dim=d) for k, d in enumerate(dims))
+        return joined if isinstance(out, tuple) else joined[0]
+
+
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -218,6 +257,9 @@ def prepare(model):
     for i, (kind, block) in enumerate(zip(layer_plan(cfg), decoder.layers)):
         block.__class__ = _subclass(CheckpointedLayer, type(block))
         block.longstraw_index = i
+        mlp = getattr(block, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            mlp.__class__ = _subclass(ChunkedFeedForward, type(mlp))
         if kind in LATENT_KINDS:
             attn = block.self_attn
             attn.longstraw_rotary = fam.latent_rotary(attn)  # looked up in the module of its own class

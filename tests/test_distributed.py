@@ -80,7 +80,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     from longstraw.distributed import CollectiveError, MismatchError
     from longstraw.layers import base
-    from longstraw.models import tiny_model
+    from longstraw.models import base_model, decoder_of, tiny_model
 
     # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
     base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
@@ -88,11 +88,18 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     for arch, p, use_lora in cases:
         model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
-        # the most positions a linear-attention mixer saw in one call during capture (chunk_size bounds it)
-        mixed = [0]
+        # the most positions a linear-attention mixer and a feed-forward module saw in one call during capture
+        # (chunk_size bounds both; attention layers take the whole slice)
+        mixed, fed = [0], [0]
         mixers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
         hooks = [m.register_forward_hook(lambda mod, a, kw, out: mixed.__setitem__(0, max(
             mixed[0], kw.get("hidden_states", a[0] if a else None).shape[1])), with_kwargs=True) for m in mixers]
+        def feed(mod, a, out):  # what the feed-forward module's parts see: [B, T, h] or [tokens, h]
+            if a and isinstance(a[0], torch.Tensor) and a[0].dim() >= 2:
+                fed[0] = max(fed[0], a[0].shape[-2])
+
+        hooks += [m.register_forward_hook(feed) for block in decoder_of(base_model(model)).layers
+                  for m in block.mlp.modules() if m is not block.mlp]
         t0 = time.perf_counter()
         state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, group=dist.group.WORLD)
         t_capture = time.perf_counter() - t0
@@ -117,7 +124,9 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()),
                                slice=state.slice, sliced=state.sliced_nbytes, replicated=state.replicated_nbytes,
                                t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated),
-                               mixed=mixed[0] if mixers else None)
+                               mixed=mixed[0] if mixers else None,
+                               # (a mixture of experts' experts see each position once per expert it picks)
+                               fed=fed[0] / getattr(model.config, "num_experts_per_tok", 1))
         state.release()
 
     # exact mode: each rank replays its branch, then the collective reverse pass over the slices
@@ -279,6 +288,7 @@ def _check(results, n: int, cases, measured: dict):
         res = [results[r][arch, p, use_lora] for r in range(n)]
         # linear-attention layers ran chunk_size (4) positions at a time, not the whole slice
         assert all(x["mixed"] in (None, min(4, e - s)) for x, (s, e) in zip(res, bounds)), [x["mixed"] for x in res]
+        assert all(0 < x["fed"] <= min(4, e - s) for x, (s, e) in zip(res, bounds)), (arch, [x["fed"] for x in res])
         per_rank = [x["nbytes"] for x in res]
         assert per_rank == [x["storage"] for x in res]
         assert sum(x["sliced"] for x in res) == ref_growing

@@ -738,8 +738,10 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
             branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
     cache = BranchCache(branches, block=block_size)
     # recurrent layers read nothing of the other ranks but the relayed state: they run chunk_size positions at a
-    # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole)
+    # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
+    # their feed-forward modules)
     cache.layer_chunks = (chunk_size, {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
+    cache.ffn_chunk = chunk_size  # and every layer's feed-forward module (position-wise)
     hooks = []
     for i, layer in enumerate(layers):
         if isinstance(layer, RecurrentState):
