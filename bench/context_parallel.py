@@ -13,6 +13,14 @@ memory is its peak RSS during the steps minus its RSS before them (the captured 
 there), beside the durable state per rank.
 
     python bench/context_parallel.py --P 16384 --R 64 --ranks 2 --memory-G 2 4 8 16   # → ..._memory.{json,md}
+
+Capture memory per rank against the planner, for other models and lengths (`--model`, `--P-list`):
+
+    python bench/context_parallel.py --model hybrid --P-list 16384 32768 --R 64 --ranks 2 --memory-G 2 \
+        --out bench/results/cp_capture_hybrid
+
+The ranks run with glibc's mmap threshold fixed at 128 KiB (`--malloc-default` to keep glibc's adaptive one, under
+which freed temporaries can stay in RSS).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import time
 from pathlib import Path
 
 
-def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk: int, repeat: int):
+def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk: int, repeat: int,
+          model_name: str = "dense"):
     import torch
     import torch.distributed as dist
 
@@ -42,7 +51,7 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                                 timeout=datetime.timedelta(seconds=1800))
         group = dist.group.WORLD
-    model = bench_model("dense")
+    model = bench_model(model_name)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (P,), generator=g)
@@ -86,14 +95,14 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         dist.destroy_process_group()
 
 
-def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
+def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int, model_name: str = "dense") -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank, args=(n, os.path.join(d, "init"), d, P, G, R, chunk, repeat), nprocs=n, join=True,
-                           start_method="spawn")
+        mp.start_processes(_rank, args=(n, os.path.join(d, "init"), d, P, G, R, chunk, repeat, model_name), nprocs=n,
+                           join=True, start_method="spawn")
         rows = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(n)]
-    return dict(ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1,
+    return dict(model=model_name, ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1,
                 capture_s=max(r["capture_s"] for r in rows), step_s=max(r["step_s"] for r in rows),
                 capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
                 step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
@@ -104,9 +113,10 @@ def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int) -> dict:
 
 def memory_grid(a) -> None:
     rows = []
-    for G in a.memory_G:
-        rows.append(run(a.ranks, a.P, G, a.R, a.chunk, 1))
-        print(json.dumps(rows[-1]), flush=True)
+    for P in a.P_list or [a.P]:
+        for G in a.memory_G:
+            rows.append(run(a.ranks, P, G, a.R, a.chunk, 1, a.model))
+            print(json.dumps(rows[-1]), flush=True)
     write_memory(rows, Path(a.out + "_memory"))
 
 
@@ -115,15 +125,15 @@ def write_memory(rows: list[dict], out: Path) -> None:
     from longstraw.compare import bench_model
     from longstraw.plan import PlanConfig, plan
 
-    config = bench_model("dense").config
-    lines = ["| ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) "
+    lines = ["| model | ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) "
              "| capture memory per rank (MiB) | planner: capture transient + state per rank (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        config = bench_model(r.get("model", "dense")).config
         pl = plan(PlanConfig(config, r["P"], num_generations=r["G"], completion_length=r["R"], dtype="fp32",
                              chunk_size=r["chunk"], context_parallel=r["ranks"], lora_rank=0))
         r["planned_capture_mib"] = round((pl.capture_transient + pl.durable_state) / 2**20, 1)
-        lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['G'] / r['ranks']:g} | "
+        lines.append(f"| {r.get('model', 'dense')} | {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['G'] / r['ranks']:g} | "
                      f"{', '.join(f'{m:.1f}' for m in r['step_mem_mib_per_rank'])} | "
                      f"{', '.join(f'{b / 2**20:.1f}' for b in r['state_bytes_per_rank'])} | "
                      f"{', '.join(f'{m:.1f}' for m in r['capture_mem_mib_per_rank'])} | {r['planned_capture_mib']} |")
@@ -143,12 +153,19 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "context_parallel"))
     ap.add_argument("--memory-G", type=int, nargs="*", default=None, help="step memory per rank for these G")
+    ap.add_argument("--P-list", type=int, nargs="*", default=None, help="--memory-G: these prompt lengths (else --P)")
+    ap.add_argument("--model", default="dense", help="longstraw.compare.bench_model's name (dense, hybrid, mla, ...)")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="keep glibc's adaptive mmap threshold (by default the ranks run with it fixed at 128 KiB, so "
+                         "that freed temporaries leave RSS, as in bench/stress.py and bench/plan_accuracy.py)")
     a = ap.parse_args()
+    if not a.malloc_default:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by each spawned rank's allocator at its start
     if a.memory_G:
         return memory_grid(a)
     rows = []
     for n in (1, a.ranks):
-        rows.append(run(n, a.P, a.G, a.R, a.chunk, a.repeat))
+        rows.append(run(n, a.P, a.G, a.R, a.chunk, a.repeat, a.model))
         print(json.dumps(rows[-1]), flush=True)
     one, many = rows
     summary = dict(capture_speedup=one["capture_s"] / many["capture_s"], step_speedup=one["step_s"] / many["step_s"],
@@ -165,7 +182,7 @@ def table(rows, summary) -> str:
     lines = ["| ranks | P | G | R | capture, wall (s) | capture, CPU per rank (s) | step, wall (s) "
              "| step, CPU per rank (s) | state bytes per rank |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['capture_s']:.2f} | "
+        lines.append(f"| {r.get('model', 'dense')} | {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | {r['capture_s']:.2f} | "
                      f"{', '.join(f'{c:.1f}' for c in r['capture_cpu_s'])} | {r['step_s']:.2f} | "
                      f"{', '.join(f'{c:.2f}' for c in r['step_cpu_s'])} | "
                      f"{', '.join(str(b) for b in r['state_bytes_per_rank'])} |")

@@ -244,10 +244,10 @@ def plan(pc: PlanConfig) -> Plan:
     attn_tile = 4 * 4 * TILE_ELEMENTS if blockwise else 0
     if pc.context_parallel > 1:
         # the exchange's float32 accumulators, partials and gathered chunks over the whole slice, and the slice's K/V
-        # held twice while committed: about twice the one-process terms per position (bench/context_parallel.py
-        # --memory-G); the feed-forward modules and recurrent layers run a chunk at a time
-        # (`longstraw.prepare.ChunkedFeedForward`, `_forward_in_chunks`)
-        capture_transient = 2 * c * (own_per_token + act) + chunk * (ffn + recurrence) + attn_tile
+        # held twice while committed: 1.5 × the one-process terms per position (measured 1.2-1.5 ×:
+        # bench/results/cp_capture_{dense,hybrid}_memory.md, 2 ranks, P = 16K / 32K); the feed-forward modules and
+        # recurrent layers run a chunk at a time (`longstraw.prepare.ChunkedFeedForward`, `_forward_in_chunks`)
+        capture_transient = 3 * c * (own_per_token + act) // 2 + chunk * (ffn + recurrence) + attn_tile
     else:
         capture_transient = c * (own_per_token + act + ffn + recurrence) + attn_tile
     r, g = pc.completion_length, pc.num_generations
