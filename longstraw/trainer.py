@@ -373,7 +373,7 @@ class Trainer:
             from .distributed.fsdp import full_tensors, local_optimizer_state
 
             return save_sharded_checkpoint(self.out / "checkpoints", self.step, self.ranks,
-                                           full_tensors(self._named_trainable()),
+                                           full_tensors(self._named_trainable(), keep=self.ranks.main),
                                            local_optimizer_state(self.opt.state_dict()), self.sched, state,
                                            masters=self.masters)
         if not self.ranks.main:

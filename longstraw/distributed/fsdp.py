@@ -127,13 +127,16 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> f
     return norm
 
 
-def full_tensors(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def full_tensors(named: list[tuple[str, torch.Tensor]], keep: bool = True) -> dict[str, torch.Tensor]:
     """{name: the whole tensor on the CPU} for sharded and replicated tensors (a collective: one all-gather per
-    sharded tensor, in the given order on every rank). Memory: each tensor whole once, one at a time on the device."""
+    sharded tensor, in the given order on every rank). Memory: each tensor whole once, one at a time on the device;
+    with `keep` False (the ranks that do not write them) nothing stays, and the result is empty."""
     out = {}
     for name, t in named:
         t = t.detach()
-        out[name] = (t.full_tensor() if is_sharded(t) else t).cpu().clone()
+        whole = t.full_tensor() if is_sharded(t) else t
+        if keep:
+            out[name] = whole.cpu().clone()
     return out
 
 
