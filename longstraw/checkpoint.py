@@ -178,6 +178,29 @@ def save_sharded_checkpoint(root: Path, step: int, ranks, weights: dict, optimiz
     return final if ranks.main else None
 
 
+class LazyTensors:
+    """The tensors of a safetensors file by name, each read when asked for (a context manager): loading a sharded
+    checkpoint holds one whole tensor at a time, not the whole model, on every rank."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), framework="pt")
+        self._names = set(self._file.keys())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def __getitem__(self, name: str):
+        return self._file.get_tensor(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file = None
+
+
 def read_trainer_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
 
@@ -193,9 +216,8 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
         raise CheckpointError(f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
                               f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} with fsdp: "
                               "a sharded run resumes only from its own kind of checkpoint on as many processes")
-    from safetensors.torch import load_file
-
-    load_weights_fn(load_file(ckpt / "weights" / SHARDED_WEIGHTS))
+    with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
+        load_weights_fn(weights)
     blob = _load_tensors(ckpt / "optimizer.pt")
     local = _load_tensors(ckpt / f"optimizer-rank{ranks.rank}.pt")
     optimizer.load_state_dict(sharded_optimizer_state(optimizer, local))

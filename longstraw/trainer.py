@@ -432,8 +432,7 @@ class Trainer:
     def _unsharded_copy(self):
         """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
         with sharded layers; memory: a second copy of the model on rank 0, at the end)."""
-        from safetensors.torch import load_file
-
+        from .checkpoint import LazyTensors
         from .distributed.fsdp import load_full_tensors
 
         name = latest_name(self.out / "checkpoints")
@@ -442,8 +441,9 @@ class Trainer:
             raise RuntimeError(f"export: the last checkpoint {ckpt} is not of the final step {self.step}")
         with torch.random.fork_rng(devices=[]):  # rank 0's random streams stay those of the other ranks
             model, _ = build_model_and_tokenizer(self.cfg)
-        load_full_tensors([(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                          load_file(ckpt / "weights" / SHARDED_WEIGHTS), f"export from {ckpt}")
+        with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
+            load_full_tensors([(n, p) for n, p in model.named_parameters() if p.requires_grad], weights,
+                              f"export from {ckpt}")
         return model
 
     # ------------------------------------------------------------------ the run
