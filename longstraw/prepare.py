@@ -258,7 +258,7 @@ def prepare(model):
         block.__class__ = _subclass(CheckpointedLayer, type(block))
         block.longstraw_index = i
         mlp = getattr(block, "mlp", None)
-        if isinstance(mlp, nn.Module):
+        if isinstance(mlp, nn.Module) and not isinstance(mlp, ChunkedFeedForward):  # (a module shared by layers: once)
             mlp.__class__ = _subclass(ChunkedFeedForward, type(mlp))
         if kind in LATENT_KINDS:
             attn = block.self_attn
