@@ -31,11 +31,12 @@ METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact", "lon
 MODELS = ("dense", "hybrid", "dsa", "sliding", "mla", "ssm", "dsv4")
 
 
-def bench_model(name: str, seed: int = 0, fields: dict | None = None):
+def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool = True):
     """The benchmark's tiny model (`dense`: qwen3, `hybrid`: qwen3_next-like, `dsa`: glm_moe_dsa, `sliding`:
     gemma3_text with 3 sliding layers of 1,024 : 1 global, `mla`: deepseek_v3, `ssm`: granitemoehybrid,
     Mamba-2 + attention, `dsv4`: deepseek_v4) with a LoRA adapter on the attention projections, train mode.
-    `fields`: config fields that replace the family's benchmark fields (e.g. narrower attention)."""
+    `fields`: config fields that replace the family's benchmark fields (e.g. narrower attention). `lora` False: every
+    parameter trainable (full fine-tuning), no adapter."""
     from peft import LoraConfig, get_peft_model
 
     from .models import (BENCH_DENSE, BENCH_DSA, BENCH_DSV4, BENCH_HYBRID, BENCH_MLA, BENCH_SLIDING, BENCH_SSM,
@@ -49,11 +50,13 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None):
                     "mla": ("deepseek_v3", BENCH_MLA), "ssm": ("granitemoehybrid", BENCH_SSM),
                     "dsv4": ("deepseek_v4", BENCH_DSV4)}[name]
     model = tiny_model(arch, seed=seed, **(fields if extra is None else extra))
+    if not lora:
+        return model.train()
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     targets = {"dsa": mla, "mla": mla, "dsv4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]}.get(
         name, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    return get_peft_model(model, lora).train()
+    adapter = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(model, adapter).train()
 
 
 def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int = 4096) -> dict:
@@ -89,10 +92,13 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
     return info
 
 
-def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096) -> dict:
-    """Measure one step in this process (call it in a fresh one: see `measure_in_fresh_process`)."""
+def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096,
+            full: bool = False) -> dict:
+    """Measure one step in this process (call it in a fresh one: see `measure_in_fresh_process`). `full`: full
+    fine-tuning instead of the LoRA adapter. The warm-up step leaves the gradients allocated (zeroed), so the step
+    memory is what the step adds beyond them, with LoRA and full alike."""
     torch.set_num_threads(threads)
-    model = bench_model(model_name)
+    model = bench_model(model_name, lora=not full)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (P,), generator=g)
@@ -100,7 +106,8 @@ def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int =
     advantages = torch.randn(G, generator=g)
     grpo_step(method, model, prompt[:64], responses[:2], advantages[:2], chunk_size)  # warm-up
     model.zero_grad(set_to_none=False)
-    row = dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(), chunk_size=chunk_size)
+    row = dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(), chunk_size=chunk_size,
+               trainable="full" if full else "lora")
     return _measured(row, lambda: grpo_step(method, model, prompt, responses, advantages, chunk_size))
 
 
@@ -172,7 +179,7 @@ def _limit_address_space(gb: float):
 
 def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
                              chunk_size: int = 4096, task: str = "step", limit_gb: float | None = None,
-                             mmap_threshold: int | None = None) -> dict:
+                             mmap_threshold: int | None = None, full: bool = False) -> dict:
     """`measure` (task "step") or `measure_sampling` (task "sample") in a fresh Python process.
 
     `limit_gb`: address-space cap of the child (torch reserves a few GB of address space beyond what
@@ -182,7 +189,7 @@ def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: in
     adaptive default keeps freed blocks resident, which adds run-to-run noise of tens of MiB to small
     step memories (and costs time: page faults on every large allocation, on both sides of a comparison)."""
     cmd = [sys.executable, "-m", "longstraw.compare", model_name, method, str(P), str(G), str(R),
-           "--threads", str(threads), "--chunk-size", str(chunk_size), "--task", task]
+           "--threads", str(threads), "--chunk-size", str(chunk_size), "--task", task] + (["--full"] if full else [])
     env = dict(os.environ)
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(int(mmap_threshold))
@@ -235,9 +242,12 @@ def _main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--task", choices=["step", "sample"], default="step")
+    ap.add_argument("--full", action="store_true", help="step: full fine-tuning instead of the LoRA adapter")
     a = ap.parse_args(argv)
-    fn = measure if a.task == "step" else measure_sampling
-    print(json.dumps(fn(a.model, a.method, a.P, a.G, a.R, a.threads, a.chunk_size)))
+    if a.task == "step":
+        print(json.dumps(measure(a.model, a.method, a.P, a.G, a.R, a.threads, a.chunk_size, full=a.full)))
+    else:
+        print(json.dumps(measure_sampling(a.model, a.method, a.P, a.G, a.R, a.threads, a.chunk_size)))
 
 
 if __name__ == "__main__":
