@@ -157,9 +157,9 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     (what retrieval needs from a random start); examples of equal length go in one batch. Otherwise each
     prompt is captured and its answer replayed (detached, like GRPO).
 
-    `before_last_backward` (FSDP2, see `policy_update`): given, the full-sequence forwards go one prompt at a time,
-    ⌈B / N⌉ on every rank (a rank short of prompts runs one of weight 0), since every rank of a sharded model must
-    run the same forwards and backwards.
+    `before_last_backward` (FSDP2, see `policy_update`): given, every rank runs one full-sequence forward per shape
+    of the step's prompts (the same shapes on every rank), its round-robin share of them padded with weight-0 rows
+    to ⌈n / N⌉, since every rank of a sharded model must run the same forwards and backwards.
     """
     eos = torch.tensor([policy.eos_token_id])
     for ex in examples:
@@ -176,8 +176,7 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
                                       meter)
         else:
             loss = _sft_full_sequence_lockstep(policy.model, pairs, examples, n_tok, meter,
-                                               ranks.spread(len(pairs)) if parallel else list(range(len(pairs))),
-                                               before_last_backward)
+                                               ranks if parallel else None, before_last_backward)
         durable = 0
     else:
         loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter,
@@ -200,9 +199,9 @@ def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter) -
     return total
 
 
-def _sft_batch_loss(model, group: list, n_tok: int) -> torch.Tensor:
+def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None = None) -> torch.Tensor:
     """− Σ log-prob of the targets / n_tok for a batch of (prompt, answer, supervised prompt positions) of one
-    shape: one forward of [prompt + answer] with grad."""
+    shape: one forward of [prompt + answer] with grad; `weights`: one per row (None: all 1)."""
     parts = model_parts(model)
     plen, alen = group[0][0].numel(), group[0][1].numel()
     seqs = torch.stack([torch.cat([p, a]) for p, a, _ in group])  # [B, P + A]
@@ -213,19 +212,30 @@ def _sft_batch_loss(model, group: list, n_tok: int) -> torch.Tensor:
     hidden = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
     lp, _ = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), parts.lm_head, targets.reshape(-1),
                              softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+    if weights is not None:
+        lp = lp.view(len(group), -1) * torch.tensor(weights, dtype=lp.dtype, device=lp.device)[:, None]
     return -lp.sum() / n_tok
 
 
-def _sft_full_sequence_lockstep(model, pairs, examples, n_tok: int, meter: MemoryMeter, turns: list,
+def _sft_full_sequence_lockstep(model, pairs, examples, n_tok: int, meter: MemoryMeter, ranks,
                                 before_last_backward) -> float:
-    """One prompt per forward, this rank's `turns` (indices into `pairs`, None: the first prompt with weight 0), the
-    last backward announced."""
+    """One forward per shape of the step's prompts on every rank (`ranks` None: one process, all of them): rank r's
+    rows are that shape's prompts r, r + N, ..., padded with weight-0 copies of its first to ⌈n / N⌉ rows; the
+    step's last backward announced."""
+    size, rank = (1, 0) if ranks is None else (ranks.size, ranks.rank)
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for b, ((p, a), ex) in enumerate(zip(pairs, examples)):
+        by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append(b)
     total = 0.0
-    for t, b in enumerate(turns):
-        (p, a), ex = pairs[0 if b is None else b], examples[0 if b is None else b]
+    for g, idx in enumerate(by_shape.values()):
+        mine = idx[rank::size]
+        rows = -(-len(idx) // size)
+        weights = [1.0] * len(mine) + [0.0] * (rows - len(mine))
+        mine = mine + [idx[0]] * (rows - len(mine))
         with meter.stage("replay"):
-            loss = _sft_batch_loss(model, [(p, a, ex.supervised)], n_tok) * (0.0 if b is None else 1.0)
-            if t == len(turns) - 1:
+            loss = _sft_batch_loss(model, [(pairs[b][0], pairs[b][1], examples[b].supervised) for b in mine], n_tok,
+                                   weights)
+            if g == len(by_shape) - 1:
                 before_last_backward()
             loss.backward()
         total += loss.item()

@@ -5,7 +5,8 @@ One spawn of 2 ranks runs three trainings with the decoder layers sharded:
   KL term; LoRA), interrupted after step 2 and resumed from its sharded checkpoint by a fresh trainer;
 - "full": full fine-tuning in fp32 with exact prompt gradients (the state's reverse pass is the step's last
   backward) and a replayed supervised step;
-- "bf16": full fine-tuning of a bf16 model, one supervised step: the layers' shards are float32 masters.
+- "bf16": full fine-tuning of a bf16 model, one supervised step of 3 prompts (one rank pads its batch with a row of
+  weight 0): the layers' shards are float32 masters.
 The single-process references run in the test process; the tests compare losses, gradient norms, the applied
 gradients and the final weights, and check what each rank held and what the checkpoints and the export hold.
 """
@@ -34,7 +35,7 @@ RUNS = {
     "lora": {},
     "full": dict(lora=False, prompts_per_step=1, num_generations=4, sft_full_sequence=False, prompt_grad="exact",
                  beta=0.0),
-    "bf16": dict(lora=False, dtype="bf16", beta=0.0, num_steps=1),
+    "bf16": dict(lora=False, dtype="bf16", beta=0.0, num_steps=1, prompts_per_step=3),  # 3 prompts: one rank pads
 }
 
 
