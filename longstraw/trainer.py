@@ -386,6 +386,7 @@ class Trainer:
         the checkpoint rank 0 names."""
         root = self.out / "checkpoints"
         name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
+
         def load():
             if name is not None and self.sharded:
                 from .distributed.fsdp import load_full_tensors

@@ -170,13 +170,13 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
     parallel = ranks is not None and ranks.size > 1
     if full_sequence:
-        if before_last_backward is None:
-            mine = ranks.mine(len(pairs)) if parallel else range(len(pairs))  # data parallel: whole prompts per rank
+        if before_last_backward is None and parallel:  # data parallel: whole prompts per rank
+            mine = ranks.mine(len(pairs))
             loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok,
                                       meter)
         else:
-            loss = _sft_full_sequence_lockstep(policy.model, pairs, examples, n_tok, meter,
-                                               ranks if parallel else None, before_last_backward)
+            loss = _sft_full_sequence(policy.model, pairs, examples, n_tok, meter, ranks if parallel else None,
+                                      before_last_backward)
         durable = 0
     else:
         loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter,
@@ -184,19 +184,6 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     if parallel:
         loss = ranks.sum_floats("sft_update: loss", [loss])[0]
     return dict(loss=loss, durable_bytes=durable, tokens=tokens)
-
-
-def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter) -> float:
-    by_shape: dict[tuple[int, int, int], list] = {}
-    for (p, a), ex in zip(pairs, examples):
-        by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append((p, a, ex.supervised))
-    total = 0.0
-    for group in by_shape.values():
-        with meter.stage("replay"):
-            loss = _sft_batch_loss(model, group, n_tok)
-            loss.backward()
-        total += loss.item()
-    return total
 
 
 def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None = None) -> torch.Tensor:
@@ -217,12 +204,13 @@ def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None 
     return -lp.sum() / n_tok
 
 
-def _sft_full_sequence_lockstep(model, pairs, examples, n_tok: int, meter: MemoryMeter, ranks,
-                                before_last_backward) -> float:
-    """One forward per shape of the step's prompts on every rank (`ranks` None: one process, all of them): rank r's
-    rows are that shape's prompts r, r + N, ..., padded with weight-0 copies of its first to ⌈n / N⌉ rows; the
-    step's last backward announced."""
-    size, rank = (1, 0) if ranks is None else (ranks.size, ranks.rank)
+def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter, lockstep=None,
+                       before_last_backward=None) -> float:
+    """One forward per shape of the prompts `pairs`. `lockstep` (the `Ranks` of a sharded model, whose ranks must run
+    the same forwards): every rank runs one forward per shape of all the step's prompts, its rows that shape's
+    prompts r, r + N, ..., padded with weight-0 copies of its first to ⌈n / N⌉ rows. `before_last_backward`: called
+    before the last backward."""
+    size, rank = (1, 0) if lockstep is None else (lockstep.size, lockstep.rank)
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for b, ((p, a), ex) in enumerate(zip(pairs, examples)):
         by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append(b)
@@ -230,12 +218,12 @@ def _sft_full_sequence_lockstep(model, pairs, examples, n_tok: int, meter: Memor
     for g, idx in enumerate(by_shape.values()):
         mine = idx[rank::size]
         rows = -(-len(idx) // size)
-        weights = [1.0] * len(mine) + [0.0] * (rows - len(mine))
+        weights = [1.0] * len(mine) + [0.0] * (rows - len(mine)) if rows > len(mine) else None
         mine = mine + [idx[0]] * (rows - len(mine))
         with meter.stage("replay"):
             loss = _sft_batch_loss(model, [(pairs[b][0], pairs[b][1], examples[b].supervised) for b in mine], n_tok,
                                    weights)
-            if g == len(by_shape) - 1:
+            if before_last_backward is not None and g == len(by_shape) - 1:
                 before_last_backward()
             loss.backward()
         total += loss.item()
