@@ -10,6 +10,9 @@ log-sum-exp's gradient (attention sinks). No kernel keeps an R × T tensor for b
 Kernels (`KERNELS`):
 - `reference`: every score materialised (O(H·R·T)); any device; the tests' oracle.
 - `blockwise`: PyTorch, any device, every mask, softcap, float64, 8-bit and host-resident keys.
+- `simd_cpu`: longstraw's compiled float32 kernel for mask-free parts where every query sees every key (the
+  prompt part), value dims a multiple of 16; built on first use (`kernels/native.py`); causal parts and
+  backward are flash_cpu's.
 - `flash_cpu`: PyTorch's fused CPU flash attention (float32 / bf16 / fp16).
 - `flash_cuda`: PyTorch's FlashAttention-2 (bf16 / fp16, head dim ≤ 256, multiple of 8).
 - `efficient_cuda`: PyTorch's memory-efficient attention (float32 and half, head dim ≤ 512).
@@ -20,6 +23,7 @@ The choice (`choose`), per part:
 |--------|-----------------------------------------------|--------------|------------------|
 | any    | window, attention chunk or softcap            | any          | blockwise        |
 | any    | float64                                       | float64      | blockwise        |
+| cpu    | mask-free, fp32, value dim a multiple of 16 ≤ 128 | fp32       | simd_cpu         |
 | cpu    | mask-free (prompt part; square causal own part) | fp32/bf16/fp16 | flash_cpu      |
 | cuda   | mask-free, head dim ≤ 256, multiple of 8      | bf16 / fp16  | flash_cuda       |
 | cuda   | mask-free, other head dims ≤ 512              | fp32 / half  | efficient_cuda   |
@@ -40,7 +44,7 @@ import torch
 
 from . import blockwise as _blockwise
 from . import reference as _reference
-from .fused import EFFICIENT_CUDA, FLASH_CPU, FLASH_CUDA, FusedKernel
+from .fused import EFFICIENT_CUDA, FLASH_CPU, FLASH_CUDA, SIMD_CPU, FusedKernel
 from .part import TILE_ELEMENTS, Part, acc_dtype, mask_free_mode
 
 __all__ = ["KERNELS", "Part", "TILE_ELEMENTS", "acc_dtype", "choose", "part_backward", "part_forward", "use",
@@ -65,9 +69,9 @@ class _Plain:
 
 REFERENCE = _Plain("reference", _reference)
 BLOCKWISE = _Plain("blockwise", _blockwise)
-KERNELS = {k.name: k for k in (REFERENCE, BLOCKWISE, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)}
+KERNELS = {k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)}
 #: fused kernels in order of preference per device type (first that applies wins)
-PREFERENCE = {"cpu": (FLASH_CPU,), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
+PREFERENCE = {"cpu": (SIMD_CPU, FLASH_CPU), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("longstraw_kernel", default=None)
 

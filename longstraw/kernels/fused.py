@@ -14,6 +14,8 @@ of K/V (and of its dK / dV), never a copy of the part.
 
 - `flash_cpu`: `aten._scaled_dot_product_flash_attention_for_cpu` (+ backward), torch 2.11–2.13; float32,
   bfloat16, float16; tiles of TILE_ELEMENTS keys × heads × dims (at least `part.block` keys).
+- `simd_cpu`: longstraw's compiled float32 kernel (`native.py`) for 'full' parts with value dims a multiple of 16,
+  ≤ SIMD_MAX_HEAD_DIM; its causal parts and backward are `flash_cpu`'s.
 - `flash_cuda`: `aten._scaled_dot_product_flash_attention` (FlashAttention-2 in PyTorch), bfloat16 /
   float16, head dim ≤ 256 and a multiple of 8; tiles of `CUDA_TILE` keys.
 - `efficient_cuda`: `aten._scaled_dot_product_efficient_attention` (memory-efficient attention), float32
@@ -25,11 +27,14 @@ from __future__ import annotations
 import torch
 
 from ..quant import read_block
+from . import native
 from .part import TILE_ELEMENTS, Part, mask_free_mode
 
 aten = torch.ops.aten
 #: keys × heads × dims per tile when a CPU part is read tile by tile (a compressed state, dq-only backward)
 CPU_TILE_ELEMENTS = TILE_ELEMENTS
+#: largest head dim for which `simd_cpu` is chosen (faster than `flash_cpu` up to here; bench/cpu_kernel.py)
+SIMD_MAX_HEAD_DIM = 128
 #: keys per tile when a CUDA part is read tile by tile (compressed / host state, dq-only backward)
 CUDA_TILE = 1 << 16
 
@@ -201,6 +206,31 @@ class FlashCPU(FusedKernel):
             do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale)
 
 
+class SimdCPU(FlashCPU):
+    """longstraw's compiled float32 kernel (`native.py`) for the 'full' parts — the prompt part, every query over
+    every key, tile by tile from a compressed state; causal own parts and every backward go to PyTorch's flash
+    kernel (the log-sum-exp it returns is the same quantity)."""
+
+    name = "simd_cpu"
+    dtypes = (torch.float32,)
+
+    def available(self):
+        return native.why_unavailable() is None
+
+    def why_not(self, q, k, v, part):
+        if q.device.type == "cpu" and q.dtype in self.dtypes and not self.available():
+            return f"not built: {native.why_unavailable()}"
+        return super().why_not(q, k, v, part)
+
+    def head_dim_ok(self, d):
+        return d % native.VALUE_DIM_MULTIPLE == 0 and d <= SIMD_MAX_HEAD_DIM
+
+    def raw_forward(self, q, k, v, causal, scale):
+        if causal:
+            return super().raw_forward(q, k, v, causal, scale)
+        return native.attend_full(q, k, v, scale)
+
+
 class FlashCUDA(FusedKernel):
     name = "flash_cuda"
     device_type = "cuda"
@@ -256,4 +286,4 @@ class EfficientCUDA(FusedKernel):
         return dq, dk, dv
 
 
-FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA = FlashCPU(), FlashCUDA(), EfficientCUDA()
+FLASH_CPU, SIMD_CPU, FLASH_CUDA, EFFICIENT_CUDA = FlashCPU(), SimdCPU(), FlashCUDA(), EfficientCUDA()

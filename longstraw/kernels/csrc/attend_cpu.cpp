@@ -1,0 +1,164 @@
+// Attention of queries over a block of keys that every query sees (no mask), float32, on the CPU:
+// out = softmax(q k^T * scale) v and lse = log-sum-exp of the scaled scores, per row.
+//
+// Written for the small head dims (16-64) where PyTorch's fused CPU kernel spends most of its time around
+// small matrix products: the scores of MR query rows x 32 keys stay in registers while the head dim is walked
+// (keys transposed per tile of KT keys, so one vector holds 16 keys), the softmax runs in base 2 on the
+// tile (a polynomial 2^x accurate to ~1e-7 relative), and P.V accumulates MR rows x 16 value dims per vector.
+// Online softmax across tiles; nothing larger than one tile of scores (MR x KT floats) is kept.
+//
+// Layouts (float32): q [bh, rows, d], k [bh, t, d], v [bh, t, dv] with any head and row strides (the last dim
+// contiguous: a view into a longer cache is read in place), out [bh, rows, dv] and lse [bh, rows] contiguous.
+// dv must be a multiple of 16; d any; t >= 1. Each of `threads` std::threads takes a contiguous share of every head's rows.
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int VL = 16;     // floats per vector
+constexpr int MR = 8;      // query rows per register block
+constexpr int KT = 128;    // keys per tile (multiple of 2 * VL)
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof x); return x; }
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+inline vf splat(float a) { return vf{} + a; }
+
+// 2^x for x <= 0 (x < -126 gives 2^-126): 2^n * 2^f with n = nearest integer, |f| <= 1/2, 2^f by its degree-7
+// Taylor polynomial in f ln 2 (truncation error < 1e-8 relative).
+inline vf exp2_neg(vf x) {
+    x = x < splat(-126.0f) ? splat(-126.0f) : x;
+    vi n = __builtin_convertvector(x - 0.5f, vi);  // truncation toward zero of x - 1/2 = nearest for x <= 0
+    vf f = x - __builtin_convertvector(n, vf);
+    vf p = splat(1.525273380405984e-05f);
+    p = p * f + 1.5403530393381606e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.618129107628477e-03f;
+    p = p * f + 5.550410866482158e-02f;
+    p = p * f + 2.402265069591007e-01f;
+    p = p * f + 6.931471805599453e-01f;
+    p = p * f + 1.0f;
+    vi bits = (n + 127) << 23;
+    vf two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < VL; ++i) m = x[i] > m ? x[i] : m; return m; }
+inline float hsum(vf x) { float s = 0; for (int i = 0; i < VL; ++i) s += x[i]; return s; }
+
+struct Args {
+    const float *q, *k, *v;
+    float *out, *lse;
+    int64_t bh, rows, t, d, dv;
+    int64_t qh, qr, kh, kr, vh, vr;  // strides (elements) of q, k, v between heads and between rows
+    float scale;
+};
+
+// rows r0 .. r0 + nr of head b over all keys; per tile of KT keys the keys are transposed once
+void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
+    const int64_t d = a.d, dv = a.dv, t = a.t;
+    std::vector<float> kt(d * KT), sbuf(MR * KT), qs((nr + MR) * d, 0.0f), m(nr, -INFINITY), l(nr, 0.0f);
+    float* s = sbuf.data();
+    const float* q = a.q + b * a.qh + r0 * a.qr;
+    const float* k = a.k + b * a.kh;
+    const float* v = a.v + b * a.vh;
+    float* o = a.out + (b * a.rows + r0) * dv;
+    const float c = a.scale * 1.4426950408889634f;  // scores in base 2
+    for (int64_t i = 0; i < nr; ++i)  // rows past the last stay zero
+        for (int64_t cc = 0; cc < d; ++cc) qs[i * d + cc] = q[i * a.qr + cc] * c;
+    std::memset(o, 0, sizeof(float) * nr * dv);
+    for (int64_t j0 = 0; j0 < t; j0 += KT) {
+        const int64_t n = t - j0 < KT ? t - j0 : KT;
+        const int64_t np = (n + 2 * VL - 1) / (2 * VL) * (2 * VL);
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = k[(j0 + j) * a.kr + cc];
+        for (int64_t cc = 0; cc < d; ++cc)
+            for (int64_t j = n; j < np; ++j) kt[cc * KT + j] = 0.0f;
+        for (int64_t i0 = 0; i0 < nr; i0 += MR) {
+            const int64_t mr = nr - i0 < MR ? nr - i0 : MR;
+            const float* qb = qs.data() + i0 * d;
+            // scores s[i][j] = q_i . k_j (base 2), MR rows x 32 keys in registers
+            for (int64_t j = 0; j < np; j += 2 * VL) {
+                vf acc[MR][2];
+                for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vf{};
+                for (int64_t cc = 0; cc < d; ++cc) {
+                    const vf k0 = load(kt.data() + cc * KT + j), k1 = load(kt.data() + cc * KT + j + VL);
+                    for (int i = 0; i < MR; ++i) {
+                        const float qv = qb[i * d + cc];
+                        acc[i][0] += qv * k0;
+                        acc[i][1] += qv * k1;
+                    }
+                }
+                for (int i = 0; i < MR; ++i) { store(s + i * KT + j, acc[i][0]); store(s + i * KT + j + VL, acc[i][1]); }
+            }
+            for (int64_t i = 0; i < mr; ++i) {
+                float* si = s + i * KT;
+                for (int64_t j = n; j < np; ++j) si[j] = -INFINITY;  // padding: exp2_neg gives 2^-126, read by no value row
+                vf mx = load(si);
+                for (int64_t j = VL; j < np; j += VL) { vf x = load(si + j); mx = x > mx ? x : mx; }
+                const float mold = m[i0 + i], mnew = std::fmax(mold, hmax(mx));
+                const float alpha = std::exp2(mold - mnew);  // 0 on the first tile (mold = -inf)
+                vf sum = vf{};
+                for (int64_t j = 0; j < np; j += VL) {
+                    vf p = exp2_neg(load(si + j) - mnew);
+                    store(si + j, p);
+                    sum += p;
+                }
+                l[i0 + i] = l[i0 + i] * alpha + hsum(sum);
+                m[i0 + i] = mnew;
+                if (alpha != 1.0f) {
+                    float* oi = o + (i0 + i) * dv;
+                    for (int64_t e = 0; e < dv; e += VL) store(oi + e, load(oi + e) * alpha);
+                }
+            }
+            // out[i] += sum_j p[i][j] v_j, MR rows x 16 value dims in registers
+            for (int64_t e = 0; e < dv; e += VL) {
+                vf acc[MR];
+                for (int i = 0; i < MR; ++i) acc[i] = i < mr ? load(o + (i0 + i) * dv + e) : vf{};
+                for (int64_t j = 0; j < n; ++j) {
+                    const vf vj = load(v + (j0 + j) * a.vr + e);
+                    for (int i = 0; i < MR; ++i) acc[i] += s[i * KT + j] * vj;
+                }
+                for (int i = 0; i < mr; ++i) store(o + (i0 + i) * dv + e, acc[i]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nr; ++i) {
+        const float inv = 1.0f / l[i];
+        for (int64_t e = 0; e < dv; ++e) o[i * dv + e] *= inv;
+        a.lse[b * a.rows + r0 + i] = (m[i] + std::log2(l[i])) * 0.6931471805599453f;
+    }
+}
+
+// worker w of nw: its share of every head's rows (contiguous, a multiple of MR)
+void worker(const Args& a, int w, int nw) {
+    const int64_t blocks = (a.rows + MR - 1) / MR;
+    const int64_t lo = blocks * w / nw * MR, hi = std::min(a.rows, blocks * (w + 1) / nw * MR);
+    if (hi <= lo) return;
+    for (int64_t b = 0; b < a.bh; ++b) rows_over_keys(a, b, lo, hi - lo);
+}
+
+}  // namespace
+
+extern "C" int longstraw_attend_full(const float* q, const float* k, const float* v, float* out, float* lse,
+                                     int64_t bh, int64_t rows, int64_t t, int64_t d, int64_t dv,
+                                     int64_t qh, int64_t qr, int64_t kh, int64_t kr, int64_t vh, int64_t vr,
+                                     float scale, int threads) {
+    if (dv % VL != 0 || t < 1 || d < 1 || threads < 1) return 1;
+    Args a{q, k, v, out, lse, bh, rows, t, d, dv, qh, qr, kh, kr, vh, vr, scale};
+    const int64_t blocks = (rows + MR - 1) / MR;
+    const int nw = blocks < threads ? (int)blocks : threads;
+    if (nw <= 1) { worker(a, 0, 1); return 0; }
+    std::vector<std::thread> pool;
+    for (int w = 1; w < nw; ++w) pool.emplace_back(worker, std::cref(a), w, nw);
+    worker(a, 0, nw);
+    for (auto& th : pool) th.join();
+    return 0;
+}

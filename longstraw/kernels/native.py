@@ -1,0 +1,131 @@
+"""longstraw's compiled CPU attention kernel (`csrc/attend_cpu.cpp`), built on first use and loaded with ctypes.
+
+What it computes: one mask-free part — every query sees every key — in float32: `out = softmax(q kᵀ · scale) v`
+and the log-sum-exp per query row, with an online softmax over tiles of 128 keys (transient: one tile of
+scores per thread, O(threads · 8 · 128) floats). For the small head dims of long-context models' compressed
+attention (16–64) it is 1.2× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its score and
+value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
+
+How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
+`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`) under a name that hashes the source,
+the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
+machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes
+(torchrun ranks) never load a half-written library. Without a compiler, with a failed build, or with
+`LONGSTRAW_NATIVE=0`, the kernel is unavailable (`why_unavailable()` says why) and `longstraw.kernels` uses
+PyTorch's kernels: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "attend_cpu.cpp"
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+#: value dims are walked 16 floats per vector
+VALUE_DIM_MULTIPLE = 16
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() + platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("LONGSTRAW_NATIVE", "1") == "0":
+        return None, "disabled by LONGSTRAW_NATIVE=0"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, c++, g++, clang++)"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"{cxx} --version failed: {err}"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    cache = Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw"))
+    target = cache / f"attend_cpu-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                os.unlink(tmp)
+                return None, f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}"
+            os.replace(tmp, target)
+        except (OSError, subprocess.SubprocessError) as err:
+            return None, f"building {SOURCE.name} failed: {err}"
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        return None, f"loading {target} failed: {err}"
+    fn = lib.longstraw_attend_full
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib, None
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _build()
+        return _state["lib"]
+
+
+def why_unavailable() -> str | None:
+    """None when the kernel is built and loaded, else why it is not (building it on the first call)."""
+    _library()
+    return _state["why"]
+
+
+def attend_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[B, H, R, Dv]`, lse `[B, H, R]`) of queries `q` `[B, H, R, D]` over keys `k` `[B, H, T, D]`, values
+    `v` `[B, H, T, Dv]`, every key visible to every query; float32 CPU tensors, Dv a multiple of 16, T ≥ 1.
+    K and V are read in place (any head and row strides, last dim contiguous): a view into a longer cache is
+    not copied."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError(f"float32 only; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    b, h, r, d = q.shape
+    t, dv = k.shape[2], v.shape[-1]
+    if dv % VALUE_DIM_MULTIPLE or t < 1 or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: value dim must be a "
+                         f"multiple of {VALUE_DIM_MULTIPLE}, at least one key")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty(b, h, r, dv)
+    lse = torch.empty(b, h, r)
+    threads = torch.get_num_threads()
+    for i in range(b):
+        rc = lib.longstraw_attend_full(q[i].data_ptr(), k[i].data_ptr(), v[i].data_ptr(), out[i].data_ptr(),
+                                       lse[i].data_ptr(), h, r, t, d, dv, q.stride(1), q.stride(2), k.stride(1),
+                                       k.stride(2), v.stride(1), v.stride(2), float(scale), threads)
+        if rc != 0:
+            raise RuntimeError(f"longstraw_attend_full refused q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out, lse

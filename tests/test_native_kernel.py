@@ -1,0 +1,75 @@
+"""longstraw's compiled CPU kernel (`longstraw.kernels.native`, `simd_cpu`) against a float64 softmax: many key
+tiles, rows that do not fill a register block, keys read in place from a view into a longer cache, several
+threads; the build on a machine with a compiler; the fallback to PyTorch's kernel without it."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longstraw import kernels
+from longstraw.kernels import native
+from longstraw.kernels.part import Part
+
+HAS_COMPILER = any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++"))
+
+
+def test_builds_where_a_compiler_is_at_hand():
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the kernel is unavailable and PyTorch's is used")
+    assert native.why_unavailable() is None
+
+
+def _softmax(q, k, v, scale, dtype):
+    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    return torch.softmax(s, -1) @ v.to(dtype), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,t,d,dv", [(37, 1000, 16, 16), (9, 129, 32, 64), (130, 300, 64, 32), (1, 1, 5, 16)])
+def test_equals_float64_softmax(rows, t, d, dv, threads):
+    if native.why_unavailable() is not None:
+        pytest.skip(native.why_unavailable())
+    g = torch.Generator().manual_seed(rows + t + d)
+    q = torch.randn(1, 3, rows, d, generator=g) * 3  # peaked softmax: the running maximum moves across tiles
+    # keys and values read in place from caches longer than the part, tokens-major (row stride H·D)
+    k = torch.randn(1, t + 50, 3, d, generator=g).transpose(1, 2)[:, :, :t]
+    v = torch.randn(1, t + 50, 3, dv, generator=g).transpose(1, 2)[:, :, :t]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = native.attend_full(q, k, v, d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    want_out, want_lse = _softmax(q, k, v, d ** -0.5, torch.float64)
+    # within float32's own error: that of the plain float32 softmax on the same inputs, with a margin for the order
+    # of summation
+    f32_out, f32_lse = _softmax(q, k, v, d ** -0.5, torch.float32)
+    for got, want, f32 in ((out, want_out, f32_out), (lse, want_lse, f32_lse)):
+        err, bar = (got.double() - want).abs().max().item(), 3 * (f32.double() - want).abs().max().item() + 1e-6
+        assert err <= bar, f"error {err:.3g} > {bar:.3g}"
+
+
+def test_chosen_for_prompt_parts_and_refused_where_it_cannot():
+    if native.why_unavailable() is not None:
+        pytest.skip(native.why_unavailable())
+    part = Part(q_start=40, k_start=0, window=None, softcap=None, scale=0.25, block=16)
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    assert kernels.choose(q, k, v, part).name == "simd_cpu"
+    assert kernels.choose(q.bfloat16(), k.bfloat16(), v.bfloat16(), part).name == "flash_cpu"
+    with pytest.raises(ValueError, match="simd_cpu"), kernels.use("simd_cpu"):
+        kernels.part_forward(q[..., :12], k[..., :12], v[..., :12], part)  # value dim 12: not a multiple of 16
+
+
+def test_without_it_the_choice_falls_back_to_pytorch():
+    code = ("import torch; from longstraw import kernels; from longstraw.kernels import native; "
+            "from longstraw.kernels.part import Part; "
+            "p = Part(40, 0, None, None, 0.25, 16); q = torch.randn(1, 2, 3, 16); k = torch.randn(1, 2, 40, 16); "
+            "print(native.why_unavailable()); print(kernels.choose(q, k, k, p).name)")
+    env = {**os.environ, "LONGSTRAW_NATIVE": "0"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["disabled by LONGSTRAW_NATIVE=0", "flash_cpu"]
