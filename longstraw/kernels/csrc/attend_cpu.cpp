@@ -21,7 +21,7 @@ namespace {
 
 constexpr int VL = 16;     // floats per vector
 constexpr int MR = 8;      // query rows per register block
-constexpr int KT = 128;    // keys per tile (multiple of 2 * VL)
+constexpr int KT = 256;    // keys per tile (multiple of 2 * VL)
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -30,10 +30,10 @@ inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof x); return x; }
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
 inline vf splat(float a) { return vf{} + a; }
 
-// 2^x for x <= 0 (x < -126 gives 2^-126): 2^n * 2^f with n = nearest integer, |f| <= 1/2, 2^f by its degree-7
-// Taylor polynomial in f ln 2 (truncation error < 1e-8 relative).
-inline vf exp2_neg(vf x) {
-    x = x < splat(-126.0f) ? splat(-126.0f) : x;
+// 2^x for x <= 0 (0 below 2^-126, as float32 flushes): 2^n * 2^f with n = nearest integer, |f| <= 1/2, 2^f by
+// its degree-7 Taylor polynomial in f ln 2 (truncation error < 1e-8 relative).
+inline vf exp2_neg(vf x0) {
+    const vf x = x0 < splat(-126.0f) ? splat(-126.0f) : x0;
     vi n = __builtin_convertvector(x - 0.5f, vi);  // truncation toward zero of x - 1/2 = nearest for x <= 0
     vf f = x - __builtin_convertvector(n, vf);
     vf p = splat(1.525273380405984e-05f);
@@ -47,11 +47,25 @@ inline vf exp2_neg(vf x) {
     vi bits = (n + 127) << 23;
     vf two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
+    return x0 < splat(-126.0f) ? vf{} : p * two_n;
 }
 
-inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < VL; ++i) m = x[i] > m ? x[i] : m; return m; }
-inline float hsum(vf x) { float s = 0; for (int i = 0; i < VL; ++i) s += x[i]; return s; }
+// horizontal maximum / sum by halving (4 shuffles)
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hmax(vf x) {
+    x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return x[0];
+}
+inline float hsum(vf x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
 
 struct Args {
     const float *q, *k, *v;
@@ -84,7 +98,9 @@ void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
         for (int64_t i0 = 0; i0 < nr; i0 += MR) {
             const int64_t mr = nr - i0 < MR ? nr - i0 : MR;
             const float* qb = qs.data() + i0 * d;
-            // scores s[i][j] = q_i . k_j (base 2), MR rows x 32 keys in registers
+            // scores s[i][j] = q_i . k_j (base 2), MR rows x 32 keys in registers; each row's maximum on the way
+            vf mx[MR];
+            for (int i = 0; i < MR; ++i) mx[i] = splat(-INFINITY);
             for (int64_t j = 0; j < np; j += 2 * VL) {
                 vf acc[MR][2];
                 for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vf{};
@@ -96,14 +112,18 @@ void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
                         acc[i][1] += qv * k1;
                     }
                 }
-                for (int i = 0; i < MR; ++i) { store(s + i * KT + j, acc[i][0]); store(s + i * KT + j + VL, acc[i][1]); }
+                if (j + 2 * VL > n)  // padding keys: no maximum, no weight (2^-inf = 0 below)
+                    for (int i = 0; i < MR; ++i)
+                        for (int64_t jj = n; jj < j + 2 * VL; ++jj) acc[i][(jj - j) / VL][(jj - j) % VL] = -INFINITY;
+                for (int i = 0; i < MR; ++i) {
+                    store(s + i * KT + j, acc[i][0]);
+                    store(s + i * KT + j + VL, acc[i][1]);
+                    mx[i] = vmax(mx[i], vmax(acc[i][0], acc[i][1]));
+                }
             }
             for (int64_t i = 0; i < mr; ++i) {
                 float* si = s + i * KT;
-                for (int64_t j = n; j < np; ++j) si[j] = -INFINITY;  // padding: exp2_neg gives 2^-126, read by no value row
-                vf mx = load(si);
-                for (int64_t j = VL; j < np; j += VL) { vf x = load(si + j); mx = x > mx ? x : mx; }
-                const float mold = m[i0 + i], mnew = std::fmax(mold, hmax(mx));
+                const float mold = m[i0 + i], mnew = std::fmax(mold, hmax(mx[i]));
                 const float alpha = std::exp2(mold - mnew);  // 0 on the first tile (mold = -inf)
                 vf sum = vf{};
                 for (int64_t j = 0; j < np; j += VL) {
