@@ -7,7 +7,7 @@ attention (16–64) it is 1.2× PyTorch's fused CPU flash attention per core (`b
 value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
-`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`) under a name that hashes the source,
+`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary directory) under a name that hashes the source,
 the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
 machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes
 (torchrun ranks) never load a half-written library. Without a compiler, with a failed build, or with
@@ -55,6 +55,22 @@ def _compiler() -> str | None:
     return None
 
 
+def _cache_dir() -> Path:
+    """$LONGSTRAW_CACHE, else ~/.cache/longstraw, else (not writable) a folder in the system's temporary directory."""
+    if "LONGSTRAW_CACHE" in os.environ:
+        path = Path(os.environ["LONGSTRAW_CACHE"])
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    for path in (Path.home() / ".cache" / "longstraw", Path(tempfile.gettempdir()) / f"longstraw-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise OSError("no writable folder for the compiled kernel: set LONGSTRAW_CACHE")
+
+
 def _build() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("LONGSTRAW_NATIVE", "1") == "0":
         return None, "disabled by LONGSTRAW_NATIVE=0"
@@ -66,11 +82,13 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"{cxx} --version failed: {err}"
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-    cache = Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw"))
+    try:
+        cache = _cache_dir()
+    except OSError as err:
+        return None, str(err)
     target = cache / f"attend_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
             res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
