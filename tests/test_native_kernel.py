@@ -73,3 +73,50 @@ def test_without_it_the_choice_falls_back_to_pytorch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["disabled by LONGSTRAW_NATIVE=0", "flash_cpu"]
+
+
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("h,rows,t,d,dv", [(2, 37, 1000, 16, 16), (1, 9, 330, 32, 64)])
+def test_8bit_state_read_in_place_equals_the_dequantized_attention(qdtype, h, rows, t, d, dv):
+    """An 8-bit state's whole blocks, decoded inside the kernel, give the float32 attention over its dequantized
+    values (the unfinished tail excluded: the caller's)."""
+    if native.why_unavailable() is not None:
+        pytest.skip(native.why_unavailable())
+    from longstraw.quant import QuantizedTokens
+
+    g = torch.Generator().manual_seed(t + d)
+    k, v = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, dv, generator=g) * 3
+    q = torch.randn(1, h, rows, d, generator=g) * 3
+    qk, qv = QuantizedTokens(k, t, qdtype), QuantizedTokens(v, t, qdtype)
+    for s in range(0, t, 300):  # appended in pieces, as capture does
+        qk.append(k[:, :, s : s + 300]), qv.append(v[:, :, s : s + 300])
+    n = qk.quantized
+    assert 0 < n < t
+    out, lse = native.attend_full_8bit(q, qk, qv, d ** -0.5)
+    kd, vd = qk.dequantize(torch.float32)[:, :, :n], qv.dequantize(torch.float32)[:, :, :n]
+    want_out, want_lse = _softmax(q, kd, vd, d ** -0.5, torch.float64)
+    f32_out, f32_lse = _softmax(q, kd, vd, d ** -0.5, torch.float32)
+    for got, want, f32 in ((out, want_out, f32_out), (lse, want_lse, f32_lse)):
+        err, bar = (got.double() - want).abs().max().item(), 3 * (f32.double() - want).abs().max().item() + 1e-6
+        assert err <= bar, f"error {err:.3g} > {bar:.3g}"
+
+
+def test_capture_and_sampling_read_an_8bit_state_in_place(monkeypatch):
+    """With an fp8 state, the prompt part of capture's later chunks and of every decode step is read by the kernel
+    in place: nothing dequantizes more than the unfinished tail (< one block of 64 tokens)."""
+    if native.why_unavailable() is not None:
+        pytest.skip(native.why_unavailable())
+    import longstraw
+    from longstraw import quant
+
+    from .conftest import make_model, tokens
+
+    calls, reads = [], []
+    real_8bit, real_read = native.attend_full_8bit, quant.QuantizedTokens.read
+    monkeypatch.setattr(native, "attend_full_8bit", lambda q, k, *a: calls.append(k.quantized) or real_8bit(q, k, *a))
+    monkeypatch.setattr(quant.QuantizedTokens, "read", lambda self, s, n, *a: reads.append(n) or real_read(self, s, n, *a))
+    model = make_model("llama")
+    with torch.no_grad():
+        state = longstraw.capture(model, tokens(300, 1), chunk_size=100, state_dtype="fp8")
+        state.sample(num=2, max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    assert calls and max(calls) == 256 and max(reads) < 64

@@ -15,7 +15,8 @@ of K/V (and of its dK / dV), never a copy of the part.
 - `flash_cpu`: `aten._scaled_dot_product_flash_attention_for_cpu` (+ backward), torch 2.11–2.13; float32,
   bfloat16, float16; tiles of TILE_ELEMENTS keys × heads × dims (at least `part.block` keys).
 - `simd_cpu`: longstraw's compiled float32 kernel (`native.py`) for 'full' parts with value dims a multiple of 16,
-  ≤ SIMD_MAX_HEAD_DIM; its causal parts and backward are `flash_cpu`'s.
+  ≤ SIMD_MAX_HEAD_DIM, reading an 8-bit state in place (decoded per tile inside the kernel); its causal parts and
+  backward are `flash_cpu`'s.
 - `flash_cuda`: `aten._scaled_dot_product_flash_attention` (FlashAttention-2 in PyTorch), bfloat16 /
   float16, head dim ≤ 256 and a multiple of 8; tiles of `CUDA_TILE` keys.
 - `efficient_cuda`: `aten._scaled_dot_product_efficient_attention` (memory-efficient attention), float32
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import read_block
+from ..quant import QuantizedTokens, read_block
 from . import native
 from .part import TILE_ELEMENTS, Part, mask_free_mode
 
@@ -142,8 +143,7 @@ class FusedKernel:
             out, lse = self.raw_forward(qf, k, v, False, part.scale)
         else:
             out = lse = None
-            for _, _, kb, vb in tiles(k, v, self.tile(part, k), q.dtype, q.device):
-                o, l = self.raw_forward(qf, kb, vb, False, part.scale)
+            for o, l in self.pieces(qf, k, v, part):
                 if out is None:
                     out, lse = o.float(), l
                 else:  # merged in float32, rounded to q's dtype once at the end
@@ -152,6 +152,12 @@ class FusedKernel:
                     lse = torch.logaddexp(lse, l)
             out = out.to(q.dtype)
         return out.reshape(b, h, r, -1), lse.reshape(b, h, r)
+
+    def pieces(self, qf, k, v, part: Part):
+        """(out, lse) of the folded queries over successive pieces of keys that are not a plain tensor on their
+        device, merged by the caller: one tile at a time, dequantized / copied to the queries' device."""
+        for _, _, kb, vb in tiles(k, v, self.tile(part, k), qf.dtype, qf.device):
+            yield self.raw_forward(qf, kb, vb, False, part.scale)
 
     def backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
         mode = mask_free_mode(part, q.shape[2], k.shape[2])
@@ -229,6 +235,18 @@ class SimdCPU(FlashCPU):
         if causal:
             return super().raw_forward(q, k, v, causal, scale)
         return native.attend_full(q, k, v, scale)
+
+    def pieces(self, qf, k, v, part):
+        """An 8-bit state in host memory: its whole blocks read in place by one call (decoded tile by tile inside the
+        kernel, as `QuantizedTokens.read` dequantizes), then its unfinished tail; anything else as `FusedKernel`."""
+        if isinstance(k, QuantizedTokens) and k.quantized and k.values.device.type == "cpu" and qf.device.type == "cpu":
+            yield native.attend_full_8bit(qf, k, v, part.scale)
+            n = k.length - k.quantized
+            if n:
+                yield self.raw_forward(qf, read_block(k, k.quantized, n, qf.dtype), read_block(v, k.quantized, n, qf.dtype),
+                                       False, part.scale)
+            return
+        yield from super().pieces(qf, k, v, part)
 
 
 class FlashCUDA(FusedKernel):

@@ -105,6 +105,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.longstraw_attend_full
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.longstraw_attend_full_8bit
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 14 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
     return lib, None
 
 
@@ -119,6 +122,44 @@ def why_unavailable() -> str | None:
     """None when the kernel is built and loaded, else why it is not (building it on the first call)."""
     _library()
     return _state["why"]
+
+
+_LUTS: dict = {}
+
+
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """Code (0-255) → float32 value of an 8-bit dtype, as torch converts it."""
+    if dtype not in _LUTS:
+        _LUTS[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().contiguous()
+    return _LUTS[dtype]
+
+
+def attend_full_8bit(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_full` over the whole blocks of an 8-bit state (`longstraw.quant.QuantizedTokens` `k`, `v` on the
+    CPU: tokens 0 … `k.quantized` − 1; the unfinished tail is the caller's), read where it lies: each tile of 256
+    keys is decoded into float32 as `QuantizedTokens.read` dequantizes it (code value × block scale), so the result
+    is the attention over the dequantized state. Transient: one tile of K and of V per thread."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    b, h, r, d = q.shape
+    t, dv = k.quantized, v.values.shape[-1]
+    if (q.dtype != torch.float32 or b != 1 or k.values.shape[1] != h or v.quantized != t or t < 1
+            or k.block != v.block or k.qdtype != v.qdtype or dv % VALUE_DIM_MULTIPLE):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} over {t} 8-bit keys: float32 queries of batch 1, one query row "
+                         "group per key head (query heads folded), keys and values alike in length, block and dtype, "
+                         f"value dim a multiple of {VALUE_DIM_MULTIPLE}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kc, vc = k.values.view(torch.uint8), v.values.view(torch.uint8)
+    out = torch.empty(1, h, r, dv)
+    lse = torch.empty(1, h, r)
+    rc = lib.longstraw_attend_full_8bit(
+        q.data_ptr(), kc.data_ptr(), k.scales.data_ptr(), vc.data_ptr(), v.scales.data_ptr(), _lut(k.qdtype).data_ptr(),
+        out.data_ptr(), lse.data_ptr(), h, r, t, d, dv, k.block, q.stride(1), q.stride(2), kc.stride(1), kc.stride(2),
+        k.scales.stride(1), vc.stride(1), vc.stride(2), v.scales.stride(1), float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"longstraw_attend_full_8bit refused q {tuple(q.shape)} over {t} keys")
+    return out, lse
 
 
 def attend_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

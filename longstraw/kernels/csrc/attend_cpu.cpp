@@ -71,18 +71,21 @@ struct Args {
     const float *q, *k, *v;
     float *out, *lse;
     int64_t bh, rows, t, d, dv;
-    int64_t qh, qr, kh, kr, vh, vr;  // strides (elements) of q, k, v between heads and between rows
+    int64_t qh, qr, kh, kr, vh, vr;  // strides (elements) of q, k, v (or of their codes) between heads and rows
     float scale;
+    // 8-bit keys and values (kc non-null): codes, decoded by `lut`, times one scale per `block` tokens x head
+    const uint8_t *kc = nullptr, *vc = nullptr;
+    const float *ks = nullptr, *vs = nullptr, *lut = nullptr;
+    int64_t block = 1, ksh = 0, vsh = 0;
 };
 
 // rows r0 .. r0 + nr of head b over all keys; per tile of KT keys the keys are transposed once
 void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
     const int64_t d = a.d, dv = a.dv, t = a.t;
     std::vector<float> kt(d * KT), sbuf(MR * KT), qs((nr + MR) * d, 0.0f), m(nr, -INFINITY), l(nr, 0.0f);
+    std::vector<float> vbuf(a.kc ? KT * dv : 0);
     float* s = sbuf.data();
     const float* q = a.q + b * a.qh + r0 * a.qr;
-    const float* k = a.k + b * a.kh;
-    const float* v = a.v + b * a.vh;
     float* o = a.out + (b * a.rows + r0) * dv;
     const float c = a.scale * 1.4426950408889634f;  // scores in base 2
     for (int64_t i = 0; i < nr; ++i)  // rows past the last stay zero
@@ -91,8 +94,25 @@ void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
     for (int64_t j0 = 0; j0 < t; j0 += KT) {
         const int64_t n = t - j0 < KT ? t - j0 : KT;
         const int64_t np = (n + 2 * VL - 1) / (2 * VL) * (2 * VL);
-        for (int64_t j = 0; j < n; ++j)
-            for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = k[(j0 + j) * a.kr + cc];
+        const float* v;  // the tile's values, row j at v + j * vr
+        int64_t vr;
+        if (a.kc) {  // decoded into the tiles, in float32 as the dequantized state: code value x scale
+            const uint8_t *kc = a.kc + b * a.kh + j0 * a.kr, *vc = a.vc + b * a.vh + j0 * a.vr;
+            const float *ks = a.ks + b * a.ksh, *vs = a.vs + b * a.vsh;
+            for (int64_t j = 0; j < n; ++j) {
+                const float sk = ks[(j0 + j) / a.block], sv = vs[(j0 + j) / a.block];
+                for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = a.lut[kc[j * a.kr + cc]] * sk;
+                for (int64_t e = 0; e < dv; ++e) vbuf[j * dv + e] = a.lut[vc[j * a.vr + e]] * sv;
+            }
+            v = vbuf.data();
+            vr = dv;
+        } else {
+            const float* k = a.k + b * a.kh + j0 * a.kr;
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = k[j * a.kr + cc];
+            v = a.v + b * a.vh + j0 * a.vr;
+            vr = a.vr;
+        }
         for (int64_t cc = 0; cc < d; ++cc)
             for (int64_t j = n; j < np; ++j) kt[cc * KT + j] = 0.0f;
         for (int64_t i0 = 0; i0 < nr; i0 += MR) {
@@ -143,7 +163,7 @@ void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
                 vf acc[MR];
                 for (int i = 0; i < MR; ++i) acc[i] = i < mr ? load(o + (i0 + i) * dv + e) : vf{};
                 for (int64_t j = 0; j < n; ++j) {
-                    const vf vj = load(v + (j0 + j) * a.vr + e);
+                    const vf vj = load(v + j * vr + e);
                     for (int i = 0; i < MR; ++i) acc[i] += s[i * KT + j] * vj;
                 }
                 for (int i = 0; i < mr; ++i) store(o + (i0 + i) * dv + e, acc[i]);
@@ -165,6 +185,21 @@ void worker(const Args& a, int w, int nw) {
     for (int64_t b = 0; b < a.bh; ++b) rows_over_keys(a, b, lo, hi - lo);
 }
 
+// all workers over `a`: the calling thread and threads - 1 more
+int run(const Args& a, int threads) {
+    const int64_t blocks = (a.rows + MR - 1) / MR;
+    const int nw = blocks < threads ? (int)blocks : threads;
+    if (nw <= 1) {
+        worker(a, 0, 1);
+        return 0;
+    }
+    std::vector<std::thread> pool;
+    for (int w = 1; w < nw; ++w) pool.emplace_back(worker, std::cref(a), w, nw);
+    worker(a, 0, nw);
+    for (auto& th : pool) th.join();
+    return 0;
+}
+
 }  // namespace
 
 extern "C" int longstraw_attend_full(const float* q, const float* k, const float* v, float* out, float* lse,
@@ -172,13 +207,26 @@ extern "C" int longstraw_attend_full(const float* q, const float* k, const float
                                      int64_t qh, int64_t qr, int64_t kh, int64_t kr, int64_t vh, int64_t vr,
                                      float scale, int threads) {
     if (dv % VL != 0 || t < 1 || d < 1 || threads < 1) return 1;
-    Args a{q, k, v, out, lse, bh, rows, t, d, dv, qh, qr, kh, kr, vh, vr, scale};
-    const int64_t blocks = (rows + MR - 1) / MR;
-    const int nw = blocks < threads ? (int)blocks : threads;
-    if (nw <= 1) { worker(a, 0, 1); return 0; }
-    std::vector<std::thread> pool;
-    for (int w = 1; w < nw; ++w) pool.emplace_back(worker, std::cref(a), w, nw);
-    worker(a, 0, nw);
-    for (auto& th : pool) th.join();
-    return 0;
+    return run(Args{q, k, v, out, lse, bh, rows, t, d, dv, qh, qr, kh, kr, vh, vr, scale}, threads);
+}
+
+// The same over 8-bit keys and values: codes `kc` [bh, t, d], `vc` [bh, t, dv] (strides as above, in codes),
+// decoded through `lut` (code -> value) and times their scale `ks` / `vs` [bh, t / block] (head strides ksh, vsh),
+// in float32 into each tile: the attention over the dequantized state without a dequantized copy of it.
+extern "C" int longstraw_attend_full_8bit(const float* q, const uint8_t* kc, const float* ks, const uint8_t* vc,
+                                          const float* vs, const float* lut, float* out, float* lse, int64_t bh,
+                                          int64_t rows, int64_t t, int64_t d, int64_t dv, int64_t block,
+                                          int64_t qh, int64_t qr, int64_t kh, int64_t kr, int64_t ksh, int64_t vh,
+                                          int64_t vr, int64_t vsh, float scale, int threads) {
+    if (dv % VL != 0 || t < 1 || d < 1 || block < 1 || threads < 1) return 1;
+    Args a{q, nullptr, nullptr, out, lse, bh, rows, t, d, dv, qh, qr, kh, kr, vh, vr, scale};
+    a.kc = kc;
+    a.vc = vc;
+    a.ks = ks;
+    a.vs = vs;
+    a.lut = lut;
+    a.block = block;
+    a.ksh = ksh;
+    a.vsh = vsh;
+    return run(a, threads);
 }
