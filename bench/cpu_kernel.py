@@ -7,7 +7,9 @@ Two measurements, each alternating the two kernels so that a shared machine's no
    median of --repeats calls per kernel.
 2. One capture of the stress model (`bench/stress.py`: the tiny hybrid with a 2-query-head / 1-KV-head × 16
    full-attention layer) at --capture-P tokens with the fp8 state and with the float32 state, chunk 2,048,
-   each kernel in its own fresh process (`longstraw.kernels.use`).
+   --capture-threads torch threads, each kernel in its own fresh process (`longstraw.kernels.use`). Two processes
+   of 2 threads on 2 cores (this one beside another run) slow each other's OpenMP regions by several times and at
+   random: measure on quiet cores, or with 1 thread.
 
     python bench/cpu_kernel.py                       # both (a few minutes)
     python bench/cpu_kernel.py --capture-P 0         # the kernel alone
@@ -52,7 +54,7 @@ def kernel_rates(d: int, rows: int, keys: int, threads: int, repeats: int) -> di
     return {name: rows * keys / statistics.median(ts) for name, ts in times.items()}
 
 
-def capture_child(P: int, state_dtype: str | None, kernel: str) -> None:
+def capture_child(P: int, state_dtype: str | None, kernel: str, threads: int) -> None:
     import torch
 
     import longstraw
@@ -61,7 +63,7 @@ def capture_child(P: int, state_dtype: str | None, kernel: str) -> None:
     sys.path.insert(0, str(HERE))
     from stress import RUNS, model_for
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = model_for(dict(RUNS["fp8_2m"], P=P))
     prompt = torch.randint(0, model.config.vocab_size, (P,), generator=torch.Generator().manual_seed(0))
     with kernels.use(kernel):
@@ -81,12 +83,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--capture-P", type=int, default=131072, help="prompt length of the capture runs (0: none)")
     ap.add_argument("--capture-repeats", type=int, default=2)
+    ap.add_argument("--capture-threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_kernel"))
-    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        P, sd, kernel = args.child
-        capture_child(int(P), None if sd == "fp32" else sd, kernel)
+        P, sd, kernel, threads = args.child
+        capture_child(int(P), None if sd == "fp32" else sd, kernel, int(threads))
         return
     out = Path(args.out)
     rows: list[dict] = []
@@ -101,10 +104,11 @@ def main() -> None:
             secs = {"simd_cpu": [], "flash_cpu": []}
             for _ in range(args.capture_repeats):
                 for kernel in secs:
-                    res = subprocess.run([sys.executable, __file__, "--child", str(args.capture_P), sd, kernel],
+                    res = subprocess.run([sys.executable, __file__, "--child", str(args.capture_P), sd, kernel,
+                                          str(args.capture_threads)],
                                          capture_output=True, text=True, check=True)
                     secs[kernel].append(json.loads(res.stdout.strip().splitlines()[-1])["seconds"])
-            record(rows, dict(what="capture", P=args.capture_P, state=sd, threads=2,
+            record(rows, dict(what="capture", P=args.capture_P, state=sd, threads=args.capture_threads,
                               simd_cpu_s=round(min(secs["simd_cpu"]), 2), flash_cpu_s=round(min(secs["flash_cpu"]), 2),
                               runs=secs, ratio=round(min(secs["flash_cpu"]) / min(secs["simd_cpu"]), 3)), out)
     finish(rows, out, plot, table)
@@ -142,7 +146,7 @@ def table(rows) -> str:
     if caps:
         lines += ["", "| capture of the stress model | P | simd_cpu (s) | flash_cpu (s) | ratio |", "|---|---|---|---|---|"]
         for r in caps:
-            lines.append(f"| {r['state']} state, chunk 2,048, 2 threads | {r['P']:,} | {r['simd_cpu_s']} | "
+            lines.append(f"| {r['state']} state, chunk 2,048, {r['threads']} thread(s) | {r['P']:,} | {r['simd_cpu_s']} | "
                          f"{r['flash_cpu_s']} | {r['ratio']:.2f}× |")
     return "\n".join(lines)
 
