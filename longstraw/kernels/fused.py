@@ -239,7 +239,8 @@ class SimdCPU(FlashCPU):
     def pieces(self, qf, k, v, part):
         """An 8-bit state in host memory: its whole blocks read in place by one call (decoded tile by tile inside the
         kernel, as `QuantizedTokens.read` dequantizes), then its unfinished tail; anything else as `FusedKernel`."""
-        if isinstance(k, QuantizedTokens) and k.quantized and k.values.device.type == "cpu" and qf.device.type == "cpu":
+        if (isinstance(k, QuantizedTokens) and k.quantized and k.values.device.type == "cpu" and qf.device.type == "cpu"
+                and qf.shape[0] == 1):
             yield native.attend_full_8bit(qf, k, v, part.scale)
             n = k.length - k.quantized
             if n:
