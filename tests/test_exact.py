@@ -149,3 +149,18 @@ def test_constant_early_layers_get_no_gradient_buffer():
             state.backward()
 
     assert_grads_close(_grads(model, exact), _grads(model, naive), tol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2"])
+def test_boundary_states_hold_no_chunk_sized_memory(arch):
+    """Exact mode keeps each chunk's boundary conv window: its own few columns, not a view that keeps the whole
+    chunk's conv inputs alive (which made capture memory grow by one chunk's inputs per chunk, O(P))."""
+    model = make_model(arch)
+    with torch.no_grad():
+        state = longstraw.capture(model, tokens(240, 1), chunk_size=80, prompt_grad="exact")
+    windows = [t for layer in state.layers for b in getattr(layer, "boundaries", ()) if isinstance(b, tuple)
+               for d in b if isinstance(d, dict) for t in d.values() if t is not None and t.dim() == 3]
+    windows += [t for layer in state.layers for t in getattr(layer, "conv_states", {}).values() if t is not None]
+    assert windows
+    for t in windows:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() < 80 * t.shape[1] * t.element_size()

@@ -54,7 +54,9 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
         prev = self.conv_states[state_idx] if self.has_previous_state[state_idx] else None
         full = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
         k = self.conv_kernel_size[state_idx] - self.conv_trim
-        window = full[..., full.shape[-1] - min(k, full.shape[-1]):]
+        # a copy, not a view: a view would keep the whole chunk's conv inputs alive with the state (exact mode's
+        # boundary states: one chunk's worth per chunk, O(P))
+        window = full[..., full.shape[-1] - min(k, full.shape[-1]):].clone()
         if window.shape[-1] < k:
             window = F.pad(window, (k - window.shape[-1], 0))
         self.conv_states[state_idx] = window
