@@ -1,14 +1,14 @@
 """longstraw's compiled CPU attention kernel (`csrc/attend_cpu.cpp`), built on first use and loaded with ctypes.
 
 What it computes: one mask-free part — every query sees every key — in float32: `out = softmax(q kᵀ · scale) v`
-and the log-sum-exp per query row, with an online softmax over tiles of 128 keys (transient: one tile of
-scores per thread, O(threads · 8 · 128) floats). For the small head dims of long-context models' compressed
-attention (16–64) it is 1.2× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its score and
-value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
+and the log-sum-exp per query row, with an online softmax over tiles of 256 keys (transient per thread: one tile of
+scores, 8 × 256 floats, and the tile's keys transposed; of an 8-bit state, the tile's keys and values decoded).
+At head dims 16–128 it is 1.11–1.28× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its
+score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
-`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary directory) under a name that hashes the source,
-the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
+`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary
+directory) under a name that hashes the source, the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
 machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes
 (torchrun ranks) never load a half-written library. Without a compiler, with a failed build, or with
 `LONGSTRAW_NATIVE=0`, the kernel is unavailable (`why_unavailable()` says why) and `longstraw.kernels` uses
@@ -88,16 +88,20 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(err)
     target = cache / f"attend_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
+        tmp = None
         try:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
             res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
-                os.unlink(tmp)
                 return None, f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}"
             os.replace(tmp, target)
+            tmp = None
         except (OSError, subprocess.SubprocessError) as err:
             return None, f"building {SOURCE.name} failed: {err}"
+        finally:
+            if tmp is not None and os.path.exists(tmp):  # a failed or interrupted build leaves no partial file
+                os.unlink(tmp)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as err:

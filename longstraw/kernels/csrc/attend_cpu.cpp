@@ -1,7 +1,7 @@
 // Attention of queries over a block of keys that every query sees (no mask), float32, on the CPU:
 // out = softmax(q k^T * scale) v and lse = log-sum-exp of the scaled scores, per row.
 //
-// Written for the small head dims (16-64) where PyTorch's fused CPU kernel spends most of its time around
+// Written for the small head dims (16-128) where PyTorch's fused CPU kernel spends most of its time around
 // small matrix products: the scores of MR query rows x 32 keys stay in registers while the head dim is walked
 // (keys transposed per tile of KT keys, so one vector holds 16 keys), the softmax runs in base 2 on the
 // tile (a polynomial 2^x accurate to ~1e-7 relative), and P.V accumulates MR rows x 16 value dims per vector.
@@ -9,7 +9,8 @@
 //
 // Layouts (float32): q [bh, rows, d], k [bh, t, d], v [bh, t, dv] with any head and row strides (the last dim
 // contiguous: a view into a longer cache is read in place), out [bh, rows, dv] and lse [bh, rows] contiguous.
-// dv must be a multiple of 16; d any; t >= 1. Each of `threads` std::threads takes a contiguous share of every head's rows.
+// dv must be a multiple of 16; d any; t >= 1. Each of `threads` std::threads takes a contiguous share of every
+// head's rows. `longstraw_attend_full_8bit` reads 8-bit keys and values instead, decoded into each tile.
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
