@@ -112,6 +112,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.longstraw_attend_full_8bit
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 14 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.longstraw_exp2_neg
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = ctypes.c_int
     return lib, None
 
 
@@ -136,6 +139,19 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
     if dtype not in _LUTS:
         _LUTS[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().contiguous()
     return _LUTS[dtype]
+
+
+def exp2_neg(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's softmax exponential 2^x, elementwise, of a float32 CPU tensor of values ≤ 0 (numel a multiple
+    of 16): 0 below 2^-126.5 and at −inf. Exposed for tests of its accuracy."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    if lib.longstraw_exp2_neg(x.data_ptr(), y.data_ptr(), x.numel()) != 0:
+        raise ValueError(f"numel {x.numel()} is not a multiple of 16")
+    return y
 
 
 def attend_full_8bit(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
