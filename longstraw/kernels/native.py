@@ -3,7 +3,7 @@
 What it computes: one mask-free part — every query sees every key — in float32: `out = softmax(q kᵀ · scale) v`
 and the log-sum-exp per query row, with an online softmax over tiles of 256 keys (transient per thread: one tile of
 scores, 8 × 256 floats, and the tile's keys transposed; of an 8-bit state, the tile's keys and values decoded).
-At head dims 16–128 it is 1.11–1.28× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its
+At head dims 16–128 it is 1.13–1.35× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its
 score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
