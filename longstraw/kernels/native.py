@@ -8,11 +8,11 @@ score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value 
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
 `-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary
-directory) under a name that hashes the source, the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
-machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes
-(torchrun ranks) never load a half-written library. Without a compiler, with a failed build, or with
-`LONGSTRAW_NATIVE=0`, the kernel is unavailable (`why_unavailable()` says why) and `longstraw.kernels` uses
-PyTorch's kernels: nothing else changes.
+directory) under a name that hashes the source, the flags, the compiler's version and the CPU's model and feature
+flags (a home folder shared by different machines keeps one build per CPU kind). Written under a temporary name
+and renamed, so concurrent processes (torchrun ranks) never load a half-written library. Without a compiler, with
+a failed build, or with `LONGSTRAW_NATIVE=0`, the kernel is unavailable (`why_unavailable()` says why) and
+`longstraw.kernels` uses PyTorch's kernels: nothing else changes.
 """
 
 from __future__ import annotations
@@ -125,6 +125,14 @@ def _library() -> ctypes.CDLL | None:
         return _state["lib"]
 
 
+def _loaded() -> ctypes.CDLL:
+    """The loaded library, else RuntimeError saying why it is unavailable."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    return lib
+
+
 def why_unavailable() -> str | None:
     """None when the kernel is built and loaded, else why it is not (building it on the first call)."""
     _library()
@@ -144,9 +152,7 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
 def exp2_neg(x: torch.Tensor) -> torch.Tensor:
     """The kernel's softmax exponential 2^x, elementwise, of a float32 CPU tensor of values ≤ 0 (numel a multiple
     of 16): 0 below 2^-126.5 and at −inf. Exposed for tests of its accuracy."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    lib = _loaded()
     x = x.to(torch.float32).contiguous()
     y = torch.empty_like(x)
     if lib.longstraw_exp2_neg(x.data_ptr(), y.data_ptr(), x.numel()) != 0:
@@ -159,9 +165,7 @@ def attend_full_8bit(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor,
     CPU: tokens 0 … `k.quantized` − 1; the unfinished tail is the caller's), read where it lies: each tile of 256
     keys is decoded into float32 as `QuantizedTokens.read` dequantizes it (code value × block scale), so the result
     is the attention over the dequantized state. Transient: one tile of K and of V per thread."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    lib = _loaded()
     b, h, r, d = q.shape
     t, dv = k.quantized, v.values.shape[-1]
     if (q.dtype != torch.float32 or b != 1 or k.values.shape[1] != h or v.quantized != t or t < 1
@@ -187,9 +191,7 @@ def attend_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     `v` `[B, H, T, Dv]`, every key visible to every query; float32 CPU tensors, Dv a multiple of 16, T ≥ 1.
     K and V are read in place (any head and row strides, last dim contiguous): a view into a longer cache is
     not copied."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"longstraw's CPU attention kernel is unavailable: {_state['why']}")
+    lib = _loaded()
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
         raise ValueError(f"float32 only; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     b, h, r, d = q.shape

@@ -4,7 +4,8 @@
 // Written for the small head dims (16-128) where PyTorch's fused CPU kernel spends most of its time around
 // small matrix products: the scores of MR query rows x 32 keys stay in registers while the head dim is walked
 // (keys transposed per tile of KT keys, so one vector holds 16 keys), the softmax runs in base 2 on the
-// tile (a degree-5 polynomial 2^x, relative error < 3e-7 in float32), and P.V accumulates MR rows x 16 value dims per vector.
+// tile (a degree-5 polynomial 2^x, relative error < 3e-7 in float32), and P.V accumulates MR rows x 16 value
+// dims per vector.
 // Online softmax across tiles; nothing larger than one tile of scores (MR x KT floats) is kept.
 //
 // Layouts (float32): q [bh, rows, d], k [bh, t, d], v [bh, t, dv] with any head and row strides (the last dim
