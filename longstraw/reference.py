@@ -33,15 +33,19 @@ def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, 
 STEPWISE_REFERENCE = frozenset({"jamba"})
 
 
-def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad`, then
-    `[prompt[-1]] + response[:-1]` with grad. log-probs `[R]`.
+def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, prefill_chunk: int | None = None,
+                             stepwise_response: bool = False) -> torch.Tensor:
+    """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad` (in one forward, or in
+    forwards of `prefill_chunk` tokens), then `[prompt[-1]] + response[:-1]` with grad (in one forward, or one token
+    per forward with `stepwise_response`). log-probs `[R]`. The options change only the order of the same arithmetic:
+    tests use them to measure the model's own rounding floor.
 
     transformers' linear-attention cache writes its recurrent state in place after reading it
     (5.24, `LinearAttentionLayer.update_recurrent_state`), which autograd rejects: run the forward
     and the backward of hybrid models inside `torch.autograd.graph.allow_mutation_on_saved_tensors()`,
     under which torch clones a saved tensor before it is mutated. Models in `STEPWISE_REFERENCE` read the
-    response one token per forward (and the prompt too, which their multi-token forward would restart).
+    response one token per forward (and the prompt too, which their multi-token forward would restart, unless
+    `prefill_chunk` covers the whole prompt: one forward from the empty cache needs no state to continue from).
     """
     cfg = base_model(model).config
     cache = DynamicCache(config=cfg)
@@ -49,15 +53,19 @@ def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor
     stepwise = cfg.get_text_config().model_type in STEPWISE_REFERENCE
     if p > 1:
         with torch.no_grad():
-            if stepwise:
+            if stepwise and (prefill_chunk or 0) < p - 1:
                 for i in range(p - 1):
                     model(input_ids=prompt[None, i : i + 1], position_ids=torch.tensor([[i]]), cache=cache,
                           use_cache=True)
             else:
-                model(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
+                step = prefill_chunk or p - 1
+                for i in range(0, p - 1, step):
+                    j = min(i + step, p - 1)
+                    model(input_ids=prompt[None, i:j], position_ids=torch.arange(i, j, device=prompt.device)[None],
+                          cache=cache, use_cache=True)
     inputs = torch.cat([prompt[-1:], response[:-1]])
     positions = torch.arange(p - 1, p - 1 + inputs.numel(), device=inputs.device)
-    if stepwise:
+    if stepwise or stepwise_response:
         logits = torch.cat([model(input_ids=inputs[None, i : i + 1], position_ids=positions[None, i : i + 1],
                                   cache=cache, use_cache=True).logits[0] for i in range(inputs.numel())])
     else:

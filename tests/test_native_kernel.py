@@ -3,6 +3,7 @@ tiles, rows that do not fill a register block, keys read in place from a view in
 threads; the build on a machine with a compiler; the fallback to PyTorch's kernel without it."""
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,33 @@ def test_equals_float64_softmax(rows, t, d, dv, threads):
     for got, want, f32 in ((out, want_out, f32_out), (lse, want_lse, f32_lse)):
         err, bar = (got.double() - want).abs().max().item(), 3 * (f32.double() - want).abs().max().item() + 1e-6
         assert err <= bar, f"error {err:.3g} > {bar:.3g}"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
+                    reason="x86-64 with objdump only")
+def test_avx2_build_has_no_avx512_instruction_and_equals_float64(tmp_path):
+    """The build a machine without AVX-512 gets (`LONGSTRAW_NATIVE_ARCH=x86-64-v3`: AVX2 + FMA), made and run on this
+    one: its machine code names no 512-bit register (objdump), and it computes the float64 softmax within float32's
+    error, as `test_equals_float64_softmax` bounds it. (The second test pass of `.ci/run` runs this whole file on
+    that build.)"""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    code = ("import torch; from longstraw.kernels import native; from tests.test_native_kernel import _softmax; "
+            "print(native.why_unavailable()); print(native.library_path()); g = torch.Generator().manual_seed(0); "
+            "q, k, v = (torch.randn(1, 2, n, 32, generator=g) * s for n, s in ((19, 3), (700, 1), (700, 1))); "
+            "out, lse = native.attend_full(q, k, v, 32 ** -0.5); "
+            "w64, w32 = _softmax(q, k, v, 32 ** -0.5, torch.float64), _softmax(q, k, v, 32 ** -0.5, torch.float32); "
+            "print(max((a.double() - b).abs().max().item() - 3 * (c.double() - b).abs().max().item() - 1e-6 "
+            "for a, b, c in zip((out, lse), w64, w32)))")
+    env = {**os.environ, "LONGSTRAW_NATIVE_ARCH": "x86-64-v3", "LONGSTRAW_CACHE": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr
+    why, path, excess = res.stdout.split("\n")[:3]
+    assert why == "None" and path.startswith(str(tmp_path)), res.stdout
+    assert float(excess) <= 0, f"error beyond float32's bound by {excess}"
+    asm = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, timeout=120).stdout
+    assert "ymm" in asm and "zmm" not in asm
 
 
 def test_chosen_for_prompt_parts_and_refused_where_it_cannot():

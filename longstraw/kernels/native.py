@@ -7,7 +7,8 @@ At head dims 16–128 it is 1.13–1.35× PyTorch's fused CPU flash attention pe
 score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
-`-O3 -march=native`, into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary
+`-O3 -march=native` (`$LONGSTRAW_NATIVE_ARCH` names another target: `x86-64-v3` builds the AVX2 + FMA code a machine
+without AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/test_native_kernel.py`), into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary
 directory) under a name that hashes the source, the flags, the compiler's version and the CPU's model and feature
 flags (a home folder shared by different machines keeps one build per CPU kind). Written under a temporary name
 and renamed, so concurrent processes (torchrun ranks) never load a half-written library. Without a compiler, with
@@ -30,7 +31,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "attend_cpu.cpp"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+#: compiler flags besides `-march` (`-Wno-psabi`: the 64-byte vector type changes the ABI of the kernel's internal
+#: inline helpers below AVX-512, which nothing outside the library calls)
+FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-psabi"]
 #: value dims are walked 16 floats per vector
 VALUE_DIM_MULTIPLE = 16
 
@@ -46,6 +49,17 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
     keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
     return "\n".join(dict.fromkeys(keep))
+
+
+def target_arch() -> str:
+    """The `-march` target of the build: `$LONGSTRAW_NATIVE_ARCH`, else `native` (this CPU's instruction set)."""
+    return os.environ.get("LONGSTRAW_NATIVE_ARCH") or "native"
+
+
+def library_path() -> Path | None:
+    """Where the loaded library lies (None while it is unavailable); builds it on the first call."""
+    _library()
+    return _state.get("path")
 
 
 def _compiler() -> str | None:
@@ -81,7 +95,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"{cxx} --version failed: {err}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    flags = [f"-march={target_arch()}", *FLAGS]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
     try:
         cache = _cache_dir()
     except OSError as err:
@@ -92,7 +107,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         try:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 return None, f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}"
             os.replace(tmp, target)
@@ -115,6 +130,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.longstraw_exp2_neg
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn.restype = ctypes.c_int
+    _state["path"] = target
     return lib, None
 
 
