@@ -100,15 +100,19 @@ def _quiet() -> None:
 _BASELINE_COLUMNS = {"context_blind": "context-blind 1/V", "positional": "positional shortcut 1/K"}
 
 
-def _report(trainer, accuracy: dict) -> str:
-    """The evaluation table; baseline columns only where the task has them (not for JSONL data)."""
+def _report(trainer, accuracy: dict, before: dict | None = None, counts: dict | None = None) -> str:
+    """The evaluation table: per length, how many held-out examples, the accuracy before training (when measured)
+    and after; baseline columns only where the task has them (not for JSONL data)."""
     base = trainer.baselines()
     names = [k for k in _BASELINE_COLUMNS if k in base]
     first = "prompt length (tokens)" if all(k.isdigit() for k in accuracy) else "evaluated on"
-    lines = ["| " + " | ".join([first, "held-out greedy accuracy", *(_BASELINE_COLUMNS[k] for k in names)]) + " |",
-             "|" + "---:|" * (2 + len(names))]
+    head = [first, "examples", *(["before training"] if before else []), "held-out greedy accuracy",
+            *(_BASELINE_COLUMNS[k] for k in names)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for length, acc in accuracy.items():
-        lines.append("| " + " | ".join([length, f"{acc:.3f}", *(f"{base[k]:.3f}" for k in names)]) + " |")
+        row = [length, str((counts or {}).get(length, "")), *([f"{before[length]:.3f}"] if before else []),
+               f"{acc:.3f}", *(f"{base[k]:.3f}" for k in names)]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -121,6 +125,8 @@ def run_training(cfg) -> tuple[object, dict]:
     from .trainer import Trainer
 
     trainer = Trainer(cfg)
+    out = Path(cfg.output_dir)
+    before = _accuracy_at_start(trainer, out) if cfg.eval_at_start else None
     try:
         trainer.train()
     except KeyboardInterrupt:
@@ -129,14 +135,33 @@ def run_training(cfg) -> tuple[object, dict]:
         raise SystemExit(130) from None
     samples: list = []
     accuracy = trainer.evaluate(samples=samples)  # on N ranks a collective: the same result on every rank
+    counts = {length: sum(s["length"] == length for s in samples) for length in accuracy}
+    trainer.eval_summary = dict(before=before, counts=counts)
     if trainer.ranks.main:
-        out = Path(cfg.output_dir)
-        (out / "eval.json").write_text(json.dumps({"accuracy": accuracy, "baselines": trainer.baselines(),
-                                                   "examples_per_length": cfg.eval_examples, "samples": samples},
-                                                  indent=1))
+        result = {"accuracy": accuracy, "examples_per_length": counts, "baselines": trainer.baselines()}
+        if before is not None:
+            result.update(accuracy_before=before, gain={k: accuracy[k] - before[k] for k in accuracy})
+        (out / "eval.json").write_text(json.dumps({**result, "samples": samples}, indent=1))
         plot_run(out, trainer.baselines())
     trainer.ranks.close()
     return trainer, accuracy
+
+
+def _accuracy_at_start(trainer, out: Path) -> dict:
+    """The held-out accuracy of the starting model: measured before the first step and kept in eval_start.json, so
+    that a resumed run reads it back instead of measuring its partly trained model."""
+    path = out / "eval_start.json"
+    if path.exists():
+        return json.loads(path.read_text())["accuracy"]
+    if trainer.has_checkpoint():
+        return None
+    accuracy = trainer.evaluate()
+    if trainer.ranks.main:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / ".eval_start.json.tmp"
+        tmp.write_text(json.dumps({"accuracy": accuracy}))
+        tmp.replace(path)
+    return accuracy
 
 
 def _rank() -> int:
@@ -174,7 +199,7 @@ def cmd_train(args) -> int:
     trainer, accuracy = run_training(cfg)
     if not trainer.ranks.main:
         return 0
-    print(_report(trainer, accuracy))
+    print(_report(trainer, accuracy, **trainer.eval_summary))
     final = "model/" if not cfg.lora else ("adapter/, base/" if cfg.model in _tiny_names() else "adapter/")
     if cfg.lora and cfg.merge_adapter:
         final += ", model/ (merged)"
@@ -219,7 +244,7 @@ def cmd_demo(args) -> int:
     trainer, accuracy = run_training(cfg)
     print(f"\nheld-out greedy accuracy after {time.perf_counter() - t0:.0f} s "
           f"({cfg.eval_examples} prompts per length):\n")
-    print(_report(trainer, accuracy))
+    print(_report(trainer, accuracy, **trainer.eval_summary))
     base = max(trainer.baselines().values(), default=0.0)
     long = {int(k): v for k, v in accuracy.items() if k.isdigit() and int(k) >= 1024}
     if long and base > 0:

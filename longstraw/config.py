@@ -102,10 +102,17 @@ class TrainConfig:
                                     "folder) beside OUTPUT/adapter")
     report_to: list = _f([], "extra metric sinks besides metrics.jsonl: [tensorboard] (needs the tensorboard "
                              "package; event files in OUTPUT/tensorboard)")
+    log_completions: bool = _f(True, "write each GRPO step's completions (the prompt's tail, the text, each reward "
+                                     "and the advantage) to OUTPUT/completions/step-N.jsonl, and to TensorBoard as "
+                                     "text when it is on (TRL's `log_completions`)")
+    num_completions_to_print: int = _f(2, "completions printed to the console after each GRPO step (0: none; "
+                                          "TRL's name)")
     save_every: int = _f(1, "checkpoint every N steps (the last step is always saved)")
     eval_every: int = _f(0, "held-out evaluation every N steps (0: only at the end)")
     eval_lengths: list = _f([], "prompt lengths of the held-out evaluation (empty: prompt_length)")
     eval_examples: int = _f(64, "held-out examples per length")
+    eval_at_start: bool = _f(True, "also evaluate the starting model before the first step, so that eval.json and "
+                                   "the final table show the gain (kept across a resume in OUTPUT/eval_start.json)")
     threads: int = _f(0, "torch threads per process (0: torch's default; 1 per rank on the CPU when the run has "
                          "several processes)")
     dist_timeout: float = _f(600.0, "seconds a rank waits in a collective (runs of several processes: torchrun or "
@@ -142,6 +149,7 @@ class TrainConfig:
         need(self.rollout_func is None or ":" in self.rollout_func,
              "rollout_func must be an import path 'package.module:function' or 'path/to/file.py:function'")
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
+        need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
              "reward_weights needs one weight per reward function")
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")

@@ -1,4 +1,6 @@
-"""Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard (`report_to`).
+"""Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard (`report_to`); and what the
+model wrote: `completions/step-N.jsonl` per GRPO step (`log_completions`), a few of them on the console
+(`num_completions_to_print`), TensorBoard text.
 
 `metrics.jsonl` holds one JSON object per optimizer step. On resume, rows of steps after the
 checkpoint (written by the interrupted run, to be redone) are dropped first. TensorBoard event files go
@@ -43,6 +45,8 @@ class MetricsWriter:
 
     def __init__(self, out: Path, resumed_step: int, cfg):
         self.path = Path(out) / "metrics.jsonl"
+        self.completions = Path(out) / "completions" if cfg.log_completions else None
+        self.to_print = cfg.num_completions_to_print
         trim_metrics(self.path, resumed_step)
         self.bar = self.tb = None
         if cfg.progress:
@@ -76,8 +80,45 @@ class MetricsWriter:
                 post["reward"] = f"{m['reward']:.2f}"
             self.bar.set_postfix(post, refresh=False)
 
+    def write_completions(self, step: int, rows: list[dict]) -> None:
+        """One GRPO step's completions (rows as `Trainer._completion_rows` makes them)."""
+        if self.completions is not None:
+            self.completions.mkdir(exist_ok=True)
+            path = self.completions / f"step-{step:06d}.jsonl"
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, path)
+            if self.tb is not None:
+                self.tb.add_text("completions", _markdown_table(rows), step)
+        if self.to_print and rows:
+            lines = [f"step {step}: {len(rows)} completions, e.g."]
+            for r in rows[: self.to_print]:
+                lines.append(f"  reward {r['reward']:+.3f}  advantage {r['advantage']:+.3f}  "
+                             f"…{_one_line(r['prompt_tail'])[-60:]} → {_one_line(r['completion'])[:120]!r}")
+            text = "\n".join(lines)
+            if self.bar is not None:
+                self.bar.write(text)
+            else:
+                print(text, flush=True)
+
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _markdown_table(rows: list[dict]) -> str:
+    """Completions as a Markdown table (TensorBoard's text plugin renders Markdown)."""
+    names = list(rows[0]["rewards"]) if rows else []
+    cell = lambda t: _one_line(str(t)).replace("|", "\\|")  # noqa: E731
+    head = "| prompt (end) | completion | " + " | ".join(names) + " | reward | advantage |"
+    rule = "|" + "---|" * (4 + len(names))
+    body = [f"| …{cell(r['prompt_tail'])[-80:]} | {cell(r['completion'])[:200]} | "
+            + " | ".join(f"{r['rewards'][n]:.3f}" for n in names) + f" | {r['reward']:.3f} | {r['advantage']:.3f} |"
+            for r in rows]
+    return "\n".join([head, rule, *body])

@@ -48,7 +48,7 @@ from .precision import MasterWeights
 from .rewards import RewardFunctionError, RewardSet, resolve_callable, resolve_reward
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .tasks import Example, build_tokenizer
-from .update import UpdateSettings, policy_update, sft_update
+from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 
 EVAL_SEED_OFFSET = 1_000_000
 #: `evaluate()` key of the accuracy on held-out JSONL rows
@@ -235,12 +235,32 @@ class Trainer:
         m.update(completion_length=sum(x.tokens.numel() for x in r.responses) / len(r.responses),
                  truncated_frac=sum(x.truncated for x in r.responses) / len(r.responses),
                  reward=float(r.rewards.mean()), reward_std=float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
-                 durable_bytes=r.durable_bytes, tokens=r.tokens)
+                 durable_bytes=r.durable_bytes, tokens=r.tokens,
+                 **prompt_length_metrics([g.prompt_ids.numel() for g in r.groups]))
         for f, name in enumerate(self.rewards.names):
             col = r.per_function[:, f]
             m[f"rewards/{name}/mean"] = float(col.nanmean())
             m[f"rewards/{name}/std"] = float(col[~col.isnan()].std()) if (~col.isnan()).sum() > 1 else 0.0
+        self.completions = self._completion_rows(r, step + 1)
         return m
+
+    #: tokens of the prompt's end shown beside each completion
+    PROMPT_TAIL = 48
+
+    def _completion_rows(self, r, step: int) -> list[dict]:
+        """What the model wrote at GRPO step `step`: one row per completion (the prompt's last `PROMPT_TAIL` tokens,
+        the completion, each reward function's value, the weighted reward and the advantage)."""
+        decode = self.policy.tokenizer.decode
+        rows = []
+        for i, (gi, resp) in enumerate(zip(r.group_ids, r.responses)):
+            g = r.groups[gi]
+            rows.append(dict(step=step, group=gi, prompt_tokens=g.prompt_ids.numel(),
+                             prompt_tail=decode(g.prompt_ids[-self.PROMPT_TAIL:].tolist(), skip_special_tokens=False),
+                             completion=decode(resp.tokens.tolist(), skip_special_tokens=False),
+                             truncated=bool(resp.truncated),
+                             rewards={name: float(r.per_function[i, f]) for f, name in enumerate(self.rewards.names)},
+                             reward=float(r.rewards[i]), advantage=float(r.advantages[i])))
+        return rows
 
     def sft_step(self, step: int) -> dict:
         m = sft_update(self.policy, self.examples(step, sft=True), self.update_settings, self.cfg.sft_full_sequence,
@@ -267,7 +287,9 @@ class Trainer:
         m["time_step"] = sum(v for k, v in m.items() if k.startswith("time_") and k != "time_step")
         m["tokens_per_s"] = m["tokens"] / max(m["time_step"], 1e-9)
         m["step"] = step + 1
-        m["prompt_length"] = self.cfg.stage_length(step)
+        # the built-in task's curriculum length; the prompts' real token counts are `prompt_length` (sft_update,
+        # grpo_step)
+        m["stage_length"] = self.cfg.stage_length(step)
         return m
 
     def _optimizer_step(self, m: dict) -> None:
@@ -296,8 +318,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def greedy_completions(self, examples: list[Example]) -> list[list[int]]:
-        """Greedy responses (token ids, stop token included) of the current model, one per example."""
+    def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
+        """Greedy responses (token ids, stop token included) of the current model, one per example (`bar`: a
+        progress bar advanced per example)."""
         from . import capture
 
         out = []
@@ -309,6 +332,8 @@ class Trainer:
                 s = state.sample(1, self.cfg.max_completion_length, temperature=0, stop_token_ids=[self.eos],
                                  allowed_token_ids=self.allowed, generator=unused)
             out.append(s.tokens[0].tolist())
+            if bar is not None:
+                bar.update(1)
         return out
 
     def eval_examples(self, length: str, n: int) -> list[Example]:
@@ -320,7 +345,8 @@ class Trainer:
     def evaluate(self, lengths=None, n: int | None = None, samples: list | None = None) -> dict:
         """Greedy accuracy (mean weighted reward) on held-out examples per prompt length (`{"64": ...}`); for
         JSONL data, on up to `n` held-out rows (`{"held-out rows": ...}`). `samples`, if a list, receives
-        {length, prompt, completion, completion_ids, reward} per example."""
+        {length, prompt, completion, completion_ids, reward} per example. With `progress`, rank 0 shows a bar over
+        the examples."""
         cfg = self.cfg
         lengths = [str(int(x)) for x in (lengths or cfg.eval_lengths or [cfg.prompt_length])]
         n = n or cfg.eval_examples
@@ -329,10 +355,16 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         result = {}
-        for length in lengths:
-            examples = self.eval_examples(length, n)
+        todo = {length: self.eval_examples(length, n) for length in lengths}
+        bar = None
+        if cfg.progress and self.ranks.main:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example",
+                       dynamic_ncols=True)
+        for length, examples in todo.items():
             scores = []
-            for ex, ids in zip(examples, self.greedy_completions(examples)):
+            for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
                 text = self.tok.decode(ids, skip_special_tokens=False)
                 score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
                 scores.append(score)
@@ -340,6 +372,8 @@ class Trainer:
                     samples.append(dict(length=length, prompt=ex.prompt, completion=text, completion_ids=ids,
                                         reward=score))
             result[length] = sum(scores) / len(scores)
+        if bar is not None:
+            bar.close()
         self.model.train(was_training)
         return result
 
@@ -380,6 +414,10 @@ class Trainer:
             return None
         return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched, state,
                                masters=self.masters)
+
+    def has_checkpoint(self) -> bool:
+        """Whether the output folder holds a checkpoint to resume from."""
+        return latest_name(self.out / "checkpoints") is not None
 
     def load_checkpoint(self) -> bool:
         """Resume from the latest checkpoint if there is one; returns whether it did. On N ranks every rank loads
@@ -468,6 +506,8 @@ class Trainer:
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.num_steps:
                     m["eval"] = self.evaluate()
                 writer.write(m)
+                if m["phase"] == "grpo":
+                    writer.write_completions(m["step"], self.completions)
                 if self.step % self.cfg.save_every == 0 or self.step == self.cfg.num_steps:
                     self.save_checkpoint()
                 done.append(m)
@@ -485,6 +525,9 @@ class _NoWriter:
         return self
 
     def write(self, m: dict) -> None:
+        pass
+
+    def write_completions(self, step: int, rows: list[dict]) -> None:
         pass
 
     def __exit__(self, *exc) -> None:

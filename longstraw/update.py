@@ -183,7 +183,13 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
                                       ranks if parallel else None, before_last_backward)
     if parallel:
         loss = ranks.sum_floats("sft_update: loss", [loss])[0]
-    return dict(loss=loss, durable_bytes=durable, tokens=tokens)
+    return dict(loss=loss, durable_bytes=durable, tokens=tokens, **prompt_length_metrics([p.numel() for p, _ in pairs]))
+
+
+def prompt_length_metrics(lengths: list[int]) -> dict:
+    """A step's prompt token counts as metrics: `prompt_length` (mean, rounded), `prompt_length_min` / `_max`."""
+    return dict(prompt_length=round(sum(lengths) / len(lengths)), prompt_length_min=min(lengths),
+                prompt_length_max=max(lengths))
 
 
 def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None = None) -> torch.Tensor:
