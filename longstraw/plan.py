@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .attention import TILE_ELEMENTS
 from .layers.sizes import state_bytes
+from .positions import position_note
 from .support import layer_plan
 
 _ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -270,6 +271,9 @@ def plan(pc: PlanConfig) -> Plan:
         notes.append("exact mode: the reverse pass's memory is predicted only roughly (MLA / DSA steps measured up to "
                      "31 % above the prediction); the verdict counts it twice")
         peak += reverse_graph
+    note = position_note(cfg, pc.prompt_length)
+    if note is not None:
+        notes.append(note)
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
     suggestions = _suggest(pc, fits, state, capture_transient, replay_graph)
     settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {"model": str(getattr(cfg, "model_type", pc.model))}

@@ -73,7 +73,7 @@ def _tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
 def build_model_and_tokenizer(cfg: TrainConfig):
     """(model, tokenizer): a built-in tiny model with the task tokenizer, or a local folder; LoRA-wrapped
     with `lora: true`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .devices import resolve_device, resolve_dtype
 
@@ -90,7 +90,14 @@ def build_model_and_tokenizer(cfg: TrainConfig):
             raise ValueError(f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} "
                              "nor a local folder")
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = AutoConfig.from_pretrained(path)
+        # a field the config does not have would be kept and never read (a silent no-op): refused by name
+        unknown = sorted(k for k in cfg.model_overrides if k not in config.to_dict())
+        if unknown:
+            raise ValueError(f"model_overrides {unknown}: not fields of {path}'s {config.model_type} config")
+        for key, value in cfg.model_overrides.items():  # e.g. RoPE scaling for prompts past the model's positions
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     model = model.to(device)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses could never stop")
