@@ -64,7 +64,20 @@ def fraction_correct(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
-REWARD_FUNCTIONS = {"exact_match": exact_match, "fraction_correct": fraction_correct}
+def contains_answer(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's first line holds the answer as a whole word (a code in a sentence), else 0.0."""
+    import re
+
+    out = []
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else c[0]["content"]
+        first = text.strip().split("\n")[0]
+        out.append(float(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", first) is not None))
+    return out
+
+
+REWARD_FUNCTIONS = {"exact_match": exact_match, "fraction_correct": fraction_correct,
+                    "contains_answer": contains_answer}
 
 
 def rng_for(seed: int, index: int) -> random.Random:
