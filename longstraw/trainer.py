@@ -343,6 +343,16 @@ class Trainer:
                 bar.update(1)
         return out
 
+    def score_examples(self, examples: list[Example], bar=None) -> list[dict]:
+        """The current model's greedy completion of each example and its weighted reward: {prompt, completion,
+        completion_ids, reward} per example (eval mode is the caller's)."""
+        out = []
+        for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
+            out.append(dict(prompt=ex.prompt, completion=text, completion_ids=ids, reward=score))
+        return out
+
     def eval_examples(self, length: str, n: int) -> list[Example]:
         held = self.data.eval_rows
         if held is not None:
@@ -370,15 +380,10 @@ class Trainer:
             bar = tqdm(total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example",
                        dynamic_ncols=True)
         for length, examples in todo.items():
-            scores = []
-            for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
-                text = self.tok.decode(ids, skip_special_tokens=False)
-                score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
-                scores.append(score)
-                if samples is not None:
-                    samples.append(dict(length=length, prompt=ex.prompt, completion=text, completion_ids=ids,
-                                        reward=score))
-            result[length] = sum(scores) / len(scores)
+            seen = self.score_examples(examples, bar)
+            if samples is not None:
+                samples.extend(dict(length=length, **s) for s in seen)
+            result[length] = sum(s["reward"] for s in seen) / len(seen)
         if bar is not None:
             bar.close()
         self.model.train(was_training)
