@@ -15,6 +15,15 @@ from longstraw.models import decoder_of, tiny_model
 
 prep = importlib.import_module("longstraw.prepare")  # the module (`longstraw.prepare` is also the function)
 
+EPS = torch.finfo(torch.float32).eps
+#: the recurrent layer in chunks against one call, relative (and absolute): each output is a running sum of ≤ 11
+#: terms, the chunked one begun from the carried state: ≤ 11 roundings of ≤ eps/2 of the running sum apart, ≤ 2^3 eps
+RECURRENT_TOL = EPS * 2**3
+#: feed-forward modules in chunks of positions against one call: the same per-position arithmetic, but matrix
+#: products over other row counts may block their sums differently: the gate / up products over the hidden size 64,
+#: the down product over ≤ 128, the ≤ 3 experts' weighted sum: √(64 + 128 + 3) ≈ 14 ≤ 2^4 at random
+FFN_TOL = EPS * 2**4
+
 
 class _Recurrent(torch.nn.Module):
     """A decoder layer whose state is a running sum kept in the cache (as a linear-attention layer's), reading RoPE
@@ -46,7 +55,7 @@ def test_recurrent_layer_in_chunks_equals_one_call():
     hidden = kw.pop("hidden_states")
     got = prep._forward_in_chunks(layer.forward, 4, cache, (hidden,), dict(cache=cache, **kw))
     assert cache.calls == [4, 4, 3] and cache.past_length == 7
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=RECURRENT_TOL, atol=RECURRENT_TOL)
 
 
 @pytest.mark.parametrize("extra", ["4-D mask", "positional", "unknown per-position tensor"])
@@ -69,8 +78,8 @@ def test_recurrent_layer_arguments_it_cannot_slice_run_whole(extra):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "deepseek_v3", "gpt_oss"])
 def test_feed_forward_in_chunks_equals_one_call(monkeypatch, arch):
     """Each decoder layer's feed-forward module (dense MLP, mixtures of experts, gpt-oss's (out, router scores))
-    asked for chunks of 4 by the active cache: the same output as one call (fp32, ≤ 1e-6), run 4 positions at a time;
-    without the request, one call."""
+    asked for chunks of 4 by the active cache: the same output as one call (fp32, ≤ `FFN_TOL`), run 4 positions at a
+    time; without the request, one call."""
     model = tiny_model(arch)
     longstraw.prepare(model)
     seen = []
@@ -89,4 +98,4 @@ def test_feed_forward_in_chunks_equals_one_call(monkeypatch, arch):
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
     assert len(got) == len(want) == (2 if arch == "gpt_oss" else 1)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=FFN_TOL, atol=FFN_TOL)
