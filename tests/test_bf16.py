@@ -46,6 +46,13 @@ DENSE_FFN = {"qwen3_next": dict(mlp_only_layers=[0, 1, 2]), "deepseek_v3": dict(
 P, CHUNK, G, R = 320, 64, 8, 64
 #: response length of the gradient cases
 R_GRAD = 16
+#: longstraw's bf16 error ≤ BOUND × transformers' (mean and max abs over the 512 log-probs; the gradient's relative
+#: error): the two are bf16 evaluations of one function in two orders, two samples of one rounding. The max of 512
+#: Gaussian errors spreads by 11% relative (Gumbel: π/√6 / √(2 ln 1024) of its mean), so the ratio of two samples'
+#: maxima by σ = √2 × 11% = 15%, and 1.5 is 1 + 3.3σ (exceeded once in 250 by independent samples; the two paths'
+#: errors are correlated, their logits rounding alike, which narrows it). The mean (σ of its ratio 4.7%) and the
+#: gradient are held to the same ratio: a systematic excess below it (measured mean up to 1.2×, deepseek_v3 + LoRA)
+#: is longstraw's other order of the same roundings, not one of the errors the bound catches (1.75× and more)
 BOUND = 1.5
 
 CASES = [
@@ -148,25 +155,40 @@ def _decoder(name: str) -> bool:
     return ".layers." in name
 
 
+def _cosine_bound(names, g_hf, g_32, keep=lambda name: True) -> float:
+    """The cosine longstraw's bf16 gradient keeps to transformers' over the parameters `keep` selects, if each is
+    within `BOUND` × transformers' error ε of the float32 gradient (the ratio rule of the test below): the two are
+    then at most δ = (1 + BOUND) · ε / (1 − ε) of transformers' norm apart (triangle inequality), an angle whose
+    sine is at most δ, so cos ≥ √(1 − δ²)."""
+    ref = _flat(names, g_32, keep)
+    eps = ((_flat(names, g_hf, keep) - ref).norm() / ref.norm()).item()
+    delta = (1 + BOUND) * eps / (1 - eps)
+    assert delta < 1, f"transformers' bf16 gradient is off by {eps:.2e}: no direction to compare"
+    return (1 - delta**2) ** 0.5
+
+
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_detached_gradient_equals_transformers_bf16_cache(arch, use_lora):
     """The bf16 model's detached gradient through longstraw against the same loss through transformers' own bf16
-    forward with its cache: cosine ≥ 0.99 over the whole flattened gradient, and over the decoder layers'
-    parameters alone (with full fine-tuning the embeddings' and LM head's gradients, which read no prompt
-    state, are 94–97% of the norm and would hide the rest: a chunk captured from wrong tokens leaves the whole
-    at 0.998 (llama) but the decoder layers at 0.98).
+    forward with its cache: cosine ≥ `_cosine_bound` (from transformers' own bf16 error against float32, 0.89 to
+    0.99993 here) over the whole flattened gradient, and over the decoder layers' parameters alone (with full
+    fine-tuning the embeddings' and LM head's gradients, which read no prompt state, are 94–97% of the norm and
+    would hide the rest: a chunk captured from wrong tokens leaves the whole at 0.998 (llama) but the decoder
+    layers at 0.98).
 
     Measured cosine (whole / decoder layers): llama 0.999996 / 0.999987, + LoRA 0.99993; qwen3_next 0.999989 /
-    0.999981, + LoRA 0.99990; deepseek_v3 0.999996 / 0.999986, + LoRA 0.99998. A prompt chunk captured from other
-    tokens fails 5 of 6 (LoRA llama 0.59); response K/V detached in the replay fails the 4 cases whose attention
-    goes through the split attention (MLA has its own).
+    0.999981, + LoRA 0.9993; deepseek_v3 0.999996 / 0.999986, + LoRA 0.99998. The prompt's second chunk captured
+    from other tokens fails 5 of 6 (LoRA llama −0.04; qwen3_next + LoRA keeps 0.973 ≥ 0.892 and fails the ratio
+    test below, 3.1×); response K/V detached in the replay fails the 4 cases whose attention goes through the split
+    attention (MLA has its own).
     """
-    names, g_ls, g_hf, _ = gradients(arch, use_lora)
+    names, g_ls, g_hf, g_32 = gradients(arch, use_lora)
     cos = torch.nn.functional.cosine_similarity
     assert all(torch.isfinite(g).all() for g in g_ls) and _flat(names, g_hf).norm() > 0
-    assert cos(_flat(names, g_ls), _flat(names, g_hf), dim=0).item() >= 0.99
-    assert cos(_flat(names, g_ls, _decoder), _flat(names, g_hf, _decoder), dim=0).item() >= 0.99
+    assert cos(_flat(names, g_ls), _flat(names, g_hf), dim=0).item() >= _cosine_bound(names, g_hf, g_32)
+    assert cos(_flat(names, g_ls, _decoder), _flat(names, g_hf, _decoder), dim=0).item() >= \
+        _cosine_bound(names, g_hf, g_32, _decoder)
 
 
 @pytest.mark.parametrize("arch,use_lora", CASES)

@@ -38,12 +38,15 @@ def test_verdict_and_knobs():
     # capture (its feed-forward a chunk at a time)
     split = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", context_parallel=8, state_dtype="fp8",
                             device_memory_gib=48))
+    # an eighth of the positions at 1 byte a value (bf16's half) + a float32 scale per 64 positions × KV head
+    # (4 B per 64 × 128 B: +0.05%)
     assert split.durable_state < big.durable_state / 8 / 1.9
     assert split.fits is False and split.capture_transient > 4 * split.durable_state
     assert any("context_parallel=16" in s and "chunk_size bounds only" in s for s in split.suggestions)
     assert not any(s.startswith("chunk_size=") for s in split.suggestions)
     wider = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", context_parallel=16, state_dtype="fp8",
                             device_memory_gib=48))
+    # twice the ranks halve the slice's terms; the chunk-bounded feed-forward and the attention tile stay (0.3% here)
     assert 0.45 * split.capture_transient < wider.capture_transient < 0.55 * split.capture_transient
     assert wider.fits is True and wider.suggestions == []
     assert "fits" in str(wider)
