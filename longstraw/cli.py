@@ -442,6 +442,15 @@ def main(argv=None) -> int:
         print(f"longstraw: error: {err}. The last checkpoint is intact: run the same command again to resume.",
               file=sys.stderr)
         return 3
+    except RuntimeError as err:  # the same inside torch's own collectives (FSDP2's, a DTensor's)
+        from .parallel import torch_collective_failure
+
+        what = torch_collective_failure(err)
+        if what is None:
+            raise
+        print(f"longstraw: error: {what}. The last checkpoint is intact: run the same command again to resume.",
+              file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

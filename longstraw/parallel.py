@@ -29,7 +29,8 @@ Rank 0 alone writes metrics.jsonl, TensorBoard, the progress bar, config.yaml, c
 eval.json. On resume every rank loads the checkpoint rank 0 names (the output folder must be on a file system all
 ranks see), and the ranks' weights are compared. A rank that dies or stops answering makes the others raise
 `CollectiveError` naming the collective (at once when its connections close, after `dist_timeout` when it hangs);
-checkpoints are written atomically by rank 0, so the last one stays intact.
+checkpoints are written atomically by rank 0, so the last one stays intact. A rank whose launcher (torchrun's agent)
+dies stops too (`watch_launcher`), so that a dead agent is an error on the other machines, not a wait.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import io
 import os
 import pickle
 import sys
+import threading
+import time
 import uuid
 
 import torch
@@ -50,6 +53,8 @@ __all__ = ["Ranks", "launch_local", "setup_ranks"]
 
 #: bytes per gradient all-reduce (one bucket of flattened gradients of one dtype and device)
 BUCKET_BYTES = 64 * 2**20
+#: seconds between two looks of a rank at whether its launcher (the torchrun agent) is still alive
+LAUNCHER_POLL_S = 0.5
 
 
 class Ranks:
@@ -226,6 +231,7 @@ def setup_ranks(timeout_s: float, device: torch.device) -> Ranks:
     if missing:
         raise ValueError(f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set: launch with torchrun or "
                          "`longstraw train CONFIG --nproc N`")
+    watch_launcher(int(os.environ["RANK"]), env_world_size())
     if device.type == "cuda":
         if device.index is not None:
             raise ValueError(f"device {device}: on several processes each rank takes cuda:LOCAL_RANK; use device: cuda "
@@ -238,6 +244,62 @@ def setup_ranks(timeout_s: float, device: torch.device) -> Ranks:
     ranks = Ranks(dist.group.WORLD, owned=True)
     atexit.register(ranks.close)  # also on the way out of an error: a live gloo group aborts the interpreter's exit
     return ranks
+
+
+def watch_launcher(rank: int, size: int) -> None:
+    """Under torchrun (or `--nproc`): end this rank when its launcher dies.
+
+    torch's elastic agent starts every rank in a session of its own, so an agent killed outright (SIGKILL, the OOM
+    killer) takes none of its ranks with it: they would train on alone, and the agents of the other machines, their
+    own ranks done, would wait for the dead agent in their exit barrier (300 s, then exit 0). Instead the orphaned rank
+    exits (status 3, saying why) within `LAUNCHER_POLL_S`, and the other ranks fail in their next collective, naming
+    it (at once: their connections to it close)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.name != "posix":
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        print(f"longstraw: error: rank {rank} of {size}: its launcher (torchrun agent, pid {parent}) died; this rank "
+              "stops, so that the other ranks fail instead of waiting for it. The last checkpoint is intact: run the "
+              "same command again to resume.", file=sys.stderr, flush=True)
+        os._exit(3)  # at once: no atexit, no process-group teardown with ranks that may be gone
+
+    threading.Thread(target=watch, name="longstraw launcher watch", daemon=True).start()
+
+
+def torch_collective_failure(err: BaseException) -> str | None:
+    """What failed, for an error raised inside torch.distributed on a multi-process run where no longstraw collective
+    wraps it (the sharded layers' all-gathers and reduce-scatters in FSDP2's hooks, a DTensor's gather, the gradient
+    norm's all-reduce): a message naming the torch.distributed call, FSDP2's or DTensor's step, this rank and where
+    longstraw was. None for any other error."""
+    import traceback
+
+    if not isinstance(err, RuntimeError) or isinstance(err, CollectiveError) or env_world_size() <= 1:
+        return None
+    frames = [(f.filename.replace("\\", "/"), f.name, f.lineno) for f in traceback.extract_tb(err.__traceback__)]
+    torch_dist = [(path, name) for path, name, _ in frames if "/torch/distributed/" in path and "/elastic/" not in path]
+    text = str(err).strip()
+    if not torch_dist and not any(k in text for k in ("/gloo/", "NCCL error", "ProcessGroupNCCL")):
+        return None  # (a collective in a backward hook may arrive without its frames, but with gloo's or NCCL's text)
+    wrappers = ("__call__", "wrapper", "decorate_context", "inner", "_fn", "apply", "forward")
+    named = [(path, name) for path, name in torch_dist if name not in wrappers] or torch_dist
+    what = f"torch.distributed {named[-1][1]}" if named else "a torch.distributed collective"
+    fsdp = [name for path, name in named if "/fsdp/" in path]
+    dtensor = [name for path, name in named if path.endswith("/tensor/_api.py")]
+    if fsdp:
+        what += f" (FSDP2 {fsdp[-1]}: a sharded decoder layer's parameters or gradients)"
+    elif dtensor:
+        what += f" (DTensor.{dtensor[0]} of a sharded parameter)"
+    package = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
+    ours = [(path[len(package):], name, line) for path, name, line in frames if path.startswith(package)]
+    where = (" in " + ", ".join(f"{path}:{line} ({name})" for path, name, line in ours[-2:])) if ours else ""
+    steps = [name for path, name, _ in ours if path == "trainer.py"]
+    during = f" during Trainer.{steps[-1]}" if steps else ""
+    first = text.splitlines()[0] if text else ""
+    return (f"{what} failed on rank {os.environ.get('RANK', '?')} of {env_world_size()}{where}{during} "
+            f"({type(err).__name__}: {first[:400]})")
 
 
 def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:

@@ -352,7 +352,8 @@ def test_cli_nproc_2_hung_rank_is_a_named_timeout(tmp_path):
     (tmp_path / "rewards.py").write_text(SLOW_REWARD)
     cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8}, num_generations=2,
                max_completion_length=2, num_steps=3, eval_examples=2, lora=True, progress=False,
-               reward_funcs=[f"{tmp_path / 'rewards.py'}:slow"], dist_timeout=3)
+               reward_funcs=[f"{tmp_path / 'rewards.py'}:slow"], dist_timeout=3,
+               eval_at_start=False)  # (the reward counts its calls: the first two are steps 1 and 2)
     path = tmp_path / "cfg.yaml"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "run"
@@ -369,3 +370,235 @@ def test_cli_nproc_2_hung_rank_is_a_named_timeout(tmp_path):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     print(f"\nhung rank 0: the command failed after {waited:.1f} s")
 
+
+
+# ---------------------------------------------------------------------------------------------- two torchrun agents
+TINY_REWARD = ("def dense(prompts, completions, completion_ids, **kw):\n"
+               "    return [(ids[0] % 5) / 4 for ids in completion_ids]\n")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (from /proc). torchrun starts each rank in a session of its own, so killing an
+    agent's process group leaves its ranks running: they are found here, before anything is killed."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def _kill_trees(pids: list[int]) -> None:
+    """SIGKILL each process and its process group (agents and torchrun's ranks are the leaders of their own)."""
+    import signal
+
+    for p in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class _TwoAgents:
+    """`torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d -m longstraw train CFG --output_dir OUT`, twice on
+    this machine, as on two machines. Agent 0 alone hosts the rendezvous store (`is_host=true`, started first; agent 1
+    starts once it listens, `is_host=false`): with both on localhost each would otherwise try to host it and the one
+    that loses falls back to a client, and a rendezvous port taken meanwhile by another process would be joined
+    silently. Output goes to files (two pipes read one after the other can fill and stall a process); `finish` waits
+    with a hard timeout and, past it, kills both agents and all their ranks and fails with their stderr."""
+
+    def __init__(self, tmp_path, cfg_path, out, tag: str):
+        self.logs = []
+        self.procs = []
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        for attempt in range(3):  # the free port may be taken before agent 0 binds it: it then exits, try another
+            port = _free_port()
+            self._start(0, port, tmp_path, cfg_path, out, f"{tag}-{attempt}", env)
+            if self._listening(port):
+                break
+            _kill_trees(_tree(self.procs[0].pid))
+            self.procs[0].wait()
+        else:
+            pytest.fail(f"agent 0 never hosted the rendezvous store: {self.stderr(0)[-2000:]}")
+        self._start(1, port, tmp_path, cfg_path, out, f"{tag}-{attempt}", env)
+
+    def _start(self, k, port, tmp_path, cfg_path, out, rdzv_id, env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", rdzv_id,
+               "--rdzv-conf", f"is_host={'true' if k == 0 else 'false'},join_timeout=60",
+               "-m", "longstraw", "train", str(cfg_path), "--output_dir", str(out)]
+        log = tmp_path / f"agent{k}-{rdzv_id}.log"
+        self.logs[k:] = [log]
+        with open(log, "w") as f:
+            self.procs[k:] = [subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True)]
+
+    def _listening(self, port: int, timeout_s: float = 60) -> bool:
+        import socket
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.procs[0].poll() is None:
+            try:
+                socket.create_connection(("localhost", port), timeout=0.5).close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def stderr(self, k: int) -> str:
+        return self.logs[k].read_text(errors="replace")
+
+    def pids(self) -> list[int]:
+        return [q for p in self.procs for q in _tree(p.pid)]
+
+    def finish(self, timeout_s: float, procs=None) -> list[int]:
+        """Wait for the agents (all, or `procs`) to exit; past `timeout_s` kill everything and fail."""
+        procs = self.procs if procs is None else procs
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        if any(p.poll() is None for p in procs):
+            running = self.pids()
+            _kill_trees(running)
+            for p in self.procs:
+                p.wait()
+            pytest.fail(f"agents still running after {timeout_s} s (killed: {running}); their output:\n" +
+                        "\n".join(f"--- agent {k}\n{self.stderr(k)[-3000:]}" for k in range(len(self.procs))))
+        return [p.returncode for p in procs]
+
+
+def _two_node_cfg(tmp_path, steps: int, **kw):
+    (tmp_path / "rewards.py").write_text(TINY_REWARD)
+    cfg = dict(model="llama", prompt_length=24, task_options={"num_pairs": 4, "num_values": 8},
+               num_generations=3, max_completion_length=2, num_steps=steps, eval_examples=2, lora=True,
+               progress=False, device="cpu", fsdp=True, dist_timeout=60,
+               reward_funcs=[f"{tmp_path / 'rewards.py'}:dense"])
+    cfg.update(kw)
+    path = tmp_path / f"cfg{steps}.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_torchrun_two_nodes_with_fsdp_and_resume(tmp_path):
+    """Two torchrun agents of one process each joining through the c10d rendezvous (`--nnodes 2`, as on two machines;
+    both on this one), training with sharded layers (`fsdp: true`): one process group of 2 ranks (`world_size` 2 in
+    every row), a sharded checkpoint, one metrics writer; the same commands with `num_steps` 3 resume at step 3. Each
+    launch has 90 s (it takes about 13 s alone on 2 cores): past that both agents and their ranks are killed."""
+    out = tmp_path / "run"
+
+    def launch(steps: int) -> None:
+        agents = _TwoAgents(tmp_path, _two_node_cfg(tmp_path, steps), out, f"two-nodes-{steps}")
+        codes = agents.finish(90)
+        assert codes == [0, 0], [agents.stderr(k)[-2000:] for k in range(2)]
+
+    t0 = time.perf_counter()
+    launch(2)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
+    assert any(r["grad_norm"] > 1e-3 for r in rows)
+    ckpt = out / "checkpoints" / "step-2"
+    assert (ckpt / "optimizer-rank0.pt").exists() and (ckpt / "optimizer-rank1.pt").exists()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["fsdp"] is True
+    launch(3)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (out / "checkpoints" / "latest").read_text() == "step-3" and (out / "adapter").is_dir()
+    print(f"\ntwo torchrun nodes (c10d rendezvous, fsdp), 2 steps then resumed to 3: {time.perf_counter() - t0:.1f} s")
+
+
+def test_torchrun_two_nodes_dead_agent_is_an_error(tmp_path):
+    """One of two torchrun agents SIGKILLed (its process group) after step 1's metrics row: its rank, which torchrun
+    started in a session of its own and so survives it, stops (`longstraw.parallel.watch_launcher`); the other rank
+    fails in its next collective, naming it, and the other agent exits non-zero, within `dist_timeout` (10 s) + 20 s.
+    Before, the orphaned rank trained on, and the other agent, its rank done, waited 300 s in torch's exit barrier for
+    the dead agent, then exited 0."""
+    dist_timeout = 10
+    out = tmp_path / "run"
+    cfg = _two_node_cfg(tmp_path, 40, dist_timeout=dist_timeout, eval_at_start=False)
+    agents = _TwoAgents(tmp_path, cfg, out, "dead-agent")
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and metrics.read_text().strip()):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in agents.procs):
+            agents.finish(0)  # fails with their output (or kills them)
+            pytest.fail(f"no metrics row: {[agents.stderr(k)[-2000:] for k in range(2)]}")
+        time.sleep(0.05)
+    victim = _tree(agents.procs[1].pid)  # agent 1 and its rank
+    assert len(victim) == 2, victim
+    import signal
+
+    t0 = time.monotonic()
+    os.killpg(agents.procs[1].pid, signal.SIGKILL)  # the agent's process group: the agent alone, not its rank
+    (code,) = agents.finish(dist_timeout + 20, procs=agents.procs[:1])
+    waited = time.monotonic() - t0
+    agents.finish(5)
+    log0, log1 = agents.stderr(0), agents.stderr(1)
+    assert code != 0, log0[-3000:]
+    named = [line for line in log0.splitlines() if "longstraw: error: " in line and " failed on rank " in line
+             and ("longstraw collective '" in line or "torch.distributed " in line)]
+    assert named, log0[-3000:]  # the collective it waited in: longstraw's, or FSDP2's in a sharded layer
+    assert f"its launcher (torchrun agent, pid {agents.procs[1].pid}) died; this rank stops" in log1, log1[-3000:]
+    assert not [p for p in victim if os.path.exists(f"/proc/{p}") and _zombie(p) is False], victim
+    rows = metrics.read_text().splitlines()
+    assert 1 <= len(rows) < 40
+    print(f"\none agent killed at step {len(rows)}: the other exited {code} after {waited:.1f} s: {named[0][:300]}")
+
+
+def _zombie(pid: int) -> bool | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return None
+
+
+def test_torch_collective_failure_is_named(tmp_path, monkeypatch):
+    """A failure inside torch's own collectives (here the gradient norm's all-reduce, raising as gloo does when the
+    peer's connection closes) is reported naming the torch.distributed call and where longstraw was
+    (`longstraw.parallel.torch_collective_failure`, which `longstraw train` prints, exit status 3); other errors are
+    left alone."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from longstraw.distributed.fsdp import clip_grad_norm
+    from longstraw.parallel import torch_collective_failure
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+    def closed(*args, **kw):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    allreduce = c10d.ProcessGroup.allreduce
+    try:
+        c10d.ProcessGroup.allreduce = closed
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        with pytest.raises(RuntimeError) as err:
+            clip_grad_norm([p], 1.0)
+    finally:
+        c10d.ProcessGroup.allreduce = allreduce
+        dist.destroy_process_group()
+    what = torch_collective_failure(err.value)
+    assert what.startswith("torch.distributed all_reduce failed on rank 1 of 2 in distributed/fsdp.py:"), what
+    assert what.endswith(" (clip_grad_norm) (RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+                         "[127.0.0.1]:1: Connection reset by peer)"), what
+    assert torch_collective_failure(RuntimeError("not a collective")) is None
