@@ -41,6 +41,10 @@ DEMO_CONFIG = dict(
     eval_every=600,
     eval_lengths=[64, 256, 1024],
     eval_examples=64,
+    # ~2,500 short steps of 256 completions each: a completions file per step would be ~120 MB, a printout per step
+    # a flood; the demo's progress bar and final table say what it learned
+    log_completions=False,
+    num_completions_to_print=0,
     save_every=100,
     threads=2,
 )
