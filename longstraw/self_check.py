@@ -222,8 +222,9 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
                                      [q for q in model32.parameters() if q.requires_grad])
                     g_hf = _flat_grad(lambda: cache_reference_logprobs(model, prompt, response), weights, trainable)
                     g_ls = _flat_grad(lambda: state.replay(response).logprobs, weights, trainable)
-                    report.grad_error, report.half["transformers_grad"] = _rel(g_ls, g32), _rel(g_hf, g32)
-                    report.tolerance = (report.tolerance[0], HALF_FACTOR * _rel(g_hf, g32) + eps)
+                    hf_grad = _rel(g_hf, g32)
+                    report.grad_error, report.half["transformers_grad"] = _rel(g_ls, g32), hf_grad
+                    report.tolerance = (report.tolerance[0], HALF_FACTOR * hf_grad + eps)
             else:
                 report.logprob_error = (got - ref).abs().max().item()
                 lp_ok = report.logprob_error <= FULL_TOLERANCE
