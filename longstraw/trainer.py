@@ -248,7 +248,9 @@ class Trainer:
             col = r.per_function[:, f]
             m[f"rewards/{name}/mean"] = float(col.nanmean())
             m[f"rewards/{name}/std"] = float(col[~col.isnan()].std()) if (~col.isnan()).sum() > 1 else 0.0
-        self.completions = self._completion_rows(r, step + 1)
+        # decoded only where they are written or printed (rank 0, log_completions / num_completions_to_print)
+        wanted = self.ranks.main and (self.cfg.log_completions or self.cfg.num_completions_to_print)
+        self.completions = self._completion_rows(r, step + 1) if wanted else []
         return m
 
     #: tokens of the prompt's end shown beside each completion
