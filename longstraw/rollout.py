@@ -200,7 +200,7 @@ class RolloutStage:
     rewards: RewardSet
     settings: SamplingSettings
     generator: Callable[[int, int], torch.Generator]
-    chunk_size: int = 1024
+    chunk_size: int | None = None
     prompt_grad: str = "detached"
     state_dtype: str | None = None
     beta: float = 0.0

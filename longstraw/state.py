@@ -203,10 +203,12 @@ def _check_length(cfg, total: int) -> None:
         )
 
 
-def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached",
+def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
             block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
             state_device=None, group=None, progress=None) -> PromptState:
-    """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time.
+    """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
+    (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
+    512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
     gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
@@ -240,6 +242,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if group is not None:
         from .distributed.context_parallel import capture as capture_cp
 
+        if chunk_size is None:
+            chunk_size = default_chunk_size(model, torch.as_tensor(prompt_ids).numel())
         state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
                            state_device=state_device)
         if progress is not None:
@@ -260,6 +264,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         from .self_check import ensure_verified
 
         ensure_verified(model)
+    if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
+        chunk_size = default_chunk_size(model, prompt.numel())
     captured = prompt.numel() - 1
     layers = layer_states(parts.config, captured)
     if compressed is not None:
@@ -309,12 +315,21 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     return state
 
 
+def default_chunk_size(model, prompt_length: int) -> int:
+    """`capture`'s chunk when none is given: `longstraw.plan.auto_chunk_size` for the model's config and dtype."""
+    from .plan import auto_chunk_size
+
+    parts = model_parts(model)
+    dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(next(parts.model.parameters()).dtype, "bf16")
+    return auto_chunk_size(parts.config, prompt_length, dtype)
+
+
 def check_capture_options(prompt_grad, chunk_size, block_size) -> None:
     """`capture`'s scalar options (one process or a group): a clear error naming the option."""
     if prompt_grad not in PROMPT_GRAD_MODES:
         raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}; got {prompt_grad!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None (chosen for the model); got {chunk_size!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
 

@@ -30,16 +30,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _real(name: str):
+    from longstraw.real_models import installed
+
+    path = installed(name)
+    if path is None:
+        pytest.skip(f"the real model is not installed: run `longstraw real {name}` once")
+    return path
+
+
 @pytest.fixture(scope="session")
 def real_smollm2():
     """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.real_models`), when it is in the
     cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it."""
-    from longstraw.real_models import installed
+    return _real("smollm2")
 
-    path = installed("smollm2")
-    if path is None:
-        pytest.skip("the real model is not installed: run `longstraw real smollm2` once")
-    return path
+
+@pytest.fixture(scope="session")
+def real_gemma3():
+    """The folder of Gemma 3 270M (`longstraw real gemma3`), the real sliding-window model; skips without it."""
+    return _real("gemma3")
 
 
 @pytest.fixture(autouse=True)

@@ -26,12 +26,16 @@ PARTS = {
     "softcap": (1, 4, 2, 5, 30, 16, 16, 30, 0, None, 20.0, None, None, 8),
     "chunk": (1, 4, 2, 6, 10, 8, 8, 10, 0, None, None, 8, None, 4),
     "dv-differs": (1, 4, 1, 5, 24, 24, 16, 24, 0, None, None, None, None, 8),
+    # long windowed / chunked parts, walked in query tiles (`blockwise.query_tiles`: 256 rows here)
+    "window-tiled-own": (1, 4, 2, 600, 600, 16, 16, 100, 100, 40, None, None, None, 32),
+    "window-tiled-prompt": (1, 2, 1, 650, 700, 16, 16, 700, 0, 300, None, None, None, 64),
+    "chunk-tiled-own": (1, 2, 2, 700, 700, 8, 8, 150, 150, None, None, 300, None, 64),
 }
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 #: a kernel's error against the float64 reference, relative to the largest reference value (at least 1). float32:
-#: epsilon × 2^5 (3.8e-6): D ≤ 128-term logit dot products and sums over T ≤ 300 keys (and the CPU kernel's
+#: epsilon × 2^5 (3.8e-6): D ≤ 128-term logit dot products and sums over T ≤ 700 keys (and the CPU kernel's
 #: exponential, within 2.5 epsilon: tests/test_native_kernel.py), rounding errors adding at random as
-#: √(128 + 300) ≈ 21 ≤ 2^5. bf16 / fp16: epsilon × 4: the fused kernels round the probabilities to the dtype for
+#: √(128 + 700) ≈ 29 ≤ 2^5. bf16 / fp16: epsilon × 4: the fused kernels round the probabilities to the dtype for
 #: P · V (≤ 2^-8 or 2^-11 of max |v| ≈ 4) and the output (once more): ≤ 5 half-epsilons < 8
 TOL = {torch.float32: torch.finfo(torch.float32).eps * 2**5, torch.bfloat16: torch.finfo(torch.bfloat16).eps * 4,
        torch.float16: torch.finfo(torch.float16).eps * 4}
@@ -64,8 +68,11 @@ def _ref(q, k, v, part, g_out, merged, g_lse, need_kv):
 
 def _close(got, want, tol, what):
     assert got.shape == want.shape, what
-    err = (got.double() - want).abs().max().item()
-    bar = tol * max(1.0, want.abs().max().item())
+    got = got.double()
+    same_inf = torch.isinf(want) & (got == want)  # a query that sees no key of the part: lse −inf in both
+    assert torch.isfinite(got[~same_inf]).all(), f"{what}: non-finite where the reference is finite"
+    err = (got - want)[~same_inf].abs().max().item()
+    bar = tol * max(1.0, want[~same_inf].abs().max().item())
     assert err <= bar, f"{what}: max error {err:.3g} > {bar:.3g}"
 
 
@@ -106,6 +113,24 @@ def test_kernel_equals_reference(device, name, dtype):
                 _close(got, ref, GRAD_FACTOR * tol, f"{kernel.name} {what} need_kv={need_kv}")
         ran.append(kernel.name)
     assert "reference" in ran and "blockwise" in ran
+
+
+@pytest.mark.parametrize("window,chunk", [(512, None), (None, 1024)], ids=["window", "chunk"])
+def test_windowed_part_reads_only_the_keys_its_query_tiles_see(window, chunk):
+    """A capture chunk of R = 4,096 queries of a sliding-window (or chunked) layer, over its own keys and over
+    4,096 earlier prompt keys, reads O(R · (W + tile + block)) key positions per query row, not R · T: the work
+    that made a sliding-window capture chunk cost its square."""
+    from longstraw.kernels import blockwise
+
+    r, t, block = 4096, 4096, 256
+    span = window or chunk
+    for q_start, k_start in ((4096, 4096), (4096, 0)):
+        part = Part(q_start, k_start, window, None, 1.0, block, None, chunk)
+        read = 0
+        for i0, i1, sub in blockwise.query_tiles(part, r):
+            read += sum((i1 - i0) * n for _, n, _ in blockwise.blocks(sub, i1 - i0, i1 - i0, t, "cpu"))
+        tile = min(max(span, blockwise.QUERY_TILE[0]), blockwise.QUERY_TILE[1])
+        assert read <= r * (span + tile + block), (q_start, k_start, read / r)
 
 
 @pytest.mark.parametrize("device", DEVICES)

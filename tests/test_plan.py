@@ -78,3 +78,33 @@ def test_plan_command(tmp_path, capsys):
 
     assert json.loads(capsys.readouterr().out)["durable_state"] > 0
     assert main(["plan", str(tmp_path / "nothing"), "--P", "4096"]) == 2
+
+
+def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
+    """No chunk_size given: `auto_chunk_size` takes the largest candidate whose one-chunk capture transient (as the
+    plan estimates it) fits the budget, capped at the prompt; `capture` and `plan` use it."""
+    from transformers import AutoConfig
+
+    from longstraw.plan import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
+    from longstraw.state import default_chunk_size
+
+    small = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    big = AutoConfig.for_model("llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                               num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    assert auto_chunk_size(small, 100_000, "fp32") == 4096
+    assert auto_chunk_size(small, 1000, "fp32") == 999  # the captured tokens, P − 1, in one chunk
+    chunk = auto_chunk_size(big, 100_000, "bf16")
+    assert chunk in AUTO_CHUNKS and chunk < 4096
+    for c, want_fit in ((chunk, True), (chunk * 2, False)):
+        p = plan(PlanConfig(big, 100_000, chunk_size=c, dtype="bf16", lora_rank=0))
+        fits = p.capture_transient <= AUTO_CHUNK_BUDGET
+        assert fits == want_fit, (c, p.capture_transient)
+    assert plan(PlanConfig(big, 100_000, dtype="bf16")).config["chunk_size"] == chunk
+    model = make_model("llama")
+    assert default_chunk_size(model, 300) == 299
+    prompt = tokens(300, 1)
+    with torch.no_grad():
+        a = longstraw.capture(model, prompt).replay(tokens(5, 2)).logprobs
+        b = longstraw.capture(model, prompt, chunk_size=299).replay(tokens(5, 2)).logprobs
+    assert torch.equal(a, b)

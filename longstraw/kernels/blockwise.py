@@ -5,6 +5,10 @@ Walks the keys in blocks with an online softmax, in float32 (float64 for float64
 blocks hold a visible key is decided from the positions on the host, so the walk never waits on the
 device. Transient memory O(heads · R · block); backward recomputes each block's scores (nothing of
 size R × T is kept).
+
+With a sliding window W (or an attention chunk C) the queries are walked in tiles too (`query_tiles`), each over
+only the keys its own rows may see: a part of R consecutive queries costs O(R · (W + tile)) instead of O(R · T),
+which is what makes a long capture chunk of a sliding-window layer as cheap as its window.
 """
 
 from __future__ import annotations
@@ -12,14 +16,45 @@ from __future__ import annotations
 import torch
 
 from ..quant import read_block
+from dataclasses import replace
+
 from .part import TILE_ELEMENTS, Part, acc_dtype, may_see, visible
+
+#: Bounds of the query tile of a windowed or chunked part: the window (or chunk) clamped to this range. A tile of
+#: Q rows over a window W reads at most W + Q − 1 keys.
+QUERY_TILE = (256, 1024)
+
+
+def query_tiles(part: Part, r: int):
+    """Yield (i0, i1, sub-part) over row tiles of a part's R queries: one tile (the part itself) unless the part has
+    a window or an attention chunk, consecutive query positions and R over twice the tile."""
+    span = part.window if part.window is not None else part.chunk
+    tile = None if span is None else min(max(span, QUERY_TILE[0]), QUERY_TILE[1])
+    if tile is None or part.q_period is not None or r <= 2 * tile:
+        yield 0, r, part
+        return
+    for i0 in range(0, r, tile):
+        yield i0, min(i0 + tile, r), replace(part, q_start=part.q_start + i0)
+
+
+def key_range(part: Part, r: int, t: int) -> tuple[int, int]:
+    """[first, end) of the key offsets some query of the part may see: past keys within the window (or the first
+    query's attention chunk), none in the queries' future."""
+    first = 0
+    if part.window is not None:
+        first = max(first, part.q_start - part.window + 1 - part.k_start)
+    if part.chunk is not None:
+        first = max(first, (part.q_start // part.chunk) * part.chunk - part.k_start)
+    return min(first, t), max(0, min(t, part.q_last(r) - part.k_start + 1))
 
 
 def blocks(part: Part, rows: int, r: int, t: int, device):
-    """Yield (s0, n, mask) over the key blocks some query may see (mask None: all visible)."""
+    """Yield (s0, n, mask) over the key blocks some query may see (mask None: all visible), from the first key
+    any query sees."""
     block = min(part.block, max(16, TILE_ELEMENTS // max(rows, 1)))
-    for s0 in range(0, t, block):
-        n = min(block, t - s0)
+    first, end = key_range(part, r, t)
+    for s0 in range(first, end, block):
+        n = min(block, end - s0)
         if may_see(part, r, part.k_start + s0, part.k_start + s0 + n - 1):
             yield s0, n, visible(part, r, s0, n, device)
 
@@ -43,10 +78,19 @@ def grouped(x: torch.Tensor, hkv: int, dtype) -> torch.Tensor:
 
 
 def forward(q, k, v, part: Part):
-    """One part's (out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) by blocks over the keys.
+    """One part's (out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) by blocks over the keys, tile by tile
+    over the queries of a windowed or chunked part (`query_tiles`).
 
     A query that sees no key of the part gets out 0 and lse −inf.
     """
+    tiles = list(query_tiles(part, q.shape[2]))
+    if len(tiles) == 1:
+        return _forward_rows(q, k, v, part)
+    outs, lses = zip(*(_forward_rows(q[:, :, i0:i1], k, v, sub) for i0, i1, sub in tiles))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _forward_rows(q, k, v, part: Part):
     b, h, r, _ = q.shape
     hkv, t, dv = k.shape[1], k.shape[2], v.shape[-1]
     acc = acc_dtype(q)
@@ -75,7 +119,25 @@ def backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
     `out` whose correction term applies (the merged output). dk, dv are None unless `need_kv`.
 
     `g_lse` `[B, H, R]`: the gradient of the merged log-sum-exp (attention sinks read it). Since
-    ∂lse/∂s_j = p_j, it enters as a shift of the softmax-correction term: ds_j = p_j (dO·v_j − (Δ − g_lse))."""
+    ∂lse/∂s_j = p_j, it enters as a shift of the softmax-correction term: ds_j = p_j (dO·v_j − (Δ − g_lse)).
+    Tiled over the queries like `forward`; the tiles' key gradients add up."""
+    acc = acc_dtype(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device) if need_kv else None
+    dvv = torch.zeros(v.shape, dtype=acc, device=q.device) if need_kv else None
+    tiles = list(query_tiles(part, q.shape[2]))
+    if len(tiles) == 1:
+        dq = _backward_rows(g_out, q, k, v, out, lse, part, dk, dvv, g_lse)
+    else:
+        dq = torch.cat([_backward_rows(g_out[:, :, i0:i1], q[:, :, i0:i1], k, v, out[:, :, i0:i1], lse[:, :, i0:i1],
+                                       sub, dk, dvv, None if g_lse is None else g_lse[:, :, i0:i1])
+                        for i0, i1, sub in tiles], 2)
+    if need_kv:
+        dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)
+    return dq, dk, dvv
+
+
+def _backward_rows(g_out, q, k, v, out, lse, part: Part, dk, dvv, g_lse):
+    """dq of the part's rows; adds their key gradients into `dk` / `dvv` (float accumulators, or None)."""
     b, h, r, _ = q.shape
     hkv, t = k.shape[1], k.shape[2]
     acc = acc_dtype(q)
@@ -87,8 +149,6 @@ def backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
     lse_f = lse.reshape(b, hkv, -1).to(acc)
     lse_safe = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
     dq = torch.zeros_like(qf)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device) if need_kv else None
-    dvv = torch.zeros(v.shape, dtype=acc, device=q.device) if need_kv else None
     for s0, n, mask in blocks(part, b * h * r, r, t, q.device):
         kb = read_block(k, s0, n, acc, q.device)
         vb = read_block(v, s0, n, acc, q.device)
@@ -98,10 +158,7 @@ def backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)
         dq += torch.matmul(ds, kb) * part.scale
-        if need_kv:
-            dvv[:, :, s0 : s0 + n] = torch.matmul(p.transpose(-1, -2), do)
-            dk[:, :, s0 : s0 + n] = torch.matmul(ds.transpose(-1, -2), qf) * part.scale
-    dq = dq.reshape(q.shape).to(q.dtype)
-    if need_kv:
-        dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)
-    return dq, dk, dvv
+        if dk is not None:
+            dvv[:, :, s0 : s0 + n] += torch.matmul(p.transpose(-1, -2), do)
+            dk[:, :, s0 : s0 + n] += torch.matmul(ds.transpose(-1, -2), qf) * part.scale
+    return dq.reshape(q.shape).to(q.dtype)

