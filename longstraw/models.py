@@ -59,6 +59,9 @@ class ModelParts:
     #: factor the causal-LM class multiplies the logits by before softcapping (Cohere's `logit_scale`,
     #: 1 / Granite's `logits_scaling`); None: 1
     logit_scale: float | None = None
+    #: the longstraw layer kind of each decoder layer (`longstraw.support.model_plan`: the config's plan corrected by
+    #: what the attention modules pass)
+    plan: list = ()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -37,7 +37,7 @@ from .layers.compressed_attention import CompressedAttention, CompressedKVState
 from .layers.jamba import JambaMixer
 from .layers.latent_attention import LatentAttention
 from .models import UnsupportedArchitectureError, base_model, decoder_of
-from .support import LATENT_KINDS, check_capability, layer_plan
+from .support import LATENT_KINDS, check_capability, model_plan
 
 
 @contextmanager
@@ -254,7 +254,7 @@ def prepare(model):
             f"transformers did not switch {', '.join(refused)} to longstraw's attention implementation")
     decoder = decoder_of(base)
     fam = family(cfg.model_type)
-    for i, (kind, block) in enumerate(zip(layer_plan(cfg), decoder.layers)):
+    for i, (kind, block) in enumerate(zip(model_plan(model), decoder.layers)):
         block.__class__ = _subclass(CheckpointedLayer, type(block))
         block.longstraw_index = i
         mlp = getattr(block, "mlp", None)

@@ -33,6 +33,25 @@ def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, 
 STEPWISE_REFERENCE = frozenset({"jamba"})
 
 
+def _cache_config(model):
+    """The config transformers' `DynamicCache` is built from: the model's own, or, where its attention calls differ
+    from what its config says (a `sliding_window` field a Llama never reads: transformers 5.24's cache would keep
+    only that many keys, `cache_utils.get_layer_types_and_kwargs`), a copy whose `layer_types` say what the layers
+    do (`longstraw.support.model_layer_types`)."""
+    import copy
+
+    from .support import config_layer_types, model_layer_types
+
+    cfg = base_model(model).config
+    text = cfg.get_text_config(decoder=True)
+    types = model_layer_types(model)
+    if types == config_layer_types(text):
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.get_text_config(decoder=True).layer_types = types
+    return cfg
+
+
 def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, prefill_chunk: int | None = None,
                              stepwise_response: bool = False) -> torch.Tensor:
     """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad` (in one forward, or in
@@ -48,7 +67,7 @@ def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor
     `prefill_chunk` covers the whole prompt: one forward from the empty cache needs no state to continue from).
     """
     cfg = base_model(model).config
-    cache = DynamicCache(config=cfg)
+    cache = DynamicCache(config=_cache_config(model))
     p = prompt.numel()
     stepwise = cfg.get_text_config().model_type in STEPWISE_REFERENCE
     if p > 1:

@@ -112,9 +112,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _reach(cfg) -> int:
-    """The longest window or attention chunk of any layer (0: none)."""
-    plan = layer_plan(cfg)
+def _reach(cfg, plan: list[str] | None = None) -> int:
+    """The longest window or attention chunk of any layer (0: none); `plan`: the model's layer plan (None: the
+    config's)."""
+    plan = plan or layer_plan(cfg)
     reach = 0
     if "sliding_attention" in plan and getattr(cfg, "sliding_window", None):
         reach = max(reach, int(cfg.sliding_window))
@@ -128,10 +129,10 @@ def _reach(cfg) -> int:
 MAX_CHECK_PROMPT = 16384
 
 
-def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT) -> tuple[int, int]:
+def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT, plan: list[str] | None = None) -> tuple[int, int]:
     """(prompt length, chunk size): several chunks, past every window, a chunk that does not divide the
     captured length, within `max_prompt` tokens."""
-    p = min(max(24, _reach(cfg) + 9), max_prompt)
+    p = min(max(24, _reach(cfg, plan) + 9), max_prompt)
     captured = p - 1
     chunk = max(2, captured // 3 + 1)
     while captured % chunk == 0:
@@ -175,7 +176,8 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
     start = time.perf_counter()
     parts = model_parts(model)
     cfg = parts.config
-    p_auto, c_auto = check_shape(cfg)
+    plan = list(parts.plan)
+    p_auto, c_auto = check_shape(cfg, plan=plan)
     p = prompt_length or p_auto
     chunk = chunk_size or c_auto
     param = next(parts.model.parameters())
@@ -183,11 +185,10 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
     r = max(response_length, HALF_RESPONSE) if half else response_length
     report = CheckReport(ok=False, model_type=cfg.model_type, dtype=str(param.dtype).replace("torch.", ""),
                          tolerance=(FULL_TOLERANCE, FULL_TOLERANCE), prompt_length=p, chunk_size=chunk,
-                         response_length=r, covers_windows=p > _reach(cfg) + 1)
+                         response_length=r, covers_windows=p > _reach(cfg, plan) + 1)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (p,), generator=gen).to(param.device)
     response = torch.randint(0, cfg.vocab_size, (r,), generator=gen).to(param.device)
-    plan = layer_plan(cfg)
     at_response = slice(p - 1, p - 1 + r)
     with _untouched(parts.model):
         ref, ref_out = _forward(model, parts.decoder, prompt, response, at_response, full_sequence_logprobs)
@@ -313,7 +314,8 @@ def configuration_key(model) -> tuple:
     param = next(base.parameters())
     cfg = json.dumps(base.config.to_dict(), sort_keys=True, default=str)
     adapters = type(model).__name__ if model is not base else None
-    return type(base).__qualname__, cfg, str(param.dtype), param.device.type, adapters
+    attention = base.config._attn_implementation
+    return type(base).__qualname__, cfg, attention, str(param.dtype), param.device.type, adapters
 
 
 def ensure_verified(model) -> CheckReport:

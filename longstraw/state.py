@@ -18,13 +18,12 @@ import torch
 
 from .attention import DEFAULT_BLOCK
 from . import quant
-from .archs import family
 from .hf_attention import BranchCache, running
 from .layers import LayerState
 from .logprobs import chunked_logprobs
 from .models import ModelParts
 from .prepare import prepare
-from .support import layer_states, model_parts
+from .support import layer_states, model_parts, untested_because
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
@@ -260,14 +259,14 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
     _check_length(parts.config, prompt.numel())
     prepare(model)
-    if verify or (verify is None and family(parts.config.model_type) is None):
+    if verify or (verify is None and untested_because(model, parts) is not None):
         from .self_check import ensure_verified
 
         ensure_verified(model)
     if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
         chunk_size = default_chunk_size(model, prompt.numel())
     captured = prompt.numel() - 1
-    layers = layer_states(parts.config, captured)
+    layers = layer_states(parts.config, captured, parts.plan)
     if compressed is not None:
         quant.check_device(compressed, device)
         for layer in layers:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw
+from longstraw.observe import observe_attention
 from longstraw.distributed import slice_bounds
 
 from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
@@ -96,6 +97,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         # the most positions a linear-attention mixer and a feed-forward module saw in one call during capture
         # (chunk_size bounds both; attention layers take the whole slice)
         mixed, fed = [0], [0]
+        observe_attention(model)  # the one short probe forward of the unmodified model, before the hooks count
         mixers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
         hooks = [m.register_forward_hook(lambda mod, a, kw, out: mixed.__setitem__(0, max(
             mixed[0], kw.get("hidden_states", a[0] if a else None).shape[1])), with_kwargs=True) for m in mixers]

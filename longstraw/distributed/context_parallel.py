@@ -689,12 +689,11 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
                                   "state_device is not supported with group=")
     from ..prepare import prepare
-    from ..support import layer_plan, model_parts
-    from ..archs import family
+    from ..support import model_parts, untested_because
     from ..layers import layer_kind
 
     parts: ModelParts = model_parts(model)
-    kinds = {layer_kind(kind) for kind in layer_plan(parts.config)}
+    kinds = {layer_kind(kind) for kind in parts.plan}
     if kinds - _SERVED:
         other = sorted(k.__name__ for k in kinds - _SERVED)
         raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in _SERVED)} "
@@ -714,7 +713,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
                          f"ranks a slice{' of whole 8-bit blocks of %d positions' % align if align > 1 else ''}; "
                          "use fewer ranks or capture without group=")
     prepare(model)
-    if verify or (verify is None and family(parts.config.model_type) is None):
+    if verify or (verify is None and untested_because(model, parts) is not None):
         from ..self_check import ensure_verified
 
         ensure_verified(model)
@@ -725,7 +724,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     from ..support import layer_states
 
     layers, branches = [], []
-    for i, layer in enumerate(layer_states(parts.config, captured)):
+    for i, layer in enumerate(layer_states(parts.config, captured, parts.plan)):
         if type(layer) in _SLICED:
             layers.append(_SLICED[type(layer)](parts.config, i, s, e))
             layers[-1].state_dtype = compressed
