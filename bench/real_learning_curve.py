@@ -82,7 +82,7 @@ def main() -> None:
     cfg = TrainConfig(model=str(path), dataset=str(files["train"]), eval_fraction=0.0, reward_funcs=["contains_answer"],
                       lora=True, lora_r=16, lora_alpha=32, num_generations=args.G, prompts_per_step=args.prompts_per_step,
                       num_steps=args.steps, max_completion_length=16, dtype=args.dtype, prompt_grad=args.prompt_grad,
-                      threads=args.threads, output_dir=str(out / "run"), learning_rate=1e-4, chunk_size=2048,
+                      threads=args.threads, output_dir=str(out / "run"), learning_rate=1e-4,
                       eval_at_start=False, num_completions_to_print=1)
     trainer = Trainer(cfg)
     held = {n: load_jsonl(files[f"eval-{n}"], tok) for n in args.lengths}

@@ -85,7 +85,6 @@ def run_trl(P: int, G: int, R: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         rows = [json.loads(line) for line in _data(tok, P, d).read_text().splitlines()]
         data = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
-        prompt_tokens = len(tok.apply_chat_template(rows[0]["messages"], add_generation_prompt=True))
 
         class Measure(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -103,8 +102,7 @@ def run_trl(P: int, G: int, R: int, threads: int) -> dict:
         lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
         GRPOTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=data, processing_class=tok,
                     peft_config=lora, callbacks=[Measure()]).train()
-    return dict(step_mem_mb=round(marks["peak"] - marks["before"], 1), wall_s=round(marks["wall"], 2),
-                prompt_tokens=prompt_tokens)
+    return dict(step_mem_mb=round(marks["peak"] - marks["before"], 1), wall_s=round(marks["wall"], 2))
 
 
 def main(argv=None) -> None:
@@ -115,6 +113,8 @@ def main(argv=None) -> None:
     ap.add_argument("--R", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit-gb", type=float, default=20.0)
+    ap.add_argument("--out", default=str(RESULTS), help="results path without suffix")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="a run still going after this is reported so")
     args = ap.parse_args(argv)
     if args.worker:
         method, P, G, R = args.worker
@@ -127,6 +127,7 @@ def main(argv=None) -> None:
         print(json.dumps(row))
         return
     rows: list[dict] = []
+    out = Path(args.out)
     limit = int(args.limit_gb * 2**30)
 
     def cap():
@@ -138,8 +139,14 @@ def main(argv=None) -> None:
                 cmd = [sys.executable, __file__, "--threads", str(args.threads), "--worker", method, str(P), str(G),
                        str(args.R)]
                 t0 = time.perf_counter()
-                res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                                     preexec_fn=cap if method == "trl" else None)
+                try:
+                    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                         preexec_fn=cap if method == "trl" else None, timeout=args.timeout_s)
+                except subprocess.TimeoutExpired:
+                    record(rows, dict(method=method, P=P, G=G, R=args.R, threads=args.threads,
+                                      error=f"two steps not done in {args.timeout_s:.0f} s", ran_s=args.timeout_s),
+                           out)
+                    continue
                 if res.returncode == 0:
                     row = json.loads(res.stdout.strip().splitlines()[-1])
                 else:
@@ -147,18 +154,20 @@ def main(argv=None) -> None:
                     row = dict(method=method, P=P, G=G, R=args.R, threads=args.threads,
                                error=("out of memory (> %.0f GB address space)" % args.limit_gb) if oom
                                else res.stderr.strip()[-800:], ran_s=round(time.perf_counter() - t0, 1))
-                record(rows, row, RESULTS)
-    finish(rows, RESULTS, _plot, _table)
+                record(rows, row, out)
+    finish(rows, out, _plot, _table)
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| P | G | method | prompt tokens | step memory (MiB) | step time (s) |", "|---:|---:|---|---:|---:|---:|"]
+    """One line per run; the prompt's token count is the longstraw run's (both read the same row)."""
+    tokens = {r["P"]: r["prompt_tokens"] for r in rows if r["method"] == "longstraw" and "prompt_tokens" in r}
+    lines = ["| P | prompt tokens | G | method | step memory (MiB) | step time (s) |", "|---:|---:|---:|---|---:|---:|"]
     for r in rows:
+        n = f"{tokens[r['P']]:,}" if r["P"] in tokens else ""
         if "error" in r:
-            lines.append(f"| {r['P']:,} | {r['G']} | {r['method']} | | {r['error']} (after {r['ran_s']} s) | |")
+            lines.append(f"| {r['P']:,} | {n} | {r['G']} | {r['method']} | {r['error']} (after {r['ran_s']} s) | |")
         else:
-            lines.append(f"| {r['P']:,} | {r['G']} | {r['method']} | {r['prompt_tokens']:,} | {r['step_mem_mb']:,.0f} "
-                         f"| {r['wall_s']:.1f} |")
+            lines.append(f"| {r['P']:,} | {n} | {r['G']} | {r['method']} | {r['step_mem_mb']:,.0f} | {r['wall_s']:.1f} |")
     return "\n".join(lines)
 
 
