@@ -34,10 +34,11 @@ STEPWISE_REFERENCE = frozenset({"jamba"})
 
 
 def _cache_config(model):
-    """The config transformers' `DynamicCache` is built from: the model's own, or, where its attention calls differ
-    from what its config says (a `sliding_window` field a Llama never reads: transformers 5.24's cache would keep
-    only that many keys, `cache_utils.get_layer_types_and_kwargs`), a copy whose `layer_types` say what the layers
-    do (`longstraw.support.model_layer_types`)."""
+    """The config transformers' `DynamicCache` is built from: the model's own where it lists `layer_types` that say
+    what the layers do; otherwise a copy whose `layer_types` do (`longstraw.support.model_layer_types`). Without
+    `layer_types` transformers 5.24's cache infers them from `sliding_window` / `attention_chunk_size`
+    (`cache_utils.get_layer_types_and_kwargs`), so a field a Llama never reads would make it keep only that many
+    keys."""
     import copy
 
     from .support import config_layer_types, model_layer_types
@@ -45,7 +46,7 @@ def _cache_config(model):
     cfg = base_model(model).config
     text = cfg.get_text_config(decoder=True)
     types = model_layer_types(model)
-    if types == config_layer_types(text):
+    if getattr(text, "layer_types", None) is not None and types == config_layer_types(text):
         return cfg
     cfg = copy.deepcopy(cfg)
     cfg.get_text_config(decoder=True).layer_types = types
