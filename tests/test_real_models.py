@@ -16,6 +16,7 @@ from longstraw.reference import full_sequence_logprobs
 
 from .conftest import assert_grads_close
 from .test_equivalence import FP32_GRAD_TOL
+from .test_exact import _grads
 
 #: fp32 log-probs of a real model, absolute: DESIGN.md's fp32 bound, float32's epsilon × 2^10 (a thousand roundings
 #: adding up coherently through the depth and the sums)
@@ -114,13 +115,6 @@ def test_smollm2_exact_gradients_equal_naive_grpo_at_2048(real_smollm2):
                                                                                  "o_proj"], init_lora_weights=False))
     ids = _document_ids(tok, 2048 + 20, seed=1)
     prompt, responses, adv = ids[:2048], [ids[2048:2060], ids[2060:2065]], [0.9, -1.1]
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads(fn):
-        for p in params:
-            p.grad = None
-        fn()
-        return [p.grad.clone() for p in params]
 
     def naive():
         for a, r in zip(adv, responses):
@@ -132,4 +126,4 @@ def test_smollm2_exact_gradients_equal_naive_grpo_at_2048(real_smollm2):
                 (a * state.replay(r).logprobs).sum().backward()
             state.backward()
 
-    assert_grads_close(grads(exact), grads(naive), tol=FP32_GRAD_TOL)
+    assert_grads_close(_grads(model, exact), _grads(model, naive), tol=FP32_GRAD_TOL)
