@@ -6,10 +6,20 @@ with a chunk size that does not divide it) through the unmodified transformers m
 - the response log-probs (max abs difference; fp32/fp64 ≤ 1e-4; bf16/fp16 see below),
 - each decoder layer's output at the response positions (relative to its largest value), which names
   the first layer, and its layer kind, that reads its state wrongly,
-- when parameters are trainable, the detached-mode gradient against transformers' own cache reference
-  (`longstraw.reference.cache_reference_logprobs`; relative error of all gradients together).
+- the detached-mode gradient of a weighted sum of the response log-probs with respect to each decoder layer's input
+  and each token mixer's (attention, linear attention, SSM) input at the response positions, against the same
+  full-sequence forward with its layer inputs at the prompt positions detached (the values unchanged, the prompt's
+  share of the gradient cut as a captured state cuts it); the worst relative error of any of them, and the deepest
+  layer over the tolerance, which is the layer whose backward is off. What longstraw computes in a backward (the
+  split attention's query and key/value gradients, the state's) reaches the mixer's input gradient; the weights'
+  gradients are the model's own modules applied to these, so none is computed, no parameter needs to be trainable,
+  and the cost is that of activation gradients only.
 It never changes the model's weights, gradients or training state (it uses `torch.autograd.grad`, runs
 in eval mode and puts the mode back, and forks the RNG).
+
+Cost: one full-sequence forward + backward of the reference, a capture of two chunks and one replay forward +
+backward — on the real models about as much as one training forward + backward of the same tokens
+(`bench/self_check_cost.py`).
 
 In half precision two correct paths differ from each other by more than either differs from float32 (on
 SmolLM2-135M in bf16, transformers against longstraw 0.11 nats, each against float32 about 0.13), so a fixed bound
@@ -17,7 +27,7 @@ between them refuses correct models. A bf16 / fp16 model is checked as the bf16 
 the same (rounded) weights gives the exact function the half model approximates; transformers' own half-precision
 forward and longstraw's are both measured against it, and longstraw passes when its error is within
 `HALF_FACTOR` × transformers' own (mean and 90th percentile over `HALF_RESPONSE` response tokens; the detached
-gradient's relative error likewise), plus one rounding of the dtype (`torch.finfo(dtype).eps`) for models whose
+gradients' worst relative error likewise), plus one rounding of the dtype (`torch.finfo(dtype).eps`) for models whose
 half-precision error is about zero. The float32 copy costs twice the model's half-precision weights in memory,
 once, during the check.
 
@@ -36,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models import UnsupportedArchitectureError, base_model
-from .support import layer_plan, model_parts
+from .support import attention_module, layer_plan, model_parts
 
 #: max abs log-prob difference, and relative gradient error, allowed in float32 / float64
 FULL_TOLERANCE = 1e-4
@@ -63,8 +73,11 @@ class CheckReport:
     response_length: int
     #: max abs difference of the response log-probs
     logprob_error: float = float("nan")
-    #: relative error of the detached gradient (None: no trainable parameter or gradients not checked)
+    #: worst relative error of the detached-mode gradient with respect to each decoder layer's input, and each
+    #: token mixer's, at the response positions (None: gradients not checked)
     grad_error: float | None = None
+    #: the decoder layer whose backward is off: the deepest one whose input gradient is over the tolerance
+    backward_bad_layer: int | None = None
     #: layer kind → worst relative error of that kind's layer outputs at the response positions
     layer_errors: dict[str, float] = field(default_factory=dict)
     #: the first decoder layer whose output is off by more than the tolerance, and its kind
@@ -94,18 +107,21 @@ class CheckReport:
                              f"transformers {h['transformers'][0]:.2e} / {h['transformers'][1]:.2e} / "
                              f"{h['transformers'][2]:.2e} (bound {HALF_FACTOR:g}× transformers' + {h['eps']:.1e})")
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient against the float32 copy: relative error {self.grad_error:.2e}, "
-                                 f"transformers {h['transformers_grad']:.2e} (tolerance {self.tolerance[1]:.2e})")
+                    lines.append(f"  detached gradient (worst layer or mixer input) against the float32 copy: relative error "
+                                 f"{self.grad_error:.2e}, transformers {h['transformers_grad']:.2e} (tolerance "
+                                 f"{self.tolerance[1]:.2e})")
             else:
                 lines.append(f"  response log-probs: max abs error {self.logprob_error:.2e} "
                              f"(tolerance {self.tolerance[0]:.0e})")
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient: relative error {self.grad_error:.2e} "
+                    lines.append(f"  detached gradient (worst layer or mixer input): relative error {self.grad_error:.2e} "
                                  f"(tolerance {self.tolerance[1]:.0e})")
             for kind, err in sorted(self.layer_errors.items()):
                 lines.append(f"  {kind} layers: worst relative output error {err:.2e}")
             if self.first_bad_layer is not None:
                 lines.append(f"  first layer off: {self.first_bad_layer} ({self.worst_kind})")
+            if self.backward_bad_layer is not None:
+                lines.append(f"  layer whose backward is off: {self.backward_bad_layer}")
         if not self.covers_windows:
             lines.append("  note: the prompt did not reach past the longest sliding window / attention chunk")
         lines.append(f"  {self.seconds:.2f} s")
@@ -130,11 +146,12 @@ MAX_CHECK_PROMPT = 16384
 
 
 def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT, plan: list[str] | None = None) -> tuple[int, int]:
-    """(prompt length, chunk size): several chunks, past every window, a chunk that does not divide the
-    captured length, within `max_prompt` tokens."""
+    """(prompt length, chunk size): two chunks (the second reads what the first left, from inside the window
+    where there is one), past every window, a chunk that does not divide the captured length, within `max_prompt`
+    tokens. Each chunk is one more pass over the weights, which is what a short check costs on a real model."""
     p = min(max(24, _reach(cfg, plan) + 9), max_prompt)
     captured = p - 1
-    chunk = max(2, captured // 3 + 1)
+    chunk = max(2, captured // 2 + 1)
     while captured % chunk == 0:
         chunk += 1
     return p, chunk
@@ -170,7 +187,6 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
           gradients: bool = True, seed: int = 0) -> CheckReport:
     """Self-check of `model` (see the module docstring). Raises `UnsupportedArchitectureError` only for a model
     whose layers longstraw cannot represent at all; a numeric disagreement is reported, not raised."""
-    from .reference import cache_reference_logprobs, full_sequence_logprobs
     from .state import capture
 
     start = time.perf_counter()
@@ -189,26 +205,20 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (p,), generator=gen).to(param.device)
     response = torch.randint(0, cfg.vocab_size, (r,), generator=gen).to(param.device)
-    at_response = slice(p - 1, p - 1 + r)
+    weights = torch.linspace(-1.0, 1.0, r, device=prompt.device)
+    lp_ok = False
     with _untouched(parts.model):
-        ref, ref_out = _forward(model, parts.decoder, prompt, response, at_response, full_sequence_logprobs)
+        ref, ref_out, ref_grads = _reference(model, parts.decoder, prompt, response, weights, gradients)
         if half:  # the exact function the half-precision model approximates: its own weights, in float32
             model32 = _float32_copy(model)
-            ref32, ref32_out = _forward(model32, model_parts(model32).decoder, prompt, response, at_response,
-                                        full_sequence_logprobs)
+            ref32, ref32_out, ref32_grads = _reference(model32, model_parts(model32).decoder, prompt, response,
+                                                       weights, gradients)
+            del model32
         try:
             state = capture(model, prompt, chunk_size=chunk, verify=False)
-            with torch.no_grad():
-                got_out, handles = _layer_outputs(parts.decoder, None)
-                try:
-                    got = state.replay(response).logprobs
-                finally:
-                    for h in handles:
-                        h.remove()
-            # capture's chunks ran through the hooks' layers too: keep the replay's outputs (the last ones)
-            got_out = got_out[-len(ref_out):]
-            trainable = [q for q in model.parameters() if q.requires_grad]
-            weights = torch.linspace(-1.0, 1.0, r, device=prompt.device)
+            got, got_out, got_grads = _graded(lambda: state.replay(response).logprobs, parts.decoder, 0, r,
+                                              slice(0, r), weights, gradients)
+            state.release()
             if half:
                 eps = torch.finfo(param.dtype).eps
                 ls, hf = _abs_stats(got - ref32), _abs_stats(ref - ref32)
@@ -218,43 +228,122 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
                 lp_ok = ls[0] <= HALF_FACTOR * hf[0] + eps and ls[1] <= HALF_FACTOR * hf[1] + eps
                 layer_tol = [HALF_FACTOR * _rel_max(a, b) + eps for a, b in zip(ref_out, ref32_out)]
                 _layer_detail(report, plan, ref32_out, got_out, layer_tol)
-                if gradients and trainable:
-                    g32 = _flat_grad(lambda: cache_reference_logprobs(model32, prompt, response), weights,
-                                     [q for q in model32.parameters() if q.requires_grad])
-                    g_hf = _flat_grad(lambda: cache_reference_logprobs(model, prompt, response), weights, trainable)
-                    g_ls = _flat_grad(lambda: state.replay(response).logprobs, weights, trainable)
-                    hf_grad = _rel(g_hf, g32)
-                    report.grad_error, report.half["transformers_grad"] = _rel(g_ls, g32), hf_grad
+                if gradients:
+                    hf_grad = _grad_detail(report, ref_grads, ref32_grads, None)
+                    report.half["transformers_grad"] = hf_grad
                     report.tolerance = (report.tolerance[0], HALF_FACTOR * hf_grad + eps)
+                    _grad_detail(report, got_grads, ref32_grads, report.tolerance[1])
             else:
                 report.logprob_error = (got - ref).abs().max().item()
                 lp_ok = report.logprob_error <= FULL_TOLERANCE
                 _layer_detail(report, plan, ref_out, got_out, [FULL_TOLERANCE] * len(ref_out))
-                if gradients and trainable:
-                    g_ref = _flat_grad(lambda: cache_reference_logprobs(model, prompt, response), weights, trainable)
-                    g_ls = _flat_grad(lambda: state.replay(response).logprobs, weights, trainable)
-                    report.grad_error = _rel(g_ls, g_ref)
-            state.release()
+                if gradients:
+                    _grad_detail(report, got_grads, ref_grads, FULL_TOLERANCE)
         except (NotImplementedError, RuntimeError, ValueError) as err:
             report.error = f"{type(err).__name__}: {err}"
-        finally:
-            if half:
-                del model32
     report.ok = (report.error is None and lp_ok
                  and (report.grad_error is None or report.grad_error <= report.tolerance[1]))
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _forward(model, decoder, prompt, response, positions: slice, full_sequence_logprobs):
-    """The unmodified model's response log-probs `[R]` and its decoder layers' outputs at `positions`."""
-    with torch.no_grad():
-        outputs, handles = _layer_outputs(decoder, positions)
-        try:
-            return full_sequence_logprobs(model, prompt, response), outputs
-        finally:
-            for h in handles:
-                h.remove()
+def _reference(model, decoder, prompt, response, weights, gradients: bool):
+    """The unmodified model's response log-probs `[R]`, its decoder layers' outputs at the response positions and
+    (`gradients`) the detached-mode gradient: d(Σ weights · log-probs) with respect to each decoder layer's input at
+    the response positions, from one full-sequence forward whose layer inputs at the prompt positions are detached
+    (the values are the plain forward's; only the prompt's share of the gradient is cut, as a captured state cuts it).
+    """
+    from .reference import full_sequence_logprobs
+
+    p, r = prompt.numel(), response.numel()
+
+    def logprobs():
+        try:  # logits of the response positions only, where the model's forward takes `logits_to_keep`
+            return full_sequence_logprobs(model, prompt, response, logits_to_keep=True)
+        except TypeError:
+            return full_sequence_logprobs(model, prompt, response)
+
+    return _graded(logprobs, decoder, p - 1, r, slice(p - 1, p - 1 + r), weights, gradients)
+
+
+def _graded(logprobs, decoder, start: int, length: int, positions: slice, weights, gradients: bool):
+    """Run `logprobs()` with the decoder layers hooked: (log-probs `[R]`, each layer's output at `positions`, and
+    with `gradients` the gradient of Σ weights · log-probs with respect to each layer's input at positions
+    `start .. start + length`, the layer input elsewhere detached; else None). The gradient reaches no parameter
+    (only the layer inputs are asked for, so no weight gradient is computed), and needs none to be trainable.
+
+    transformers' linear-attention cache writes its recurrent state in place after reading it (5.24,
+    `LinearAttentionLayer.update_recurrent_state`), which autograd refuses: such a forward runs again under
+    `torch.autograd.graph.allow_mutation_on_saved_tensors()` (which clones a saved tensor before it is mutated,
+    at the cost of a Python dispatch per operation, so only where it is needed)."""
+    if not gradients:
+        with torch.no_grad():
+            outputs, handles = _layer_outputs(decoder, positions)
+            try:
+                return logprobs().detach(), outputs, None
+            finally:
+                for h in handles:
+                    h.remove()
+    try:
+        return _graded_once(logprobs, decoder, start, length, positions, weights)
+    except RuntimeError as err:
+        if "inplace operation" not in str(err):
+            raise
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        return _graded_once(logprobs, decoder, start, length, positions, weights)
+
+
+def _graded_once(logprobs, decoder, start, length, positions, weights):
+    outputs, out_handles = _layer_outputs(decoder, positions)
+    inputs, in_handles = _layer_inputs(decoder, start, length)
+    try:
+        with torch.enable_grad():  # the caller may be under no_grad (a capture for sampling)
+            lp = logprobs()
+            tensors = [x for _, x in inputs]
+            grads = torch.autograd.grad((weights * lp.float()).sum(), tensors, allow_unused=True)
+    finally:
+        for h in out_handles + in_handles:
+            h.remove()
+    return lp.detach(), outputs, [(i, torch.zeros_like(x) if g is None else g)
+                                  for (i, x), g in zip(inputs, grads)]
+
+
+def _layer_inputs(decoder, start: int, length: int):
+    """Pre-hooks making the input of each decoder layer, and of its token mixer (attention, linear attention or SSM
+    module), at positions `start .. start + length` a tensor of the graph, collected as (layer index, tensor) in
+    a list (a leaf at the first layer when nothing before it is trainable), and the input at every other position a
+    constant: the values the modules see are unchanged. The mixer's input gradient is its own backward alone (the
+    layer's also carries the residual stream's, which would dilute an error in the attention's gradient)."""
+    inputs: list[tuple[int, torch.Tensor]] = []
+
+    def hook_for(index: int, required: bool):
+        def hook(module, args, kwargs):
+            positional = bool(args) and torch.is_tensor(args[0])
+            h = args[0] if positional else kwargs.get("hidden_states")
+            if not torch.is_tensor(h) or h.dim() < 2 or h.shape[1] < start + length:
+                if not required:
+                    return None
+                raise ValueError(f"self-check: decoder layer {index}'s input is not [batch, sequence, ...] of at "
+                                 f"least {start + length} positions")
+            x = h[:, start:start + length]
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            inputs.append((index, x))
+            pieces = [h[:, :start].detach(), x, h[:, start + length:].detach()]
+            new = torch.cat([t for t in pieces if t.shape[1]], 1) if x.shape[1] != h.shape[1] else x
+            if positional:
+                return (new, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": new}
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(decoder.layers):
+        handles.append(layer.register_forward_pre_hook(hook_for(i, True), with_kwargs=True))
+        for mixer in {id(m): m for m in (attention_module(layer), getattr(layer, "linear_attn", None))
+                      if m is not None}.values():
+            handles.append(mixer.register_forward_pre_hook(hook_for(i, False), with_kwargs=True))
+    return inputs, handles
 
 
 def _float32_copy(model):
@@ -294,13 +383,19 @@ def _layer_detail(report: CheckReport, plan, ref_out, got_out, tol: list[float])
         report.worst_kind = worst_kind
 
 
-def _flat_grad(logprobs, weights: torch.Tensor, params) -> torch.Tensor:
-    """d(Σ weights · logprobs()) / d(params), flattened in float64 (a parameter without a gradient: zeros)."""
-    with torch.enable_grad():  # the caller may be under no_grad (a capture for sampling)
-        with torch.autograd.graph.allow_mutation_on_saved_tensors():
-            lp = logprobs()
-            grads = torch.autograd.grad((weights * lp.float()).sum(), params, allow_unused=True)
-    return torch.cat([(torch.zeros_like(q) if g is None else g).flatten().double() for g, q in zip(grads, params)])
+def _grad_detail(report: CheckReport, got: list[torch.Tensor], ref: list[torch.Tensor], tol: float | None) -> float:
+    """Relative error of the layer-input gradients `got` against `ref` (all layers together, float64); with `tol`,
+    records it as the report's `grad_error` and names the deepest layer over `tol` (a wrong backward in layer k
+    corrupts the gradient of every layer input up to k, and none after it)."""
+    if [i for i, _ in got] != [i for i, _ in ref] or any(a.shape != b.shape for (_, a), (_, b) in zip(got, ref)):
+        raise ValueError("self-check: the replay's layers were not called as the model's own forward calls them")
+    errors = [(i, _rel(a.double(), b.double())) for (i, a), (_, b) in zip(got, ref)]
+    err = max(e for _, e in errors)
+    if tol is not None:
+        report.grad_error = err
+        bad = [i for i, e in errors if e > tol]
+        report.backward_bad_layer = max(bad) if bad else None
+    return err
 
 
 # ------------------------------------------------------------------------------------------ at first use

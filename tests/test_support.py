@@ -187,6 +187,34 @@ def test_self_check_is_fast_and_leaves_the_model_untouched():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+@pytest.mark.parametrize("wrong_call,layer", [(0, 3), (2, 1)], ids=["last-layer", "layer-1"])
+def test_self_check_refuses_a_wrong_backward_and_names_its_layer(wrong_call, layer, monkeypatch):
+    """A replay whose forward is right but whose attention backward is off in one layer (the query gradient of the
+    prompt part scaled by 0.97) is refused by the gradient check alone, which names that layer; with nothing
+    trainable the gradient is checked too (it is taken with respect to each layer's input, not the weights)."""
+    from longstraw.attention import SplitAttention
+
+    real, calls = SplitAttention.backward, []
+
+    def wrong(ctx, dout, dlse):
+        grads = list(real(ctx, dout, dlse))
+        if len(calls) == wrong_call:  # backward visits the layers last to first
+            grads[0] = grads[0] * 0.97
+        calls.append(1)
+        return tuple(grads)
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    good = longstraw.check(model)
+    assert good.ok and good.grad_error is not None and good.grad_error <= FP32_GRAD_TOL, str(good)
+    monkeypatch.setattr(SplitAttention, "backward", staticmethod(wrong))
+    report = longstraw.check(model)
+    assert report.logprob_error <= self_check.FULL_TOLERANCE and report.first_bad_layer is None
+    assert not report.ok and report.grad_error > 10 * self_check.FULL_TOLERANCE, str(report)
+    assert report.backward_bad_layer == layer and "backward is off: " + str(layer) in str(report)
+
+
 def test_prepared_model_works_normally_outside_longstraw(tmp_path):
     """After `prepare` (and a capture) the model's own forward, generate and save give what they gave before;
     `unprepare` restores its classes."""
