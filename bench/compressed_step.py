@@ -1,10 +1,10 @@
 """DeepSeek-V4 compressed attention: one GRPO step's memory and time against P and G, and the durable state
-against the README's bytes-per-token formula.
+against the bytes-per-token formula of docs/models.md.
 
 Model: `longstraw.models.BENCH_DSV4` (a tiny `deepseek_v4`: CSA / HCA / CSA / HCA at rates 4 and 128, window
 128, indexer top-64, MoE), LoRA on the attention projections, R = 64, one torch thread. Each configuration
 runs in a fresh process (`longstraw.compare.measure_in_fresh_process`); step memory = peak RSS during the
-step − RSS just before it. Per row, `formula_bytes` is the durable state the README's formula gives for P − 1
+step − RSS just before it. Per row, `formula_bytes` is the durable state the formula of docs/models.md gives for P − 1
 captured tokens (window keys once, entries, tails, CSA overlaps; see `expected_bytes`), and `g_spread` (on
 the G-largest row of each P and method) the step memory's change from the smallest G: max(5 %, 8 MiB) is
 the bar.

@@ -1,6 +1,6 @@
 """longstraw: GRPO on very long prompts by capturing the shared prompt once and replaying branches.
 
-Public surface (DESIGN.md):
+Public surface (docs/design.md):
 
     state = longstraw.capture(model, prompt_ids, chunk_size=4096, prompt_grad="detached")  # or "exact"
     samples = state.sample(num=8, max_new_tokens=256)  # G responses from the one state

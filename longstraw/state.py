@@ -335,7 +335,7 @@ def check_capture_options(prompt_grad, chunk_size, block_size) -> None:
 
 def model_device(model) -> torch.device:
     """The one device all of `model`'s parameters live on; a clear error for the meta device or a model split
-    over several devices (which needs a process group: see the README's scale-out section)."""
+    over several devices (which needs a process group: see docs/distributed.md)."""
     devices = {p.device for p in model.parameters()}
     if not devices:
         raise ValueError("the model has no parameters")

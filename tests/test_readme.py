@@ -12,11 +12,3 @@ def test_ci_runs_the_readme_test_command():
     assert demo.endswith("longstraw demo")
     assert test.endswith("python -m pytest -q")
     assert test in (ROOT / ".ci" / "run").read_text()
-
-
-def test_readme_lists_every_tested_family():
-    import longstraw
-
-    readme = (ROOT / "README.md").read_text()
-    missing = [name for name in longstraw.tested_families() if f"`{name}`" not in readme]
-    assert not missing

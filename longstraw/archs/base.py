@@ -37,7 +37,7 @@ Rotary = Callable[..., tuple]
 class Family:
     """What longstraw knows about one transformers `model_type` (of the text config).
 
-    `layers`: what its decoder layers are (README's table). `tiny`: config fields of the tiny random
+    `layers`: what its decoder layers are (the table in docs/models.md). `tiny`: config fields of the tiny random
     model the tests build (over `TINY_COMMON`/`TINY_MOE`, which apply where the config class has the
     field). `layer_kinds`: transformers layer type → longstraw layer kind, where they differ.
     `latent_rotary(module)`: for MLA families, the rotary functions of the attention and of the DSA

@@ -1,4 +1,5 @@
-"""longstraw's compiled CPU attention kernel (`csrc/attend_cpu.cpp`), built on first use and loaded with ctypes.
+"""longstraw's compiled CPU attention kernel (`longstraw/kernels/csrc/attend_cpu.cpp`), built on first use, loaded
+with ctypes.
 
 What it computes: one mask-free part — every query sees every key — in float32: `out = softmax(q kᵀ · scale) v`
 and the log-sum-exp per query row, with an online softmax over tiles of 256 keys (transient per thread: one tile of

@@ -1,7 +1,7 @@
 """What every layer kind provides: a durable state and a branch view of it.
 
 A `LayerState` holds what later tokens of one decoder layer can still read after the prompt
-(DESIGN.md's table). `branch()` returns a transformers cache layer that a replayed branch runs
+(the table in docs/design.md). `branch()` returns a transformers cache layer that a replayed branch runs
 against: it reads the durable state and keeps everything the branch adds to itself, so the durable
 state is never written by a replay. During capture, `commit(branch_layer, n)` folds one prompt chunk's
 branch into the durable state.
