@@ -214,7 +214,8 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
     state = read_trainer_state(ckpt)
     if not state.get("fsdp") or state.get("world_size") != ranks.size:
         raise CheckpointError(f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
-                              f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} with fsdp: "
+                              f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} "
+                              "with fsdp: "
                               "a sharded run resumes only from its own kind of checkpoint on as many processes")
     with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
         load_weights_fn(weights)

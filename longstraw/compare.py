@@ -39,8 +39,16 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
     parameter trainable (full fine-tuning), no adapter."""
     from peft import LoraConfig, get_peft_model
 
-    from .models import (BENCH_DENSE, BENCH_DSA, BENCH_DSV4, BENCH_HYBRID, BENCH_MLA, BENCH_SLIDING, BENCH_SSM,
-                         tiny_model)
+    from .models import (
+        BENCH_DENSE,
+        BENCH_DSA,
+        BENCH_DSV4,
+        BENCH_HYBRID,
+        BENCH_MLA,
+        BENCH_SLIDING,
+        BENCH_SSM,
+        tiny_model,
+    )
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")

@@ -181,14 +181,14 @@ class TrainConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"config: unknown field(s) {unknown}; valid fields: {', '.join(cls.field_names())}")
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
         import yaml
 
         values = yaml.safe_load(Path(path).read_text()) or {}

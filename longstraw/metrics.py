@@ -61,7 +61,7 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(log_dir=str(Path(out) / "tensorboard"), purge_step=resumed_step + 1)
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def write(self, m: dict) -> None:

@@ -187,8 +187,9 @@ class ChunkedFeedForward:
             piece = x[:, a:a + size]
             out = super().forward(piece)
             parts = out if isinstance(out, tuple) else (out,)
+            rows = piece.shape[0] * piece.shape[1]
             dims = [1 if k == 0 and isinstance(t, torch.Tensor) and t.shape == piece.shape else
-                    0 if k > 0 and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == piece.shape[0] * piece.shape[1]
+                    0 if k > 0 and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
                     else None for k, t in enumerate(parts)]
             if None in dims:
                 type(self).longstraw_chunkable = False

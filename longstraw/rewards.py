@@ -19,9 +19,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -19,8 +19,8 @@ log-probs of the responses it will replay (r, r + N, ...).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -107,7 +107,7 @@ class SamplingSettings:
     ignore_eos: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> "SamplingSettings":
+    def from_config(cls, cfg) -> SamplingSettings:
         return cls(cfg.num_generations, cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                    cfg.ignore_eos)
 

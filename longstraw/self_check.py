@@ -107,15 +107,15 @@ class CheckReport:
                              f"transformers {h['transformers'][0]:.2e} / {h['transformers'][1]:.2e} / "
                              f"{h['transformers'][2]:.2e} (bound {HALF_FACTOR:g}× transformers' + {h['eps']:.1e})")
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient (worst layer or mixer input) against the float32 copy: relative error "
-                                 f"{self.grad_error:.2e}, transformers {h['transformers_grad']:.2e} (tolerance "
-                                 f"{self.tolerance[1]:.2e})")
+                    lines.append(f"  detached gradient (worst layer or mixer input) against the float32 copy: "
+                                 f"relative error {self.grad_error:.2e}, transformers {h['transformers_grad']:.2e} "
+                                 f"(tolerance {self.tolerance[1]:.2e})")
             else:
                 lines.append(f"  response log-probs: max abs error {self.logprob_error:.2e} "
                              f"(tolerance {self.tolerance[0]:.0e})")
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient (worst layer or mixer input): relative error {self.grad_error:.2e} "
-                                 f"(tolerance {self.tolerance[1]:.0e})")
+                    lines.append(f"  detached gradient (worst layer or mixer input): relative error "
+                                 f"{self.grad_error:.2e} (tolerance {self.tolerance[1]:.0e})")
             for kind, err in sorted(self.layer_errors.items()):
                 lines.append(f"  {kind} layers: worst relative output error {err:.2e}")
             if self.first_bad_layer is not None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import DEFAULT_BLOCK
 from . import quant
+from .attention import DEFAULT_BLOCK
 from .hf_attention import BranchCache, running
 from .layers import LayerState
 from .logprobs import chunked_logprobs
@@ -91,7 +91,7 @@ class PromptState:
                 layer.release()
         self.layers = None
 
-    def __enter__(self) -> "PromptState":
+    def __enter__(self) -> PromptState:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -209,8 +209,8 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
     512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
 
-    `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant) or "exact" (the
-    gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
+    `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant)
+    or "exact" (the gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
     states at each chunk boundary). `block_size`: key block of the split attention.
 
     `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);

@@ -34,8 +34,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (SHARDED_WEIGHTS, latest_name, load_checkpoint, load_sharded_checkpoint, read_trainer_state,
-                         save_checkpoint, save_sharded_checkpoint)
+from .checkpoint import (
+    SHARDED_WEIGHTS,
+    latest_name,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from .config import TrainConfig
 from .data import build_data
 from .export import export_model

@@ -50,7 +50,7 @@ class UpdateSettings:
     state_dtype: str | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> "UpdateSettings":
+    def from_config(cls, cfg) -> UpdateSettings:
         return cls(cfg.max_completion_length, cfg.temperature, cfg.mask_truncated_completions, cfg.entropy_coef,
                    cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers, cfg.state_dtype)
 

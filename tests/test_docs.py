@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
-        ROOT / "tests" / "README.md"]
+        ROOT / "tests" / "README.md", ROOT / "CHANGELOG.md"]
 #: a repository path in backticks: `longstraw/state.py`, `bench/results/x.{json,md}`, `tests/test_x.py::test_y`
 PATH = re.compile(r"`((?:longstraw|bench|tests|docs|examples|csrc|\.ci)/[^`\s]*)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -50,14 +50,14 @@ def test_the_readme_is_short_and_maps_every_module():
         elif rel.parts[0] == "archs":
             named = module.stem in readme.split("`longstraw/archs/`")[1].split("\n")[0] or module.stem == "__init__"
         else:
-            named = f"`longstraw/{rel.parts[0]}/`" in readme and (module.stem == "__init__" or f"`{rel.name}`" in readme)
+            listed = module.stem == "__init__" or f"`{rel.name}`" in readme
+            named = f"`longstraw/{rel.parts[0]}/`" in readme and listed
         if not named:
             unmapped.append(str(rel))
     assert not unmapped, f"the README's map of the code misses {unmapped}"
 
 
 def test_the_commands_in_the_docs_are_the_clis():
-    from longstraw.cli import main  # noqa: F401  (the parser is built inside main)
     import longstraw.cli as cli
 
     source = Path(cli.__file__).read_text()
@@ -78,3 +78,16 @@ def test_the_models_page_lists_every_tested_family():
     page = (ROOT / "docs" / "models.md").read_text()
     missing = [name for name in longstraw.tested_families() if f"`{name}`" not in page]
     assert not missing
+
+
+def test_the_package_passes_the_linter():
+    """`ruff check longstraw` with the project's rules (pyproject.toml `[tool.ruff]`)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "longstraw", "--output-format", "concise"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

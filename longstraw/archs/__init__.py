@@ -13,8 +13,6 @@ model_type in the tests' parameter list.
 
 from __future__ import annotations
 
-from .base import FAMILIES, Family, family, register, tiny_fields
-
 from . import (  # noqa: F401,E402  (each module registers its families)
     cohere,
     deepseek,
@@ -36,5 +34,6 @@ from . import (  # noqa: F401,E402  (each module registers its families)
     stablelm,
     starcoder,
 )
+from .base import FAMILIES, Family, family, register, tiny_fields
 
 __all__ = ["FAMILIES", "Family", "family", "register", "tiny_fields"]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 #: Fields of every tiny config (only those the family's config class knows are passed, see `tiny_fields`).
 TINY_COMMON = dict(

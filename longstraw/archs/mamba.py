@@ -20,7 +20,8 @@ _SSM = "Mamba-2 (SSD)"
 
 register(
     Family("nemotron_h", f"{_SSM} + full attention, MoE and MLP layers without a token mixer",
-           moe=True, tiny=dict(num_hidden_layers=4, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+           moe=True, tiny=dict(num_hidden_layers=4,
+                               layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
                                mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4,
                                chunk_size=8, n_routed_experts=4, moe_intermediate_size=32,
                                moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1)),

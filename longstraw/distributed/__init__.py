@@ -5,18 +5,18 @@
     (-(adv * out.logprobs).sum()).backward()    # collective too (the backward exchanges query gradients)
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
-Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder
-layers are full attention, MLA, DSA, sliding-window attention and linear attention (`KVState`, `LatentState`,
-`IndexedLatentState`, `SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, deepseek_v32, glm_moe_dsa,
-gemma3, gpt_oss, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, gpt_oss, qwen3_next);
-attention sinks fold in as one more key of score `sink` and value 0 after the last merge (the replay's backward
-gives the sinks their gradient). Refused by name (NotImplementedError, the same on every rank): other layer kinds
-(compressed, chunked, hybrid-parallel, short conv), `prompt_grad="exact"` for models with sinks, `state_device`. `state_dtype`
-(8-bit K/V and latents, detached mode) slices the prompt in whole blocks of 64 positions and quantizes each slice once
-at the end of capture; during capture the ranks read each other's slices in full precision, so the result is not
-bitwise one process's (whose later chunks read the earlier chunks' 8-bit state) but no less accurate. Exact mode works for every served layer kind (not with
-sinks). FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; in the trainer: `fsdp: true`). The trainer on N processes (torchrun, `longstraw train --nproc N`) is
-`longstraw.parallel`.
+Status (this module grows with issue 13): context-parallel capture and detached replay for models whose decoder layers
+are full attention, MLA, DSA, sliding-window attention and linear attention (`KVState`, `LatentState`,
+`IndexedLatentState`, `SlidingKVState`, `RecurrentState`: llama, qwen3, deepseek_v3, deepseek_v32, glm_moe_dsa, gemma3,
+gpt_oss, qwen3_next, ...; tested: llama, deepseek_v3, glm_moe_dsa, gemma3_text, gpt_oss, qwen3_next); attention sinks
+fold in as one more key of score `sink` and value 0 after the last merge (the replay's backward gives the sinks their
+gradient). Refused by name (NotImplementedError, the same on every rank): other layer kinds (compressed, chunked,
+hybrid-parallel, short conv), `prompt_grad="exact"` for models with sinks, `state_device`. `state_dtype` (8-bit K/V and
+latents, detached mode) slices the prompt in whole blocks of 64 positions and quantizes each slice once at the end of
+capture; during capture the ranks read each other's slices in full precision, so the result is not bitwise one
+process's (whose later chunks read the earlier chunks' 8-bit state) but no less accurate. Exact mode works for every
+served layer kind (not with sinks). FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; in the trainer:
+`fsdp: true`). The trainer on N processes (torchrun, `longstraw train --nproc N`) is `longstraw.parallel`.
 
 What each rank holds
 --------------------
@@ -41,13 +41,13 @@ What each rank holds
 
 Capture (collective)
 --------------------
-Every rank runs the unmodified decoder over its whole slice in one forward, so all ranks are at the same layer at
-the same time (layer-synchronous, as in ring attention). What reads nothing of the other ranks runs `chunk_size`
-positions at a time within that forward, so its intermediates are a chunk's: every layer's feed-forward module
+Every rank runs the unmodified decoder over its whole slice in one forward, so all ranks are at the same layer at the
+same time (layer-synchronous, as in ring attention). What reads nothing of the other ranks runs `chunk_size` positions
+at a time within that forward, so its intermediates are a chunk's: every layer's feed-forward module
 (`longstraw.prepare.ChunkedFeedForward`) and the recurrent (linear-attention) decoder layers, whose only input from
-earlier positions is their state (relayed from rank r − 1, below, then carried chunk to chunk). In each full-attention layer rank r attends with the
-queries of its slice to its own slice (causal, local) and to the slices of ranks j < r. Each such cross block
-(rank r's n queries × rank j's n keys) is shared by its two ranks so that the work is even:
+earlier positions is their state (relayed from rank r − 1, below, then carried chunk to chunk). In each full-attention
+layer rank r attends with the queries of its slice to its own slice (causal, local) and to the slices of ranks j < r.
+Each such cross block (rank r's n queries × rank j's n keys) is shared by its two ranks so that the work is even:
 - keys to queries, for the first half of rank r's query rows: the ranks all-gather their K/V `chunk_size` positions
   per step (step c: positions [c·C, (c+1)·C) of every slice, padded) and rank r folds its first-half rows against
   each earlier slice's chunk, in the order (step, rank);
@@ -152,5 +152,5 @@ from .collectives import CollectiveError, Group, MismatchError
 from .context_parallel import ContextParallelState, slice_bounds
 from .fsdp import gradient_sync, replicated_parameters, shard, sharded_layers
 
-__all__ = ["CollectiveError", "ContextParallelState", "Group", "MismatchError", "gradient_sync", "replicated_parameters",
-           "shard", "sharded_layers", "slice_bounds"]
+__all__ = ["CollectiveError", "ContextParallelState", "Group", "MismatchError", "gradient_sync",
+           "replicated_parameters", "shard", "sharded_layers", "slice_bounds"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+
 import torch
 import torch.distributed as dist
 

@@ -11,7 +11,6 @@ import torch
 
 from .. import quant
 from ..attention import DEFAULT_BLOCK, Part, part_backward, part_forward
-from ..quant import QUANT_BLOCK, QuantizedTokens
 from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
@@ -21,12 +20,22 @@ from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
 from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
-from ..state import (PromptState, Replay, _as_ids, _check_length, _first_trainable_layer, check_capture_options,
-                     model_device, run_decoder)
+from ..quant import QUANT_BLOCK, QuantizedTokens
+from ..state import (
+    PromptState,
+    Replay,
+    _as_ids,
+    _check_length,
+    _first_trainable_layer,
+    check_capture_options,
+    model_device,
+    run_decoder,
+)
 from .collectives import Group, digest
-from .merge import fold as _fold, fold_sinks, pad_rows as _pad_rows
-from .sparse import (SparseCaptureAttention, SparseReplayAttention, as_selection, select, slice_partials,
-                     sparse_partial)
+from .merge import fold as _fold
+from .merge import fold_sinks
+from .merge import pad_rows as _pad_rows
+from .sparse import SparseCaptureAttention, SparseReplayAttention, as_selection, select, slice_partials, sparse_partial
 
 __all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "capture",
            "slice_bounds"]
@@ -166,7 +175,8 @@ class SliceIndexedLatentState(SliceLatentState):
 class _LatentOwn(LatentOwn):
     """What `longstraw.layers.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
     layers of MLA layers: the branch's own latents are its keys and its values (one tensor), there is no local prompt
-    part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch."""
+    part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch.
+    """
 
     prompt = None
     prompt_index = None
@@ -480,7 +490,7 @@ class SlidingCaptureAttention(torch.autograd.Function):
     rank), each owner adding what it receives in rank order to its own tail's rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, own: Part, layer: "_SlidingCaptureBranchLayer"):
+    def forward(ctx, q, k, v, own: Part, layer: _SlidingCaptureBranchLayer):
         g = layer.group
         keep = own.window - 1
         pk, pv, start = _window_before(layer.tails, layer.bounds, layer.bounds[g.rank][0], keep)
@@ -657,7 +667,7 @@ class _RecurrentRelayExact(_RecurrentRelay):
 
 
 def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detached", block_size: int = DEFAULT_BLOCK,
-            verify: bool | None = None, state_dtype=None, *, group, state_device=None) -> "ContextParallelState":
+            verify: bool | None = None, state_dtype=None, *, group, state_device=None) -> ContextParallelState:
     """`longstraw.capture(..., group=group)`: a collective of every rank of `group` (a `torch.distributed` process
     group; the default group for `group=torch.distributed.group.WORLD`).
 
@@ -688,9 +698,9 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     if state_device is not None:
         raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
                                   "state_device is not supported with group=")
+    from ..layers import layer_kind
     from ..prepare import prepare
     from ..support import model_parts, untested_because
-    from ..layers import layer_kind
 
     parts: ModelParts = model_parts(model)
     kinds = {layer_kind(kind) for kind in parts.plan}
@@ -710,7 +720,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
     align = QUANT_BLOCK if compressed is not None else 1
     if captured < g.size * align:
         raise ValueError(f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
-                         f"ranks a slice{' of whole 8-bit blocks of %d positions' % align if align > 1 else ''}; "
+                         f"ranks a slice{f' of whole 8-bit blocks of {align} positions' if align > 1 else ''}; "
                          "use fewer ranks or capture without group=")
     prepare(model)
     if verify or (verify is None and untested_because(model, parts) is not None):
@@ -767,8 +777,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
                 layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
     del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
-    state = ContextParallelState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad, block_size,
-                                 group=g, bounds=bounds, key=key)
+    state = ContextParallelState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad,
+                                 block_size, group=g, bounds=bounds, key=key)
     if prompt_grad == "exact":
         state._prompt = prompt[:captured]
         for layer in layers[_first_trainable_layer(parts):]:

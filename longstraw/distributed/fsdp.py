@@ -36,8 +36,8 @@ from torch import nn
 
 from ..models import base_model, decoder_of
 
-__all__ = ["clip_grad_norm", "full_tensors", "gradient_sync", "is_sharded", "load_full_tensors", "local_optimizer_state",
-           "replicated_parameters", "shard", "sharded_layers", "sharded_optimizer_state"]
+__all__ = ["clip_grad_norm", "full_tensors", "gradient_sync", "is_sharded", "load_full_tensors",
+           "local_optimizer_state", "replicated_parameters", "shard", "sharded_layers", "sharded_optimizer_state"]
 
 
 def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters: bool = False):

@@ -13,11 +13,11 @@ which is what makes a long capture chunk of a sliding-window layer as cheap as i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..quant import read_block
-from dataclasses import replace
-
 from .part import TILE_ELEMENTS, Part, acc_dtype, may_see, visible
 
 #: Bounds of the query tile of a windowed or chunked part: the window (or chunk) clamped to this range. A tile of

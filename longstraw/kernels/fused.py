@@ -244,8 +244,8 @@ class SimdCPU(FlashCPU):
             yield native.attend_full_8bit(qf, k, v, part.scale)
             n = k.length - k.quantized
             if n:
-                yield self.raw_forward(qf, read_block(k, k.quantized, n, qf.dtype), read_block(v, k.quantized, n, qf.dtype),
-                                       False, part.scale)
+                yield self.raw_forward(qf, read_block(k, k.quantized, n, qf.dtype),
+                                       read_block(v, k.quantized, n, qf.dtype), False, part.scale)
             return
         yield from super().pieces(qf, k, v, part)
 

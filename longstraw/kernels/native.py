@@ -7,14 +7,15 @@ scores, 8 × 256 floats, and the tile's keys transposed; of an 8-bit state, the 
 At head dims 16–128 it is 1.13–1.35× PyTorch's fused CPU flash attention per core (`bench/cpu_kernel.py`): its
 score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value dims) in vector registers.
 
-How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and
-`-O3 -march=native` (`$LONGSTRAW_NATIVE_ARCH` names another target: `x86-64-v3` builds the AVX2 + FMA code a machine
-without AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/test_native_kernel.py`), into `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary
-directory) under a name that hashes the source, the flags, the compiler's version and the CPU's model and feature
-flags (a home folder shared by different machines keeps one build per CPU kind). Written under a temporary name
-and renamed, so concurrent processes (torchrun ranks) never load a half-written library. Without a compiler, with
-a failed build, or with `LONGSTRAW_NATIVE=0`, the kernel is unavailable (`why_unavailable()` says why) and
-`longstraw.kernels` uses PyTorch's kernels: nothing else changes.
+How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and `-O3
+-march=native` (`$LONGSTRAW_NATIVE_ARCH` names another target: `x86-64-v3` builds the AVX2 + FMA code a machine without
+AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/test_native_kernel.py`), into
+`$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary directory) under a name that hashes
+the source, the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
+machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes (torchrun
+ranks) never load a half-written library. Without a compiler, with a failed build, or with `LONGSTRAW_NATIVE=0`, the
+kernel is unavailable (`why_unavailable()` says why) and `longstraw.kernels` uses PyTorch's kernels: nothing else
+changes.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class LayerState(ABC):
     #: whether this kind supports `prompt_grad="exact"`
     supports_exact: bool = False
 
-    def mark_boundary(self) -> None:
+    def mark_boundary(self) -> None:  # noqa: B027  (a no-op unless the kind keeps boundary states)
         """Exact mode, during capture, before each chunk: keep what the reverse pass of that chunk
         will start from beyond the durable state itself (e.g. the recurrent state at the boundary)."""
 

@@ -72,7 +72,7 @@ class Stream:
     def own_count(self) -> int:
         return 0 if self.own is None else self.own.shape[-2]
 
-    def push(self, module, kv: torch.Tensor, gate: torch.Tensor, overlap: bool) -> "Stream":
+    def push(self, module, kv: torch.Tensor, gate: torch.Tensor, overlap: bool) -> Stream:
         """The stream after source tokens `kv`, `gate` `[B, S, F]` of `module` (a transformers V4 compressor or
         indexer: `position_bias`, `kv_norm`, `rotary_emb`, `head_dim`)."""
         b = kv.shape[0]
@@ -99,7 +99,7 @@ class Stream:
     def own_positions(self, device) -> torch.Tensor:
         return entry_positions(self.count, self.own_count, self.rate, device)
 
-    def select_rows(self, indices: torch.Tensor) -> "Stream":
+    def select_rows(self, indices: torch.Tensor) -> Stream:
         def rows(t):
             return t if t is None or t.shape[0] == 1 else t[indices]
 

@@ -9,6 +9,7 @@ what it already holds. A branch keeps its own K/V apart and attention merges the
 from __future__ import annotations
 
 import torch
+
 from ..quant import QuantizedTokens, host_or_device
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
@@ -115,7 +116,8 @@ class KVState(LayerState):
             return
         if self.keys is None and self.state_device is not None:  # host memory, pinned for a GPU model
             self.keys = host_or_device((*k.shape[:2], self.capacity, k.shape[3]), k.dtype, self.state_device, k.device)
-            self.values = host_or_device((*v.shape[:2], self.capacity, v.shape[3]), v.dtype, self.state_device, v.device)
+            self.values = host_or_device((*v.shape[:2], self.capacity, v.shape[3]), v.dtype, self.state_device,
+                                         v.device)
         if self.keys is None:
             self.keys = base.empty_state(k, (*k.shape[:2], self.capacity, k.shape[3]))
             self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))

@@ -7,10 +7,10 @@ layers that reuse an earlier layer's selection (`config.indexer_types[i] == "sha
 none. Durable bytes per prompt token and layer: (kv_lora_rank + qk_rope_head_dim [+ index_head_dim]) ·
 dtype size — never the expanded per-head K/V.
 
-transformers' MLA modules expand the cached latents per head (`expand_kv`) before attention, which
-would materialise heads × P × head_dim for the prompt. Inside a longstraw forward `LatentAttention`
-(a mixin `longstraw.prepare` puts in front of the module's class) takes over the module's forward: it calls the module's own projections, norms and rotary function, and
-attends in latent space (`longstraw.latent_attention`: absorbed up-projections, blockwise split
+transformers' MLA modules expand the cached latents per head (`expand_kv`) before attention, which would materialise
+heads × P × head_dim for the prompt. Inside a longstraw forward `LatentAttention` (a mixin `longstraw.prepare` puts in
+front of the module's class) takes over the module's forward: it calls the module's own projections, norms and rotary
+function, and attends in latent space (`longstraw.latent_attention`: absorbed up-projections, blockwise split
 attention; DSA: blockwise indexer top-k, gathered sparse attention).
 """
 
@@ -21,6 +21,7 @@ import inspect
 
 import torch
 
+from ..hf_attention import active_cache
 from ..latent_attention import (
     absorb_query,
     absorbed_weights,
@@ -29,10 +30,10 @@ from ..latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from ..hf_attention import active_cache
 from ..quant import QuantizedTokens
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
+
 
 @functools.cache
 def _returns_selection(cls) -> bool:

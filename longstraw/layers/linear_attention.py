@@ -77,7 +77,7 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
                 if t is not None and t.shape[0] > 1:
                     states[i] = t[indices]
 
-    def expand(self, batch: int) -> "RecurrentBranchLayer":
+    def expand(self, batch: int) -> RecurrentBranchLayer:
         """View the captured states for `batch` sequences (no copy: branches never write them)."""
         for states in (self.conv_states, self.recurrent_states):
             for i, t in states.items():
@@ -142,7 +142,8 @@ class RecurrentState(LayerState):
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
         # the states this chunk ends in are what the next chunk (or the replays) started from
-        nxt = self.boundaries[chunk + 1] if chunk + 1 < len(self.boundaries) else (self.conv_states, self.recurrent_states)
+        last = (self.conv_states, self.recurrent_states)
+        nxt = self.boundaries[chunk + 1] if chunk + 1 < len(self.boundaries) else last
         out = []
         for produced, leaves in ((branch_layer.conv_states, nxt[0]), (branch_layer.recurrent_states, nxt[1])):
             for i, leaf in leaves.items():

@@ -10,7 +10,7 @@ dtype for the kinds that grow with P (`longstraw.quant`: 1 byte per value + a fl
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..quant import QUANT_BLOCK
 

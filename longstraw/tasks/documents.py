@@ -10,9 +10,10 @@ go sentences the question needs:
 - `distractors`: four such sentences for four different archives, each with its own code, at random depths; the
   question names one archive (harder: the model must tell which of four similar sentences answers it).
 
-Each row is `{"messages": [{"role": "user", "content": ...}], "answer": "4817", "length": N, "depth": d}`; the
-reward `contains_answer` (`longstraw.tasks.base`, a built-in reward name) gives 1 when the completion's first line holds the code (the model may answer in a
-sentence: "The access code is 4817."). `write_document_task` writes the JSONL files for `longstraw train`.
+Each row is `{"messages": [{"role": "user", "content": ...}], "answer": "4817", "length": N, "depth": d}`; the reward
+`contains_answer` (`longstraw.tasks.base`, a built-in reward name) gives 1 when the completion's first line holds the
+code (the model may answer in a sentence: "The access code is 4817."). `write_document_task` writes the JSONL files for
+`longstraw train`.
 """
 
 from __future__ import annotations
