@@ -14,10 +14,11 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` wi
 `longstraw.config.TrainConfig`, the `longstraw` command line.
 """
 
-from .models import UnsupportedArchitectureError
+from .api import capture
+from .errors import UnsupportedArchitectureError
 from .prepare import prepare, unprepare
 from .self_check import CheckReport, check
-from .state import PromptState, Replay, capture
+from .state import PromptState, Replay
 from .support import tested_families
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ import torch
 
 # re-exported: the compressed and latent attention modules and the planner use them
 from .kernels import TILE_ELEMENTS, Part, part_backward, part_forward  # noqa: F401
-from .kernels.part import acc_dtype as _acc_dtype  # noqa: F401
+from .kernels.part import acc_dtype as acc_dtype  # noqa: F401
 
 DEFAULT_BLOCK = 1024
 
@@ -48,13 +48,13 @@ def merge_by_lse(out_a, lse_a, out_b, lse_b):
     return out.to(out_b.dtype), w_a
 
 
-def _fold(x: torch.Tensor) -> torch.Tensor:
+def fold_batch(x: torch.Tensor) -> torch.Tensor:
     """`[B, H, R, ...]` → `[1, H, B·R, ...]`: B sequences' queries as rows against one shared prompt."""
     return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
-def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
-    """Inverse of `_fold` for a batch of `b`."""
+def unfold_batch(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Inverse of `fold_batch` for a batch of `b`."""
     return x.reshape(x.shape[1], b, x.shape[2] // b, *x.shape[3:]).transpose(0, 1)
 
 
@@ -75,8 +75,8 @@ class SplitAttention(torch.autograd.Function):
         else:
             b = q.shape[0]
             if b > 1 and prompt_k.shape[0] == 1:
-                out_p, lse_p = part_forward(_fold(q), prompt_k, prompt_v, prompt)
-                out_p, lse_p = _unfold(out_p, b), _unfold(lse_p, b)
+                out_p, lse_p = part_forward(fold_batch(q), prompt_k, prompt_v, prompt)
+                out_p, lse_p = unfold_batch(out_p, b), unfold_batch(lse_p, b)
             else:
                 out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
@@ -112,9 +112,10 @@ class SplitAttention(torch.autograd.Function):
         need_prompt = need[3] or need[4]
         b = q.shape[0]
         if b > 1 and prompt_k.shape[0] == 1:
-            dq_p, dkp, dvp = part_backward(_fold(g_p), _fold(q), prompt_k, prompt_v, _fold(out), _fold(lse_p), prompt,
-                                           need_kv=need_prompt, g_lse=None if gl_p is None else _fold(gl_p))
-            dq_p = _unfold(dq_p, b)
+            dq_p, dkp, dvp = part_backward(fold_batch(g_p), fold_batch(q), prompt_k, prompt_v, fold_batch(out),
+                                           fold_batch(lse_p), prompt,
+                                           need_kv=need_prompt, g_lse=None if gl_p is None else fold_batch(gl_p))
+            dq_p = unfold_batch(dq_p, b)
         else:
             dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt,
                                            g_lse=gl_p)
@@ -183,7 +184,7 @@ def reference_attention(q, k, v, q_start, k_start, scale=None, window=None, soft
     """Plain masked softmax attention (all scores materialised, K/V repeated per query head); `sinks` `[H]`
     as an extra column of the softmax whose value is 0."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dtype = _acc_dtype(q)
+    dtype = acc_dtype(q)
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1).to(dtype)
     v = v.repeat_interleave(g, dim=1).to(dtype)

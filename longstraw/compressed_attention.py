@@ -24,8 +24,17 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .attention import TILE_ELEMENTS, Part, _acc_dtype, _fold, _unfold, merge_by_lse, part_backward, part_forward
-from .latent_attention import Selection, _gather
+from .attention import (
+    TILE_ELEMENTS,
+    Part,
+    acc_dtype,
+    fold_batch,
+    merge_by_lse,
+    part_backward,
+    part_forward,
+    unfold_batch,
+)
+from .latent_attention import Selection, gather_latents
 
 
 def check_rate(layer_type: str, rate) -> int:
@@ -80,10 +89,10 @@ class _EntryPart(torch.autograd.Function):
     def forward(ctx, q, entries, part: Part):
         b = q.shape[0]
         fold = b > 1 and entries.shape[0] == 1
-        qq = _fold(q) if fold else q
+        qq = fold_batch(q) if fold else q
         out, lse = part_forward(qq, entries, entries, part)
         if fold:
-            out, lse = _unfold(out, b), _unfold(lse, b)
+            out, lse = unfold_batch(out, b), unfold_batch(lse, b)
         ctx.save_for_backward(q, entries, out, lse)
         ctx.part, ctx.fold = part, fold
         return out, lse
@@ -94,11 +103,11 @@ class _EntryPart(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         b = q.shape[0]
-        f = _fold if ctx.fold else (lambda x: x)
+        f = fold_batch if ctx.fold else (lambda x: x)
         dq, dk, dv = part_backward(f(dout), f(q), entries, entries, f(out), f(lse), ctx.part,
                                    need_kv=ctx.needs_input_grad[1], g_lse=None if dlse is None else f(dlse))
         if ctx.fold:
-            dq = _unfold(dq, b)
+            dq = unfold_batch(dq, b)
         return dq, (None if dk is None else dk + dv), None
 
 
@@ -127,7 +136,7 @@ def _safe_softmax_part(scores, valid, weigh):
 def dense_entry_part(q, entries, positions, q_start: int, scale: float):
     """(out, lse) of q `[B, H, S, D]` over a branch's own entries `[B, 1, k, D]` visible from `positions` `[k]`
     (plain autograd: S × k scores, k ≤ S / m + 1)."""
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     s = q.shape[2]
     scores = torch.matmul(q.to(acc), entries.to(acc).transpose(-1, -2)) * scale
     qpos = torch.arange(q_start, q_start + s, device=q.device)
@@ -138,11 +147,11 @@ def dense_entry_part(q, entries, positions, q_start: int, scale: float):
 
 
 def _gathered_block(q, prompt, own, idx, valid, n_prompt: int, scale: float):
-    keys = _gather(own, (idx - n_prompt).clamp(min=0)) if own is not None else None
+    keys = gather_latents(own, (idx - n_prompt).clamp(min=0)) if own is not None else None
     if prompt is not None and n_prompt:
-        from_prompt = _gather(prompt, idx.clamp(max=n_prompt - 1))
+        from_prompt = gather_latents(prompt, idx.clamp(max=n_prompt - 1))
         keys = from_prompt if keys is None else torch.where((idx < n_prompt)[..., None], from_prompt, keys)
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     keys = keys.to(acc)
     scores = torch.einsum("bhnd,bnkd->bhnk", q.to(acc), keys) * scale
     out, lse = _safe_softmax_part(scores, valid[:, None], lambda p: torch.einsum("bhnk,bnkd->bhnd", p, keys))
@@ -212,7 +221,7 @@ def reference_compressed_attention(q, keys, entries, positions, scale: float, wi
     """Plain attention of q `[B, H, S, D]` (queries at the last S positions of `keys` `[B, 1, T, D]`, K = V)
     over its sliding window and the `entries` `[B, 1, n, D]` visible from `positions` `[n]` (and `allowed`
     `[B, S, n]` if given), with sinks `[H]`: every score materialised, one softmax."""
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     t, s = keys.shape[2], q.shape[2]
     kv = torch.cat([keys, entries], dim=2).to(acc)
     scores = torch.matmul(q.to(acc), kv.transpose(-1, -2)) * scale

@@ -136,7 +136,7 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     return Selection(idx, vals > float("-inf"), p)
 
 
-def _gather(latents, idx: torch.Tensor) -> torch.Tensor:
+def gather_latents(latents, idx: torch.Tensor) -> torch.Tensor:
     """Rows `idx` `[B, n, K]` of latents `[1|B, 1, T, D]` (batch 1 shared by all B) → `[B, n, K, D]`; a compressed
     state (`longstraw.quant.QuantizedTokens`) dequantizes only those rows."""
     if not isinstance(latents, torch.Tensor):
@@ -150,9 +150,10 @@ def _gather(latents, idx: torch.Tensor) -> torch.Tensor:
 
 def _sparse_block(query, prompt, own, idx, valid, prompt_length: int, rank: int, scale: float):
     """One block of queries `[B, H, n, D]` over their selected keys `idx` `[B, n, K]`; out `[B, H, n, r]`."""
-    keys = _gather(own, (idx - prompt_length).clamp(min=0))
+    keys = gather_latents(own, (idx - prompt_length).clamp(min=0))
     if prompt is not None and prompt_length:
-        keys = torch.where((idx < prompt_length)[..., None], _gather(prompt, idx.clamp(max=prompt_length - 1)), keys)
+        from_prompt = gather_latents(prompt, idx.clamp(max=prompt_length - 1))
+        keys = torch.where((idx < prompt_length)[..., None], from_prompt, keys)
     scores = torch.einsum("bhnd,bnkd->bhnk", _acc(query), _acc(keys)) * scale
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

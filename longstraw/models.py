@@ -9,69 +9,13 @@ logits (`ModelParts`), and per decoder layer a layer kind that keeps its durable
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
-import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
 from .archs import FAMILIES, tiny_fields
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model has a layer or an attention variant longstraw cannot represent, or failed the self-check."""
-
-
-def base_model(model) -> transformers.PreTrainedModel:
-    """The transformers model under an optional PEFT wrapper (adapters stay injected in its modules)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def decoder_of(base) -> torch.nn.Module:
-    """The decoder stack (the module holding `.layers`) of a transformers causal LM. `get_decoder()` answers the
-    model itself where `base_model_prefix` does not name the stack (Llama 4's text model, transformers 5.24)."""
-    decoder = base.get_decoder()
-    if getattr(decoder, "layers", None) is None:
-        for name in ("model", base.base_model_prefix):
-            inner = getattr(decoder, name, None)
-            if inner is not None and getattr(inner, "layers", None) is not None:
-                return inner
-    return decoder
-
-
-def text_config(model) -> PreTrainedConfig:
-    return base_model(model).config.get_text_config(decoder=True)
-
-
-@dataclass
-class ModelParts:
-    """What capture and replay call: `decoder(input_ids=..., ...)` → hidden `[1, T, hidden]`; `lm_head`."""
-
-    model: torch.nn.Module
-    decoder: torch.nn.Module
-    lm_head: torch.nn.Module
-    config: PreTrainedConfig
-    final_logit_softcapping: float | None
-    #: every config the model's modules read (`longstraw.prepare.model_configs`): a longstraw forward names its
-    #: attention implementation on them for its duration
-    configs: list = ()
-    #: factor the causal-LM class multiplies the logits by before softcapping (Cohere's `logit_scale`,
-    #: 1 / Granite's `logits_scaling`); None: 1
-    logit_scale: float | None = None
-    #: the longstraw layer kind of each decoder layer (`longstraw.support.model_plan`: the config's plan corrected by
-    #: what the attention modules pass)
-    plan: list = ()
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.final_logit_softcapping is not None:
-            c = self.final_logit_softcapping
-            logits = torch.tanh(logits / c) * c
-        return logits
-
+from .errors import UnsupportedArchitectureError
+from .hf.parts import ModelParts, base_model, decoder_of, text_config
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
@@ -251,8 +195,5 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, att
     return model.eval()
 
 
-def model_parts(model) -> ModelParts:
-    """`longstraw.support.model_parts`: the parts of a servable model (capability checked)."""
-    from .support import model_parts as parts
-
-    return parts(model)
+__all__ = ["ModelParts", "UnsupportedArchitectureError", "base_model", "decoder_of", "text_config", "tiny_config",
+           "tiny_model", "TINY_CONFIGS", "TINY_MULTIMODAL"]

@@ -25,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .hf.parts import attention_module, base_model, decoder_of, model_configs, model_device
+
 PROBE_IMPLEMENTATION = "longstraw_probe"
 #: shortest probe forward
 PROBE_TOKENS = 8
@@ -106,9 +108,6 @@ AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)
 def observe_attention(model) -> dict[int, AttentionCall]:
     """Decoder layer index → what its attention module passed in one short forward of `model` (layers whose mixer
     does not call the attention interface — linear attention, SSMs — are absent). Cached on the model."""
-    from .models import base_model, decoder_of
-    from .prepare import model_configs
-    from .support import attention_module
 
     base = base_model(model)
     configs = model_configs(base)
@@ -116,7 +115,6 @@ def observe_attention(model) -> dict[int, AttentionCall]:
     cached = base.__dict__.get("_longstraw_observed")
     if cached is not None and cached[0] == key:
         return cached[1]
-    from .state import model_device
 
     device = model_device(base)  # a clear error for a model on the meta device or split over several
     decoder = decoder_of(base)

@@ -29,14 +29,14 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedConfig
 
 from .archs import family
+from .errors import UnsupportedArchitectureError
+from .hf.parts import base_model, decoder_of, model_configs
 from .hf_attention import ATTN_IMPLEMENTATION, active_cache, running, snapshot
 from .layers.compressed_attention import CompressedAttention, CompressedKVState
 from .layers.jamba import JambaMixer
 from .layers.latent_attention import LatentAttention
-from .models import UnsupportedArchitectureError, base_model, decoder_of
 from .support import LATENT_KINDS, check_capability, model_plan
 
 
@@ -211,18 +211,6 @@ def _subclass(mixin: type, cls: type) -> type:
         globals()[name] = sub
         _SUBCLASSES[key] = sub
     return _SUBCLASSES[key]
-
-
-def model_configs(model) -> list[PreTrainedConfig]:
-    """Every distinct config the modules of `model` read (the model's, its sub-configs, per-module ones)."""
-    base = base_model(model)
-    seen: dict[int, PreTrainedConfig] = {}
-    candidates = [base.config, base.config.get_text_config(decoder=True)]
-    candidates += [getattr(m, "config", None) for m in base.modules()]
-    for cfg in candidates:
-        if isinstance(cfg, PreTrainedConfig):
-            seen.setdefault(id(cfg), cfg)
-    return list(seen.values())
 
 
 def is_prepared(model) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .models import base_model
+from .hf.parts import base_model
+from .support import config_layer_types, model_layer_types
 
 
 def _response_logprobs(logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,6 @@ def _cache_config(model):
     keys."""
     import copy
 
-    from .support import config_layer_types, model_layer_types
 
     cfg = base_model(model).config
     text = cfg.get_text_config(decoder=True)

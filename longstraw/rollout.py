@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import capture
+from .api import capture
 from .losses import combine_rewards, group_advantages
 from .memory import MemoryMeter
 from .rewards import RewardSet

@@ -16,11 +16,15 @@ activations for the active rows; O(G · V) for one step's logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from .hf.decoder import run_decoder
 from .layers import AttentionBranchLayer
-from .state import PromptState, run_decoder
+
+if TYPE_CHECKING:
+    from .state import PromptState
 
 
 @dataclass

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models import UnsupportedArchitectureError, base_model
+from .state import capture_local
 from .support import attention_module, layer_plan, model_parts
 
 #: max abs log-prob difference, and relative gradient error, allowed in float32 / float64
@@ -187,8 +188,6 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
           gradients: bool = True, seed: int = 0) -> CheckReport:
     """Self-check of `model` (see the module docstring). Raises `UnsupportedArchitectureError` only for a model
     whose layers longstraw cannot represent at all; a numeric disagreement is reported, not raised."""
-    from .state import capture
-
     start = time.perf_counter()
     parts = model_parts(model)
     cfg = parts.config
@@ -215,7 +214,7 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
                                                        weights, gradients)
             del model32
         try:
-            state = capture(model, prompt, chunk_size=chunk, verify=False)
+            state = capture_local(model, prompt, chunk_size=chunk)
             got, got_out, got_grads = _graded(lambda: state.replay(response).logprobs, parts.decoder, 0, r,
                                               slice(0, r), weights, gradients)
             state.release()

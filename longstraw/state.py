@@ -18,17 +18,20 @@ import torch
 
 from . import quant
 from .attention import DEFAULT_BLOCK
-from .hf_attention import BranchCache, running
+from .hf.decoder import run_decoder
+from .hf.parts import ModelParts, model_device
+from .hf_attention import BranchCache
 from .layers import LayerState
 from .logprobs import chunked_logprobs
-from .models import ModelParts
+from .plan import auto_chunk_size
 from .prepare import prepare
-from .support import layer_states, model_parts, untested_because
+from .sampler import sample
+from .support import layer_states, model_parts
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
 
-def _as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
+def as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
     """Validate token ids: a 1-D (or [1, T]) integer tensor of known tokens → 1-D LongTensor on device."""
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(ids)
@@ -160,8 +163,8 @@ class PromptState:
         Gradients are the same.
         """
         parts = self._parts
-        response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-        _check_length(parts.config, self.prompt_length + response.numel())
+        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+        check_length(parts.config, self.prompt_length + response.numel())
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
@@ -173,27 +176,11 @@ class PromptState:
     def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
         """Decode `num` responses together from this one state (`longstraw.sampler.sample`)."""
-        from .sampler import sample
-
         return sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                       stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
 
 
-def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache,
-                checkpoint_layers: bool = False):
-    """Hidden states `[B, T, hidden]` of the unmodified decoder (of a prepared model) over `input_ids` `[B, T]`
-    (positions `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder
-    layer in backward instead of keeping its graph (`longstraw.prepare.CheckpointedLayer`), which also
-    stands in for transformers' own activation checkpointing when the model has it on in training mode."""
-    cache.checkpoint_layers = checkpoint_layers
-    cache.configs = parts.configs
-    cache.past_length = int(positions[0])
-    with running(cache, parts.configs), cache.inplace_safe():
-        out = parts.decoder(input_ids=input_ids, position_ids=positions[None], cache=cache, use_cache=True)
-    return out.last_hidden_state
-
-
-def _check_length(cfg, total: int) -> None:
+def check_length(cfg, total: int) -> None:
     limit = getattr(cfg, "max_position_embeddings", None)
     if limit is not None and total > limit:
         raise ValueError(
@@ -202,53 +189,12 @@ def _check_length(cfg, total: int) -> None:
         )
 
 
-def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
-            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
-            state_device=None, group=None, progress=None) -> PromptState:
-    """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
-    (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
-    512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
-
-    `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant)
-    or "exact" (the gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
-    states at each chunk boundary). `block_size`: key block of the split attention.
-
-    `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
-    `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
-    K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.quant`), quantized once
-    here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.
-
-    `state_device`: "cpu" for a model on a GPU keeps the full-attention K/V (the state that grows with P in
-    dense and hybrid models; with `state_dtype`, its 8-bit blocks) in pinned host memory; the attention
-    streams it to the GPU one tile of 65,536 keys at a time, copying the next tile on a side stream while
-    the current one is computed. GPU memory of the state falls to one tile per layer in flight; each replay
-    and each decoding step reads the whole state over the host link. Other kinds (MLA latents, windows,
-    recurrent states) stay on the GPU. Detached mode only. None, or the model's own device: no offload (on a
-    CPU model, "cpu" changes nothing).
-
-    `group`: a `torch.distributed` process group: capture is then a collective of its ranks, each keeping the state of
-    its own slice of the prompt (context parallelism, `longstraw.distributed`); None: this process alone.
-
-    `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
-    (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
-    families (`longstraw.archs`); True: always; False: never.
-
-    `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
-    of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
-    """
+def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
+                  block_size: int = DEFAULT_BLOCK, state_dtype=None, state_device=None, progress=None) -> PromptState:
+    """`longstraw.capture` in this process, without the self-check (which `longstraw.api.capture` runs first where it
+    applies): the same arguments (but `group` and `verify`), the same state."""
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
-    if group is not None:
-        from .distributed.context_parallel import capture as capture_cp
-
-        if chunk_size is None:
-            chunk_size = default_chunk_size(model, torch.as_tensor(prompt_ids).numel())
-        state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
-                           state_device=state_device)
-        if progress is not None:
-            captured = torch.as_tensor(prompt_ids).numel() - 1
-            progress(captured, captured)
-        return state
     check_capture_options(prompt_grad, chunk_size, block_size)
     compressed = quant.state_dtype(state_dtype)
     if compressed is not None and prompt_grad == "exact":
@@ -256,13 +202,9 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
                          "the model's dtype; use prompt_grad='detached' or state_dtype=None")
     parts = model_parts(model)
     device = model_device(parts.model)
-    prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
-    _check_length(parts.config, prompt.numel())
+    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
+    check_length(parts.config, prompt.numel())
     prepare(model)
-    if verify or (verify is None and untested_because(model, parts) is not None):
-        from .self_check import ensure_verified
-
-        ensure_verified(model)
     if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
         chunk_size = default_chunk_size(model, prompt.numel())
     captured = prompt.numel() - 1
@@ -308,7 +250,7 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
                 progress(e, captured)
     if exact:
         state._prompt = prompt[:captured]
-        first = _first_trainable_layer(parts)
+        first = first_trainable_layer(parts)
         for layer in layers[first:]:
             layer.require_grad()
     return state
@@ -316,8 +258,6 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
 
 def default_chunk_size(model, prompt_length: int) -> int:
     """`capture`'s chunk when none is given: `longstraw.plan.auto_chunk_size` for the model's config and dtype."""
-    from .plan import auto_chunk_size
-
     parts = model_parts(model)
     dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(next(parts.model.parameters()).dtype, "bf16")
     return auto_chunk_size(parts.config, prompt_length, dtype)
@@ -333,22 +273,8 @@ def check_capture_options(prompt_grad, chunk_size, block_size) -> None:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
 
 
-def model_device(model) -> torch.device:
-    """The one device all of `model`'s parameters live on; a clear error for the meta device or a model split
-    over several devices (which needs a process group: see docs/distributed.md)."""
-    devices = {p.device for p in model.parameters()}
-    if not devices:
-        raise ValueError("the model has no parameters")
-    if any(d.type == "meta" for d in devices):
-        raise ValueError("the model has parameters on the meta device (not loaded): load its weights first, "
-                         "e.g. from_pretrained(...) without device_map='meta' / init_empty_weights")
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}: longstraw runs a model "
-                         f"on one device per process; move it with model.to(device)")
-    return devices.pop()
 
-
-def _first_trainable_layer(parts: ModelParts) -> int:
+def first_trainable_layer(parts: ModelParts) -> int:
     """Index of the first decoder layer whose durable state depends on a trainable parameter.
 
     The state of layer l is a function of the embeddings and layers ≤ l only: where none of those
@@ -365,3 +291,15 @@ def _first_trainable_layer(parts: ModelParts) -> int:
         if any(p.requires_grad for p in block.parameters()):
             return i
     return len(blocks)
+
+
+def __getattr__(name: str):
+    """`longstraw.state.capture` moved to `longstraw.capture` (`longstraw.api`): the old name works for one release."""
+    if name == "capture":
+        import warnings
+
+        from .api import capture  # the deprecated name only: the dispatcher sits above this module
+
+        warnings.warn("longstraw.state.capture is deprecated: use longstraw.capture", DeprecationWarning, stacklevel=2)
+        return capture
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,8 +30,10 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
 from .archs import FAMILIES, family
+from .errors import UnsupportedArchitectureError
+from .hf.parts import ModelParts, attention_module, base_model, decoder_of, model_configs, text_config
 from .layers import layer_kind, registered_layer_types
-from .models import ModelParts, UnsupportedArchitectureError, base_model, decoder_of, text_config
+from .observe import MAX_PROBE, PROBE_TOKENS, observe_attention
 
 #: layer kinds whose attention math goes through transformers' attention interface
 _INTERFACE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -96,7 +98,6 @@ def _observed_types(cfg: PreTrainedConfig, types: list[str], observed: dict) -> 
 
 def _probe_covers(cfg, window: int) -> bool:
     """Whether the probe forward (`longstraw.observe`) was long enough for a window of `window` to show."""
-    from .observe import MAX_PROBE, PROBE_TOKENS
 
     declared = max([int(getattr(cfg, n, 0) or 0) for n in ("sliding_window", "attention_chunk_size")] + [0])
     return max(PROBE_TOKENS, min(declared + 2, MAX_PROBE)) >= window + 2
@@ -105,7 +106,6 @@ def _probe_covers(cfg, window: int) -> bool:
 def model_layer_types(model) -> list[str]:
     """Each decoder layer's transformers layer type as `model` runs it: the config's, corrected by the observed
     attention calls (before any family renames them to longstraw kinds)."""
-    from .observe import observe_attention
 
     cfg = text_config(model)
     return _observed_types(cfg, config_layer_types(cfg), observe_attention(model))
@@ -161,15 +161,6 @@ def _own_cache_classes(module_name: str) -> tuple[str, ...]:
         return ()
     return tuple(sorted(name for name, obj in vars(mod).items()
                         if isinstance(obj, type) and issubclass(obj, Cache) and obj.__module__ == module_name))
-
-
-def attention_module(block):
-    """The attention (or mixer) module of a decoder layer, or None."""
-    for name in ("self_attn", "attention", "attn", "mixer"):  # Nemotron-H: `mixer`
-        module = getattr(block, name, None)
-        if module is not None:
-            return module
-    return None
 
 
 def check_capability(model) -> PreTrainedConfig:
@@ -234,7 +225,6 @@ def _check_layers(cfg, plan: list[str], blocks) -> None:
 
 def model_plan(model) -> list[str]:
     """The layer plan of `model`: its config's, corrected by what its attention modules pass (`layer_plan`)."""
-    from .observe import observe_attention
 
     return layer_plan(text_config(model), observe_attention(model))
 
@@ -267,7 +257,6 @@ def model_parts(model) -> ModelParts:
     cfg = check_capability(model)
     base = base_model(model)
     scale, softcap = head_transform(cfg)
-    from .prepare import model_configs
 
     return ModelParts(model=base, decoder=decoder_of(base), lm_head=base.get_output_embeddings(), config=cfg,
                       final_logit_softcapping=softcap, logit_scale=scale, configs=model_configs(base),

@@ -337,7 +337,7 @@ class Trainer:
     def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
         """Greedy responses (token ids, stop token included) of the current model, one per example (`bar`: a
         progress bar advanced per example)."""
-        from . import capture
+        from .api import capture
 
         out = []
         # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it

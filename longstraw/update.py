@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import capture
+from .api import capture
 from .logprobs import chunked_logprobs
 from .losses import GRPOLoss
 from .memory import MemoryMeter
-from .models import model_parts
 from .rollout import Policy, Response, Rollout
+from .support import model_parts
 from .tasks import Example
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw import self_check, state as state_module
+from longstraw import self_check
 from longstraw.models import tiny_model
 from longstraw.reference import full_sequence_logprobs
 
@@ -34,12 +34,12 @@ def test_bf16_check_passes_a_correct_model(arch, use_lora):
 def test_bf16_check_refuses_a_misread_prompt_state(monkeypatch):
     """A capture that reads the prompt shifted by one token (the kind of error a wrong window or a lost chunk
     makes) is refused in bf16, as it is in fp32."""
-    real = state_module.capture
+    real = self_check.capture_local
 
     def shifted(model, prompt, **kw):
         return real(model, torch.roll(prompt, 1), **kw)
 
-    monkeypatch.setattr(state_module, "capture", shifted)
+    monkeypatch.setattr(self_check, "capture_local", shifted)
     for dtype in (torch.float32, torch.bfloat16):
         report = longstraw.check(tiny_model("llama", dtype=dtype), gradients=False)
         assert not report.ok, str(report)

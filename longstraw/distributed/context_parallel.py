@@ -24,10 +24,10 @@ from ..quant import QUANT_BLOCK, QuantizedTokens
 from ..state import (
     PromptState,
     Replay,
-    _as_ids,
-    _check_length,
-    _first_trainable_layer,
+    as_ids,
     check_capture_options,
+    check_length,
+    first_trainable_layer,
     model_device,
     run_decoder,
 )
@@ -713,8 +713,8 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
         raise NotImplementedError("context-parallel capture (group=...) supports prompt_grad='exact' for models of "
                                   "full-attention, MLA, DSA, sliding-window and linear-attention layers only so far")
     device = model_device(parts.model)
-    prompt = _as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
-    _check_length(parts.config, prompt.numel())
+    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
+    check_length(parts.config, prompt.numel())
     captured = prompt.numel() - 1
     # a quantized state's slices start on block boundaries (the blocks of one process)
     align = QUANT_BLOCK if compressed is not None else 1
@@ -781,7 +781,7 @@ def capture(model, prompt_ids, chunk_size: int = 4096, prompt_grad: str = "detac
                                  block_size, group=g, bounds=bounds, key=key)
     if prompt_grad == "exact":
         state._prompt = prompt[:captured]
-        for layer in layers[_first_trainable_layer(parts):]:
+        for layer in layers[first_trainable_layer(parts):]:
             layer.require_grad()
     return state
 
@@ -1037,8 +1037,8 @@ class ContextParallelState(PromptState):
         parts = self._parts
         layers = self._live()
         try:
-            response = _as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-            _check_length(parts.config, self.prompt_length + response.numel())
+            response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+            check_length(parts.config, self.prompt_length + response.numel())
             mine, error = response.numel(), None
         except (ValueError, TypeError) as err:
             mine, error = -1, err

@@ -96,7 +96,7 @@ class GRPOLoss:
     # ------------------------------------------------------------------ normalizer
     def normalizer(self, lengths: list[int], groups: list[int], max_completion_length: int) -> Normalizer:
         """Per-response scales for this loss type (see the class docstring)."""
-        _check_batch(lengths, groups, max_completion_length)
+        check_batch(lengths, groups, max_completion_length)
         n = len(lengths)
         return Normalizer(tuple(1.0 / (max(l, 1) * n) for l in lengths), f"grpo: 1/(|o_i|·{n})")
 
@@ -137,7 +137,7 @@ class GRPOLoss:
         return loss.sum() * scale, stats
 
 
-def _check_batch(lengths, groups, max_completion_length) -> None:
+def check_batch(lengths, groups, max_completion_length) -> None:
     if len(lengths) == 0:
         raise ValueError("empty batch: no responses to normalize over")
     if len(groups) != len(lengths):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import GRPOLoss, Normalizer, _check_batch
+from .base import GRPOLoss, Normalizer, check_batch
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class BNPOLoss(GRPOLoss):
     loss_type: str = field(default="bnpo", init=False)
 
     def normalizer(self, lengths, groups, max_completion_length) -> Normalizer:
-        _check_batch(lengths, groups, max_completion_length)
+        check_batch(lengths, groups, max_completion_length)
         tokens: dict[int, int] = {}
         for l, g in zip(lengths, groups):
             tokens[g] = tokens.get(g, 0) + l

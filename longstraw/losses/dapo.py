@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import GRPOLoss, Normalizer, _check_batch
+from .base import GRPOLoss, Normalizer, check_batch
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,6 @@ class DAPOLoss(GRPOLoss):
     loss_type: str = field(default="dapo", init=False)
 
     def normalizer(self, lengths, groups, max_completion_length) -> Normalizer:
-        _check_batch(lengths, groups, max_completion_length)
+        check_batch(lengths, groups, max_completion_length)
         total = max(sum(lengths), 1)
         return Normalizer((1.0 / total,) * len(lengths), f"dapo: 1/{total} tokens")

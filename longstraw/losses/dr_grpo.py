@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import GRPOLoss, Normalizer, _check_batch
+from .base import GRPOLoss, Normalizer, check_batch
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,6 @@ class DrGRPOLoss(GRPOLoss):
     loss_type: str = field(default="dr_grpo", init=False)
 
     def normalizer(self, lengths, groups, max_completion_length) -> Normalizer:
-        _check_batch(lengths, groups, max_completion_length)
+        check_batch(lengths, groups, max_completion_length)
         n = len(lengths)
         return Normalizer((1.0 / (n * max_completion_length),) * n, f"dr_grpo: 1/({n}·{max_completion_length})")

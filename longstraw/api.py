@@ -1,0 +1,71 @@
+"""The one entry point of a capture, `longstraw.capture`. It validates, prepares the model, runs the self-check where
+the model departs from what was tested, then captures in this process (`longstraw.state.capture_local`) or as a
+collective of a process group (`longstraw.distributed.context_parallel.capture`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import DEFAULT_BLOCK
+from .hf.parts import model_device
+from .prepare import prepare
+from .self_check import ensure_verified
+from .state import PromptState, as_ids, capture_local, check_capture_options, check_length, default_chunk_size
+from .support import model_parts, untested_because
+
+
+def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
+            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
+            state_device=None, group=None, progress=None) -> PromptState:
+    """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
+    (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
+    512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
+
+    `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant)
+    or "exact" (the gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
+    states at each chunk boundary). `block_size`: key block of the split attention.
+
+    `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
+    `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
+    K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.quant`), quantized once
+    here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.
+
+    `state_device`: "cpu" for a model on a GPU keeps the full-attention K/V (the state that grows with P in
+    dense and hybrid models; with `state_dtype`, its 8-bit blocks) in pinned host memory; the attention
+    streams it to the GPU one tile of 65,536 keys at a time, copying the next tile on a side stream while
+    the current one is computed. GPU memory of the state falls to one tile per layer in flight; each replay
+    and each decoding step reads the whole state over the host link. Other kinds (MLA latents, windows,
+    recurrent states) stay on the GPU. Detached mode only. None, or the model's own device: no offload (on a
+    CPU model, "cpu" changes nothing).
+
+    `group`: a `torch.distributed` process group: capture is then a collective of its ranks, each keeping the state of
+    its own slice of the prompt (context parallelism, `longstraw.distributed`); None: this process alone.
+
+    `verify`: run the self-check (`longstraw.check`) once per model configuration and refuse the model
+    (`UnsupportedArchitectureError`) when it fails. None (default): for configurations outside the tested
+    families (`longstraw.archs`); True: always; False: never.
+
+    `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
+    of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
+    """
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
+    if group is not None:
+        from .distributed.context_parallel import capture as capture_cp  # torch.distributed only when a group is given
+
+        if chunk_size is None:
+            chunk_size = default_chunk_size(model, torch.as_tensor(prompt_ids).numel())
+        state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
+                           state_device=state_device)
+        if progress is not None:
+            captured = torch.as_tensor(prompt_ids).numel() - 1
+            progress(captured, captured)
+        return state
+    check_capture_options(prompt_grad, chunk_size, block_size)
+    parts = model_parts(model)
+    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, model_device(parts.model))
+    check_length(parts.config, prompt.numel())
+    prepare(model)
+    if verify or (verify is None and untested_because(model, parts) is not None):
+        ensure_verified(model)
+    return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device, progress)
