@@ -108,3 +108,12 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
         a = longstraw.capture(model, prompt).replay(tokens(5, 2)).logprobs
         b = longstraw.capture(model, prompt, chunk_size=299).replay(tokens(5, 2)).logprobs
     assert torch.equal(a, b)
+
+
+def test_every_layer_kind_has_a_byte_formula():
+    """The planner predicts each layer kind's durable state from the config alone (`longstraw.layers.sizes`): a kind
+    registered without a formula would be planned as nothing."""
+    from longstraw.layers import registered_layer_types
+    from longstraw.layers.sizes import kinds_with_formulas
+
+    assert registered_layer_types() == kinds_with_formulas()

@@ -7,8 +7,8 @@ and a tiny random config that the tests build it from. Support itself is decided
 (`longstraw.support`): a model whose family is not here is served when its layers map to layer kinds
 and the self-check (`longstraw.check`) holds; the families here are the ones the test suite covers.
 
-Adding a family: one module here that calls `register(Family(...))`, imported below, plus its
-model_type in the tests' parameter list.
+Adding a family: one module here that calls `register(Family(...))`, imported below (the tests build their list
+of families from the registry), and its row in the table of docs/models.md; docs/extending.md has the rest.
 """
 
 from __future__ import annotations
