@@ -14,14 +14,18 @@ ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 NUMERICS = {"test_equivalence", "test_exact", "test_bf16", "test_distributed", "test_distributed_trainer", "test_fsdp",
             "test_fsdp_trainer", "test_kernels", "test_native_kernel", "test_attention", "test_latent_attention",
             "test_compressed_attention", "test_quant", "test_ssm", "test_logprobs"}
+#: files whose tests start several processes (gloo process groups, torchrun): `multiprocess`
+MULTIPROCESS = {"test_distributed", "test_distributed_trainer", "test_fsdp", "test_fsdp_trainer"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests in `NUMERICS` files get the `numerics` marker. Tests marked `cuda` skip on machines without a CUDA
-    device (CI); `bench/gpu.sh` runs them on one."""
+    """Tests in `NUMERICS` files get the `numerics` marker, those in `MULTIPROCESS` files `multiprocess`. Tests marked
+    `cuda` skip on machines without a CUDA device (CI); `bench/gpu.sh` runs them on one."""
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in NUMERICS:
             item.add_marker(pytest.mark.numerics)
+        if item.module.__name__.rsplit(".", 1)[-1] in MULTIPROCESS:
+            item.add_marker(pytest.mark.multiprocess)
     if torch.cuda.is_available() or os.environ.get("LONGSTRAW_TEST_DEVICE"):
         return
     skip = pytest.mark.skip(reason="no CUDA device")
