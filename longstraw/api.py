@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 
 from .attention import DEFAULT_BLOCK
-from .hf.parts import model_device
 from .prepare import prepare
 from .self_check import ensure_verified
-from .state import PromptState, as_ids, capture_local, check_capture_options, check_length, default_chunk_size
-from .support import model_parts, untested_because
+from .state import PromptState, capture_local, default_chunk_size, validate_capture
+from .support import untested_because
 
 
 def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
@@ -48,11 +47,11 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
     of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
     """
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
     if group is not None:
         from .distributed.context_parallel import capture as capture_cp  # torch.distributed only when a group is given
 
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
         if chunk_size is None:
             chunk_size = default_chunk_size(model, torch.as_tensor(prompt_ids).numel())
         state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
@@ -61,11 +60,9 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
             captured = torch.as_tensor(prompt_ids).numel() - 1
             progress(captured, captured)
         return state
-    check_capture_options(prompt_grad, chunk_size, block_size)
-    parts = model_parts(model)
-    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, model_device(parts.model))
-    check_length(parts.config, prompt.numel())
+    validated = validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress)
     prepare(model)
-    if verify or (verify is None and untested_because(model, parts) is not None):
+    if verify or (verify is None and untested_because(model, validated[0]) is not None):
         ensure_verified(model)
-    return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device, progress)
+    return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device, progress,
+                         validated=validated)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models import UnsupportedArchitectureError, base_model
+from .reference import full_sequence_logprobs
 from .state import capture_local
 from .support import attention_module, layer_plan, model_parts
 
@@ -252,12 +253,10 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
 
 def _reference(model, decoder, prompt, response, weights, gradients: bool):
     """The unmodified model's response log-probs `[R]`, its decoder layers' outputs at the response positions and
-    (`gradients`) the detached-mode gradient: d(Σ weights · log-probs) with respect to each decoder layer's input at
-    the response positions, from one full-sequence forward whose layer inputs at the prompt positions are detached
-    (the values are the plain forward's; only the prompt's share of the gradient is cut, as a captured state cuts it).
-    """
-    from .reference import full_sequence_logprobs
-
+    (`gradients`) the detached-mode gradient: d(Σ weights · log-probs) with respect to each decoder layer's and token
+    mixer's input at the response positions, from one full-sequence forward whose layer inputs at the prompt
+    positions are detached (the values are the plain forward's; only the prompt's share of the gradient is cut, as a
+    captured state cuts it)."""
     p, r = prompt.numel(), response.numel()
 
     def logprobs():
@@ -386,10 +385,11 @@ def _layer_detail(report: CheckReport, plan, ref_out, got_out, tol: list[float])
         report.worst_kind = worst_kind
 
 
-def _grad_detail(report: CheckReport, got: list[torch.Tensor], ref: list[torch.Tensor], tol: float | None) -> float:
-    """Relative error of the layer-input gradients `got` against `ref` (all layers together, float64); with `tol`,
-    records it as the report's `grad_error` and names the deepest layer over `tol` (a wrong backward in layer k
-    corrupts the gradient of every layer input up to k, and none after it)."""
+def _grad_detail(report: CheckReport, got: list[tuple[int, torch.Tensor]], ref: list[tuple[int, torch.Tensor]],
+                 tol: float | None) -> float:
+    """The worst relative error (float64) of the (layer index, input gradient) pairs `got` against `ref`, one per
+    layer and mixer input; with `tol`, records it as the report's `grad_error` and names the deepest layer over `tol`
+    (a wrong backward in layer k corrupts the gradient of every layer input up to k, and none after it)."""
     if [i for i, _ in got] != [i for i, _ in ref] or any(a.shape != b.shape for (_, a), (_, b) in zip(got, ref)):
         raise ValueError("self-check: the replay's layers were not called as the model's own forward calls them")
     errors = [(i, _rel(a.double(), b.double())) for (i, a), (_, b) in zip(got, ref)]

@@ -189,10 +189,9 @@ def check_length(cfg, total: int) -> None:
         )
 
 
-def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
-                  block_size: int = DEFAULT_BLOCK, state_dtype=None, state_device=None, progress=None) -> PromptState:
-    """`longstraw.capture` in this process, without the self-check (which `longstraw.api.capture` runs first where it
-    applies): the same arguments (but `group` and `verify`), the same state."""
+def validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress):
+    """`capture`'s checks of its arguments and of the model, before anything is allocated: (the model's parts, the
+    prompt as a 1-D LongTensor on the model's device, the 8-bit state dtype or None)."""
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
     check_capture_options(prompt_grad, chunk_size, block_size)
@@ -201,9 +200,20 @@ def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad:
         raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
                          "the model's dtype; use prompt_grad='detached' or state_dtype=None")
     parts = model_parts(model)
-    device = model_device(parts.model)
-    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, device)
+    prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, model_device(parts.model))
     check_length(parts.config, prompt.numel())
+    return parts, prompt, compressed
+
+
+def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
+                  block_size: int = DEFAULT_BLOCK, state_dtype=None, state_device=None, progress=None, *,
+                  validated=None) -> PromptState:
+    """`longstraw.capture` in this process, without the self-check (which `longstraw.api.capture` runs first where it
+    applies): the same arguments (but `group` and `verify`), the same state. `validated`: what `validate_capture`
+    returned for these arguments, when the caller has checked them already."""
+    parts, prompt, compressed = validated or validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size,
+                                                              state_dtype, progress)
+    device = prompt.device
     prepare(model)
     if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
         chunk_size = default_chunk_size(model, prompt.numel())
