@@ -98,7 +98,7 @@ def main() -> None:
             acc = sum(got[n]) / len(got[n])
             record(rows, dict(when=when, length=n, rows=len(got[n]), accuracy=acc, ci95=wilson(sum(got[n]), len(got[n])),
                               seconds=time.perf_counter() - t0, dtype=args.dtype, prompt_grad=args.prompt_grad,
-                              steps=args.steps, G=args.G), result)
+                              steps=args.steps, G=args.G, per_row=got[n]), result)
         trainer.model.train()
         return got
 

@@ -91,3 +91,17 @@ def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor
     else:
         logits = model(input_ids=inputs[None], position_ids=positions[None], cache=cache, use_cache=True).logits[0]
     return _response_logprobs(logits, response)
+
+
+def segmented_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> list:
+    """The detached reference of a multi-turn trajectory: for each policy segment (a run of mask 1) its log-probs with
+    grad from `cache_reference_logprobs` over [prompt + the trajectory before it] (the model's own cache filled under
+    `no_grad`): [(slice, log-probs `[len]`)] in order."""
+    m = torch.as_tensor(mask).reshape(-1)
+    flips = (m[1:] != m[:-1]).nonzero().flatten().add(1).tolist()
+    bounds = [0, *flips, m.numel()]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if m[a] > 0:
+            out.append((slice(a, b), cache_reference_logprobs(model, torch.cat([prompt, response[:a]]), response[a:b])))
+    return out

@@ -54,7 +54,7 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     return z
 
 
-def _check(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
+def check_sampling(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
     if num < 1:
         raise ValueError(f"num must be >= 1; got {num}")
     if max_new_tokens < 1:
@@ -79,26 +79,14 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
     every row's own state, then decoding continues after them; returned tokens exclude the prefix.
     """
     parts = state._parts
-    vocab = parts.config.vocab_size
-    _check(num, max_new_tokens, temperature, top_p, top_k, vocab)
+    check_sampling(num, max_new_tokens, temperature, top_p, top_k, parts.config.vocab_size)
     device = state.last_token.device
-    banned = None
-    if allowed_token_ids is not None:
-        allowed = torch.as_tensor(list(allowed_token_ids), dtype=torch.long, device=device)
-        if allowed.numel() == 0 or int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
-            raise ValueError(f"allowed_token_ids must be non-empty token ids in [0, {vocab})")
-        banned = torch.ones(vocab, dtype=torch.bool, device=device)
-        banned[allowed] = False
-    stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
+    banned = banned_tokens(allowed_token_ids, parts.config.vocab_size, device)
+    check_generator(generator, device)
     cache = state._cache(num)
     for layer in cache.layers:  # sliding-window layers keep only the own K/V later steps can read
         if isinstance(layer, AttentionBranchLayer):
             layer.trim = True
-    active = torch.arange(num, device=device)  # original row of each row still decoding
-    tokens = torch.zeros(num, max_new_tokens, dtype=torch.long, device=device)
-    logps = torch.zeros(num, max_new_tokens, device=device)
-    lengths = torch.full((num,), max_new_tokens, dtype=torch.long, device=device)
-    truncated = torch.ones(num, dtype=torch.bool, device=device)
     step_input = state.last_token.expand(num)[:, None]
     start = state.prompt_length - 1
     if prefix_ids is not None and len(prefix_ids) > 0:
@@ -107,9 +95,43 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
         run_decoder(parts, read.expand(num, -1), torch.arange(start, start + read.numel(), device=device), cache)
         step_input = prefix[-1:].expand(num)[:, None]
         start += prefix.numel()
-    if generator is not None and generator.device.type != device.type:
+    return decode(parts, cache, step_input, start, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  stop_token_ids=stop_token_ids, generator=generator, banned=banned)
+
+
+def banned_tokens(allowed_token_ids, vocab: int, device) -> torch.Tensor | None:
+    """`[V]` bool, True for the tokens sampling may not choose (None: all allowed)."""
+    if allowed_token_ids is None:
+        return None
+    allowed = torch.as_tensor(list(allowed_token_ids), dtype=torch.long, device=device)
+    if allowed.numel() == 0 or int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
+        raise ValueError(f"allowed_token_ids must be non-empty token ids in [0, {vocab})")
+    banned = torch.ones(vocab, dtype=torch.bool, device=device)
+    banned[allowed] = False
+    return banned
+
+
+def check_generator(generator: torch.Generator | None, device) -> None:
+    if generator is not None and generator.device.type != torch.device(device).type:
         raise ValueError(f"the sampling generator lives on {generator.device}, the model on {device}: "
                          f"create it with torch.Generator(device={str(device)!r})")
+
+
+@torch.no_grad()
+def decode(parts, cache, step_input: torch.Tensor, start: int, max_new_tokens: int, *, temperature: float = 1.0,
+           top_p: float = 1.0, top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,
+           banned: torch.Tensor | None = None) -> Samples:
+    """The decoding loop over a branch cache of B rows: `step_input` `[B, 1]` is each row's last token, not yet run,
+    at position `start`; each step runs it, chooses the next token and appends it. Rows leave the cache's batch when
+    they stop (`cache.batch_select_indices`). What the rows keep of their own afterwards is the cache's."""
+    num = step_input.shape[0]
+    device = step_input.device
+    stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
+    active = torch.arange(num, device=device)  # original row of each row still decoding
+    tokens = torch.zeros(num, max_new_tokens, dtype=torch.long, device=device)
+    logps = torch.zeros(num, max_new_tokens, device=device)
+    lengths = torch.full((num,), max_new_tokens, dtype=torch.long, device=device)
+    truncated = torch.ones(num, dtype=torch.bool, device=device)
     steps = torch.arange(start, start + max_new_tokens, device=device)  # positions, made once (no copy per token)
     for t in range(max_new_tokens):
         positions = steps[t : t + 1]

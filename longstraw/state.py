@@ -18,6 +18,7 @@ import torch
 
 from . import quant
 from .attention import DEFAULT_BLOCK
+from .branch import Branch
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
 from .hf_attention import BranchCache
@@ -172,6 +173,13 @@ class PromptState:
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
                                              softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
         return Replay(logprobs=logprobs, entropy=entropy)
+
+    def fork(self, chunk_size: int | None = None) -> Branch:
+        """A `longstraw.branch.Branch` of this state: one trajectory that grows by `extend` (tool output) and
+        `sample` (the policy's turns), reading this state without copying it. `chunk_size`: tokens per forward of
+        an `extend` (default: the capture's)."""
+        self._live()
+        return Branch(self, chunk_size)
 
     def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):

@@ -1,0 +1,189 @@
+"""Branch: one trajectory's own state on top of a captured prompt, grown turn by turn without autograd.
+
+An agent's context piles up after the prompt: tool output, observations, the policy's own turns. `PromptState.fork()`
+gives each of the G trajectories of a prompt a `Branch`: one branch cache (batch 1) that reads the prompt's durable
+state (shared by every branch of the prompt, never copied or written) and keeps only what its trajectory adds to
+itself, exactly what a sampled response keeps (per layer the own K/V, recurrent and convolution state, latents,
+compressed streams). Every layer kind the prompt serves, the branch serves: it is the sampler's own branch.
+
+- `extend(tokens)` runs tokens the environment returns through the decoder without autograd, `chunk_size` at a time,
+  as capture runs the prompt;
+- `sample(max_new_tokens, ...)` decodes the policy's next turn from the branch; the sampled tokens stay in it.
+
+The last token of the trajectory so far is held back (`last_token`), as a captured prompt holds back its last token:
+whatever comes next (a sampled turn, tool output) starts by running it. Work per turn is that turn's tokens and the
+observation after it, never the trajectory again.
+
+Memory: the prompt's state (shared) + the branch's own growth, O(T) per attention layer for the T tokens the
+trajectory added (O(window) for sliding-window layers, O(1) for recurrent ones) + one chunk's activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .hf.decoder import run_decoder
+from .layers import AttentionBranchLayer
+from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode
+
+if TYPE_CHECKING:
+    from .state import PromptState
+
+
+class Branch:
+    """The growing state of one trajectory forked from a `PromptState` (see the module doc).
+
+    `length`: the trajectory's positions so far (prompt included); `added`: the tokens it added after the prompt.
+    Free it with `release()` or as a context manager; the prompt state stays.
+    """
+
+    def __init__(self, state: PromptState, chunk_size: int | None = None):
+        if getattr(state, "group", None) is not None:
+            raise NotImplementedError("a Branch grows in one process: context-parallel prompt states (group=...) "
+                                      "cannot be forked yet; capture the prompt without a group for agent rollouts")
+        self.state = state
+        self._parts = state._parts
+        self.chunk_size = chunk_size or state.chunk_size
+        self._cache = state._cache(1)
+        for layer in self._cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
+            if isinstance(layer, AttentionBranchLayer):
+                layer.trim = True
+        self.last_token = state.last_token.clone()
+        self.length = state.prompt_length
+        self.added = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _live(self):
+        if self._cache is None:
+            raise RuntimeError("this Branch was released")
+        self.state._live()  # the prompt state must still be held
+        return self._cache
+
+    def release(self) -> None:
+        """Free the branch's own growth (the prompt state is untouched)."""
+        self._cache = None
+
+    def __enter__(self) -> Branch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        status = "released" if self._cache is None else f"{self.added} tokens added"
+        return f"Branch(length={self.length}, {status})"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the branch's own tensors (what it adds to the prompt state)."""
+        return own_nbytes(self._live(), self.state)
+
+    def _check_room(self, n: int) -> None:
+        limit = getattr(self._parts.config, "max_position_embeddings", None)
+        if limit is not None and self.length + n > limit:
+            raise ValueError(f"the trajectory would reach {self.length + n} positions but the model supports "
+                             f"max_position_embeddings={limit}")
+
+    # ------------------------------------------------------------------ growth
+    @torch.no_grad()
+    def extend(self, tokens) -> None:
+        """Append `tokens` `[n]` (tool output, an observation, a scripted turn) to the trajectory without autograd."""
+        cache = self._live()
+        device = self.last_token.device
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(device)
+        if ids.numel() == 0:
+            return
+        vocab = self._parts.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"tokens outside [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
+        self._check_room(ids.numel())
+        inputs = torch.cat([self.last_token, ids[:-1]])
+        start = self.length - 1
+        for s in range(0, inputs.numel(), self.chunk_size):
+            e = min(s + self.chunk_size, inputs.numel())
+            run_decoder(self._parts, inputs[None, s:e], torch.arange(start + s, start + e, device=device), cache)
+        self.last_token = ids[-1:].clone()
+        self.length += ids.numel()
+        self.added += ids.numel()
+
+    def sample(self, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None) -> Samples:
+        """Decode the next turn (one sequence) from the branch, `longstraw.sampler.sample`'s options; the turn's
+        tokens (its stop token included) become part of the trajectory. `max_new_tokens` is cut to the positions
+        the model has left."""
+        cache = self._live()
+        vocab = self._parts.config.vocab_size
+        limit = getattr(self._parts.config, "max_position_embeddings", None)
+        if limit is not None:
+            if self.length >= limit:
+                raise ValueError(f"the trajectory holds {self.length} positions, the model's limit "
+                                 f"(max_position_embeddings={limit}): nothing more can be sampled")
+            max_new_tokens = min(max_new_tokens, limit - self.length)
+        check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
+        device = self.last_token.device
+        check_generator(generator, device)
+        out = decode(self._parts, cache, self.last_token[None], self.length - 1, max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                     generator=generator, banned=banned_tokens(allowed_token_ids, vocab, device))
+        turn = out.tokens[0]
+        self.last_token = turn[-1:].clone()
+        self.length += turn.numel()
+        self.added += turn.numel()
+        return out
+
+
+def own_nbytes(cache, state: PromptState) -> int:
+    """Bytes of the tensors a branch cache holds of its own: those that share no storage with the prompt state."""
+    shared = {t.untyped_storage().data_ptr() for layer in state._live() for t in layer.tensors()}
+    seen: set[int] = set()
+    total = 0
+    for layer in cache.layers:
+        for t in _tensors(vars(layer)):
+            ptr = t.untyped_storage().data_ptr()
+            if t.numel() and ptr not in shared and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def detach_own(cache) -> None:
+    """Cut every branch layer's own tensors from the autograd graph they were made in (values unchanged), so that
+    the next forward reads them as constants after that graph's backward freed it."""
+    for layer in cache.layers:
+        for name, value in list(vars(layer).items()):
+            new = _detached(value)
+            if new is not value:
+                setattr(layer, name, new)
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, dict):
+        new = {k: _detached(v) for k, v in value.items()}
+        return value if all(new[k] is value[k] for k in value) else new
+    if isinstance(value, (list, tuple)):
+        items = [_detached(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        changed = {n: _detached(getattr(value, n)) for n in value.__dataclass_fields__}
+        changed = {n: v for n, v in changed.items() if v is not getattr(value, n)}
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name))

@@ -1,0 +1,152 @@
+"""Trajectories that grow after the prompt: a `Branch` forked from the prompt state (extend by tool output, sample
+the next turn) and segmented replay (one policy turn at a time against the prompt and the earlier turns), held to the
+unmodified model: its full-sequence log-probs and the detached cache reference per turn
+(`longstraw.reference.segmented_reference_logprobs`). One model per layer kind."""
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.trajectory import replay_segments, segments
+
+from .conftest import make_model, tie_free_tokens
+from .test_equivalence import FP32_GRAD_TOL
+
+#: one tiny model per layer kind: full attention, sliding window, chunked attention, attention sinks, gated DeltaNet,
+#: KDA, short convolution, Mamba-2 with mixer-less layers, Jamba's Mamba, Zamba2's shared attention, MLA, DSA,
+#: DeepSeek-V4's compressed attention
+KINDS = ["llama", "gemma3_text", "llama4_text", "gpt_oss", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba",
+         "zamba2", "deepseek_v3", "glm_moe_dsa", "deepseek_v4"]
+
+#: three policy turns around two tool outputs, the last one longer than the capture chunk
+MASK = torch.tensor([1] * 3 + [0] * 5 + [1] * 4 + [0] * 7 + [1] * 2, dtype=torch.float32)
+
+
+def _grad_errors(params, got, ref):
+    idx = [i for i, g in enumerate(ref) if g is not None]
+    assert len(idx) >= len(params) // 2 and all(got[i] is not None for i in idx)
+    err = [(got[i] - ref[i]).norm().item() for i in idx]
+    norm = [ref[i].norm().item() for i in idx]
+    return err, norm
+
+
+@pytest.mark.parametrize("arch", KINDS)
+def test_segmented_replay_equals_the_detached_reference_turn_by_turn(arch):
+    """Log-probs of the policy tokens equal the full-sequence forward's (float32: 4 × eps32 of log-probs of O(1-10));
+    the accumulated gradient of Σ w·log-probs equals the per-turn cache reference's within `FP32_GRAD_TOL` (as
+    `test_equivalence` holds replay to it); environment tokens get log-prob 0 and no gradient of their own."""
+    model = make_model(arch, False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prompt, response = tie_free_tokens(model, 19, MASK.numel(), seed=3)
+    w = torch.linspace(-1.0, 1.5, MASK.numel())
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        ref = segmented_reference_logprobs(model, prompt, response, MASK)
+        g_ref = torch.autograd.grad(sum((w[sl] * lp).sum() for sl, lp in ref), params, allow_unused=True)
+    assert [sl for sl, _ in ref] == [slice(s.start, s.end) for s in segments(MASK) if s.policy]
+    state = longstraw.capture(model, prompt, chunk_size=5, block_size=4)
+    for p in params:
+        p.grad = None
+    seen = []
+
+    def loss(sl, out):
+        seen.append(sl)
+        return (w[sl] * out.logprobs).sum()
+
+    out = replay_segments(state, response, MASK, loss)
+    assert seen == [sl for sl, _ in ref]
+    with torch.no_grad():
+        full = full_sequence_logprobs(model, prompt, response)
+    on = MASK > 0
+    assert (out.logprobs - full)[on].abs().max().item() <= 4 * 2**-23 * max(full.abs().max().item(), 1.0) * 4
+    assert bool((out.logprobs[~on] == 0).all())
+    err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
+    scale = max(norm)
+    assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+
+
+def test_segmented_replay_differs_from_whole_replay():
+    """The turn-by-turn gradient is not the whole-trajectory one (which also flows through the earlier turns and the
+    tool output): the test above would notice a replay that kept them in the graph."""
+    model = make_model("llama", False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prompt, response = tie_free_tokens(model, 19, MASK.numel(), seed=3)
+    w = torch.linspace(-1.0, 1.5, MASK.numel()) * MASK
+    state = longstraw.capture(model, prompt, chunk_size=5)
+    whole = torch.autograd.grad((w * state.replay(response).logprobs).sum(), params)
+    for p in params:
+        p.grad = None
+    replay_segments(state, response, MASK, lambda sl, out: (w[sl] * out.logprobs).sum())
+    rel = (sum((p.grad - g).pow(2).sum() for p, g in zip(params, whole)) / sum(g.pow(2).sum() for g in whole)).sqrt()
+    assert rel > 100 * FP32_GRAD_TOL
+
+
+@pytest.mark.parametrize("arch", KINDS)
+def test_branch_grows_by_tool_output_and_samples_the_next_turn(arch):
+    """A branch extended by tool output and sampled greedily: each sampled token's log-prob is the full-sequence
+    forward's over [prompt + everything the branch holds] (float32 rounding as above), the chosen token is that
+    forward's argmax up to the same rounding, and the prompt state is left as it was (its replay unchanged, bit for
+    bit)."""
+    model = make_model(arch, False)
+    prompt, tool = tie_free_tokens(model, 19, 11, seed=5)
+    state = longstraw.capture(model, prompt, chunk_size=5, block_size=4)
+    with torch.no_grad():
+        before = state.replay(tool[:4]).logprobs
+        branch = state.fork(chunk_size=4)
+        first = branch.sample(3, temperature=0)
+        branch.extend(tool)  # 11 tokens in forwards of 4
+        second = branch.sample(4, temperature=0)
+        assert branch.length == prompt.numel() + first.tokens[0].numel() + tool.numel() + second.tokens[0].numel()
+        trajectory = torch.cat([first.tokens[0], tool, second.tokens[0]])
+        logits = model(input_ids=torch.cat([prompt, trajectory])[None]).logits[0, prompt.numel() - 1 : -1].float()
+        lp = torch.log_softmax(logits, -1)
+        chosen = torch.cat([torch.arange(3), torch.arange(3 + 11, trajectory.numel())])
+        got = torch.cat([first.logprobs[0], second.logprobs[0]])
+        want = lp[chosen].gather(-1, trajectory[chosen, None])[:, 0]
+        tol = 16 * 2**-23 * max(want.abs().max().item(), 1.0)
+        assert (got - want).abs().max().item() <= tol
+        assert bool((lp[chosen].max(-1).values - want <= tol).all())
+        assert torch.equal(state.replay(tool[:4]).logprobs, before)
+        assert branch.nbytes > 0
+    branch.release()
+    with pytest.raises(RuntimeError, match="released"):
+        branch.extend(tool)
+
+
+def test_branch_refuses_bad_input_and_the_position_limit():
+    model = make_model("llama", False)
+    limit = model.config.max_position_embeddings = 40  # a short model: the limit is reached in a few tokens
+    prompt, _ = tie_free_tokens(model, 10, 1, seed=1)
+    state = longstraw.capture(model, prompt)
+    branch = state.fork()
+    with pytest.raises(ValueError, match="outside"):
+        branch.extend([model.config.vocab_size])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        branch.extend(torch.zeros(limit, dtype=torch.long))
+    branch.extend(torch.zeros(limit - branch.length - 2, dtype=torch.long))
+    out = branch.sample(50, temperature=0)  # cut to the positions left
+    assert out.tokens[0].numel() == 2 and branch.length == limit
+    with pytest.raises(ValueError, match="nothing more can be sampled"):
+        branch.sample(1)
+
+
+def test_segmented_replay_refuses_exact_mode():
+    model = make_model("llama", False)
+    prompt, response = tie_free_tokens(model, 12, MASK.numel(), seed=2)
+    state = longstraw.capture(model, prompt, prompt_grad="exact")
+    with pytest.raises(NotImplementedError, match="prompt_grad='exact'"):
+        replay_segments(state, response, MASK, lambda sl, out: out.logprobs.sum())
+
+
+def test_reference_is_the_cache_reference_per_turn():
+    """The reference helper itself: each policy segment's log-probs are `cache_reference_logprobs` over the prompt
+    and the trajectory before it."""
+    model = make_model("llama", False)
+    prompt, response = tie_free_tokens(model, 12, MASK.numel(), seed=2)
+    with torch.no_grad():
+        ref = segmented_reference_logprobs(model, prompt, response, MASK)
+        sl, lp = ref[1]
+        assert sl == slice(8, 12)
+        want = cache_reference_logprobs(model, torch.cat([prompt, response[:8]]), response[8:12])
+        assert torch.equal(lp, want)
