@@ -79,6 +79,23 @@ class TrainConfig:
     rollout_func: str | None = _f(None, "rollout hook 'package.module:function' or 'path/to/file.py:function': "
                                         "(sampler, example, num_generations) -> responses with token ids, mask and "
                                         "old log-probs (multi-turn, tool output; see longstraw.rollout)")
+    environment: str | None = _f(None, "agent environment factory 'package.module:Class' or 'path/to/file.py:Class' "
+                                       "(TRL's environment_factory: reset(**columns), public methods as tools, "
+                                       "optional get_reward()): multi-turn rollouts whose tool replies grow each "
+                                       "trajectory's own state (longstraw.agent); max_completion_length bounds a "
+                                       "whole trajectory, tool tokens included")
+    tool_parser: str | None = _f(None, "with `environment`: 'package.module:function' reading a policy turn's text "
+                                       "into tool calls (longstraw.agent.ToolCall); null: the <tool_call>{json}"
+                                       "</tool_call> blocks chat templates write")
+    max_turns: int = _f(8, "with `environment`: policy turns per trajectory at most")
+    max_turn_tokens: int | None = _f(None, "with `environment`: tokens per policy turn at most (null: what the "
+                                           "trajectory has left)")
+    max_tool_tokens: int = _f(1024, "with `environment`: tokens of one tool reply at most (a longer one is cut, "
+                                    "with a note saying how much)")
+    segment_replay: bool | None = _f(None, "replay a multi-turn response one policy turn at a time against the prompt "
+                                           "and its earlier turns held without autograd (memory flat in turns; the "
+                                           "detached gradient of the earlier turns); null: on with `environment`, "
+                                           "off otherwise (the whole response in one graph)")
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -131,6 +148,12 @@ class TrainConfig:
                             "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies")
     progress: bool = _f(True, "show a progress bar")
 
+    @property
+    def replays_segments(self) -> bool:
+        """Whether multi-turn responses are replayed turn by turn (`segment_replay`, on by default with an
+        `environment`)."""
+        return self.segment_replay if self.segment_replay is not None else self.environment is not None
+
     def __post_init__(self):
         def need(cond, msg):
             if not cond:
@@ -153,6 +176,17 @@ class TrainConfig:
              "'package.module:function' / 'path/to/file.py:function'")
         need(self.rollout_func is None or ":" in self.rollout_func,
              "rollout_func must be an import path 'package.module:function' or 'path/to/file.py:function'")
+        need(self.environment is None or ":" in self.environment,
+             "environment must be an import path 'package.module:Class' or 'path/to/file.py:Class'")
+        need(self.environment is None or self.rollout_func is None, "set `environment` or `rollout_func`, not both")
+        need(self.max_turns >= 1 and self.max_tool_tokens >= 1
+             and (self.max_turn_tokens is None or self.max_turn_tokens >= 1),
+             "max_turns, max_turn_tokens and max_tool_tokens must be >= 1")
+        need(not self.replays_segments or self.prompt_grad == "detached",
+             "segment_replay holds the earlier turns as constants: it needs prompt_grad: detached (or set "
+             "segment_replay: false to replay each trajectory whole)")
+        need(not self.replays_segments or self.importance_sampling_level == "token",
+             "segment_replay needs importance_sampling_level: token (a sequence-level ratio couples the turns)")
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
         need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),

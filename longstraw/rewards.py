@@ -83,13 +83,16 @@ class RewardSet:
     def names(self) -> list[str]:
         return [n for n, _ in self.funcs]
 
-    def score(self, example: Example, completions: list, completion_ids: list[list[int]]) -> torch.Tensor:
-        """`[N, F]` rewards of the F functions for N completions of one example (NaN where one abstains)."""
+    def score(self, example: Example, completions: list, completion_ids: list[list[int]],
+              extra: dict | None = None) -> torch.Tensor:
+        """`[N, F]` rewards of the F functions for N completions of one example (NaN where one abstains). `extra`:
+        per-completion columns (name → N values) of a rollout hook, passed on like the data columns."""
         n = len(completions)
         prompt = example.messages if example.messages is not None else example.prompt
         if example.messages is not None:
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         columns = {k: [v] * n for k, v in example.reward_columns().items()}
+        columns.update(extra or {})
         where = example.source or "the example"
         cols = []
         for name, fn in self.funcs:

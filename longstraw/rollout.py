@@ -62,6 +62,8 @@ class Response:
     mask: torch.Tensor
     truncated: bool
     ref_logprobs: torch.Tensor | None = None
+    #: per-response columns for the reward functions (a multi-turn rollout's turns, tool calls, environment reward)
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -235,7 +237,9 @@ class RolloutStage:
         with meter.stage("reward"):
             def score():
                 texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
-                return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses])
+                keys = sorted({k for r in responses for k in r.extra})
+                extra = {k: [r.extra.get(k) for r in responses] for k in keys}
+                return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses], extra)
 
             # on N ranks: scored once, on rank 0 (its result or error on every rank)
             rewards = score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)

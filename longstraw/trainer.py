@@ -182,6 +182,13 @@ class Trainer:
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
+        if rollout_func is None and cfg.environment:
+            from .agent import AgentSettings, EnvironmentRollout
+
+            kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
+            rollout_func = EnvironmentRollout(resolve_callable(cfg.environment, "environment"),
+                                              AgentSettings(cfg.max_turns, cfg.max_turn_tokens, cfg.max_tool_tokens),
+                                              **kw)
         self.loss_fn = make_loss(cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  importance_sampling_level=cfg.importance_sampling_level,
                                  use_bias_correction_kl=cfg.use_bias_correction_kl)

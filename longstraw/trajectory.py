@@ -59,6 +59,9 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
     entropies `[len]` (with grad) and returns the segment's share of the loss (a 0-d tensor, or None to skip its
     backward). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
     """
+    if getattr(state, "group", None) is not None:
+        raise NotImplementedError("segmented replay runs in one process: a context-parallel prompt state (group=...) "
+                                  "replays trajectories whole; set segment_replay: false")
     if state.prompt_grad == "exact":
         raise NotImplementedError(
             "segmented replay holds the earlier turns as constants (the detached gradient); prompt_grad='exact' "

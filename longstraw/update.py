@@ -30,10 +30,12 @@ import torch
 from .api import capture
 from .logprobs import chunked_logprobs
 from .losses import GRPOLoss
+from .losses.base import TokenStats
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
 from .support import model_parts
 from .tasks import Example
+from .trajectory import replay_segments
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,13 @@ class UpdateSettings:
     chunk_size: int = 1024
     checkpoint_layers: bool = False
     state_dtype: str | None = None
+    #: replay a response with environment tokens one policy turn at a time (`longstraw.trajectory`)
+    segment_replay: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
         return cls(cfg.max_completion_length, cfg.temperature, cfg.mask_truncated_completions, cfg.entropy_coef,
-                   cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers, cfg.state_dtype)
+                   cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers, cfg.state_dtype, cfg.replays_segments)
 
 
 def loss_mask(response: Response, settings: UpdateSettings) -> torch.Tensor:
@@ -123,7 +127,11 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
 def _response_backward(state, response: Response, mask: torch.Tensor, advantage: float, scale: float,
                        entropy_scale: float, loss_fn: GRPOLoss, settings: UpdateSettings, totals: _Totals,
                        before_backward=None) -> None:
-    """Replay one response, back-propagate its share of the batch loss, free its graph."""
+    """Replay one response, back-propagate its share of the batch loss, free its graph (with `segment_replay`, a
+    response holding environment tokens goes one policy turn at a time: `_segments_backward`)."""
+    if settings.segment_replay and bool((response.mask == 0).any()):
+        return _segments_backward(state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals,
+                                  before_backward)
     out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
     loss, st = loss_fn.response_loss(out.logprobs, response.old_logprobs, advantage, scale,
                                      ref_logps=response.ref_logprobs, mask=mask)
@@ -132,10 +140,48 @@ def _response_backward(state, response: Response, mask: torch.Tensor, advantage:
     if before_backward is not None:
         before_backward()
     loss.backward()
+    _add_totals(totals, loss.item(), mask, out.entropy, st)
+
+
+def _segments_backward(state, response: Response, mask, advantage, scale, entropy_scale, loss_fn: GRPOLoss,
+                       settings: UpdateSettings, totals: _Totals, before_backward=None) -> None:
+    """`_response_backward` turn by turn: each policy segment's share of the loss (the token-level surrogate is a sum
+    over tokens, so the shares add up to the response's) back-propagated as soon as it is replayed."""
+    loss_value = 0.0
+    stats = []
+
+    def segment_loss(sl, out):
+        nonlocal loss_value
+        ref = None if response.ref_logprobs is None else response.ref_logprobs[sl]
+        loss, st = loss_fn.response_loss(out.logprobs, response.old_logprobs[sl], advantage, scale, ref_logps=ref,
+                                         mask=mask[sl])
+        if entropy_scale > 0:
+            loss = loss - entropy_scale * (out.entropy * mask[sl]).sum()
+        loss_value += loss.item()
+        stats.append((sl, st))
+        if before_backward is not None and sl.stop == last_policy_end:
+            before_backward()
+        return loss
+
+    on = (response.mask > 0).nonzero()
+    last_policy_end = int(on[-1]) + 1 if on.numel() else 0
+    out = replay_segments(state, response.tokens, response.mask, segment_loss, temperature=settings.temperature,
+                          checkpoint_layers=settings.checkpoint_layers)
+    n = mask.numel()
+    low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    kl = torch.zeros(n) if loss_fn.beta > 0 else None
+    for sl, st in stats:
+        low[sl], high[sl] = st.low_clipped.expand(sl.stop - sl.start), st.high_clipped.expand(sl.stop - sl.start)
+        if kl is not None and st.kl is not None:
+            kl[sl] = st.kl.expand(sl.stop - sl.start)
+    _add_totals(totals, loss_value, mask, out.entropy, TokenStats(low, high, kl))
+
+
+def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch.Tensor, st) -> None:
     on = mask > 0
-    totals.loss += loss.item()
+    totals.loss += loss
     totals.tokens += int(on.sum())
-    totals.entropy += float(out.entropy.detach()[on].sum())
+    totals.entropy += float(entropy.detach()[on].sum())
     totals.clipped += float((st.low_clipped | st.high_clipped).expand_as(mask)[on].sum())
     if st.kl is not None:
         totals.kl += float(st.kl.expand_as(mask)[on].sum())

@@ -76,8 +76,16 @@ def contains_answer(prompts, completions, answer, **kwargs) -> list[float]:
     return out
 
 
+def environment_reward(prompts, completions, environment_reward=None, **kwargs) -> list[float | None]:
+    """The environment's own score of each trajectory (`env.get_reward()`, a multi-turn rollout's `environment_reward`
+    column); abstains (None) where the rollout has none."""
+    if environment_reward is None:
+        return [None] * len(completions)
+    return [None if r is None else float(r) for r in environment_reward]
+
+
 REWARD_FUNCTIONS = {"exact_match": exact_match, "fraction_correct": fraction_correct,
-                    "contains_answer": contains_answer}
+                    "contains_answer": contains_answer, "environment_reward": environment_reward}
 
 
 def rng_for(seed: int, index: int) -> random.Random:

@@ -1,0 +1,133 @@
+"""Multi-turn rollouts: G trajectories from one captured prompt, each growing on its own branch by tool output.
+
+`EnvironmentRollout(factory, settings)` is a rollout hook (`longstraw.rollout.RolloutStage`: `(sampler, example,
+num_generations) -> responses`). For each of the G trajectories it makes an environment (`factory()`), resets it
+with the example's columns, forks a `Branch` from the prompt state and alternates:
+
+1. sample a policy turn from the branch (up to the stop token, `max_turn_tokens`, or the tokens the trajectory has
+   left of `max_completion_length`);
+2. read its tool calls; none: the trajectory is done (the turn is the answer, or, without a stop token, a truncated
+   end);
+3. call each tool (`call_tool`: an unknown tool, bad arguments, an exception, an empty reply each become an error
+   message for the policy, never the end of the run), cut each reply to `max_tool_tokens`, and `extend` the branch by
+   the chat template's tool messages. A reply that would pass the trajectory's budget or the model's positions ends
+   the trajectory (truncated), as TRL drops an overlong tool result.
+
+Each trajectory becomes one `Response`: its tokens, mask 1 on the policy's turns and 0 on the tool messages, the
+turns' old log-probs (0 on tool tokens), and `extra` columns the reward functions receive as keyword lists (TRL
+forwards a rollout's extra fields the same way): `turns`, `tool_calls`, `tool_failures`, `stopped` (answer,
+max_turns, budget, no_stop) and `environment_reward` (`env.get_reward()`, None when the environment has none).
+
+Work per turn: the turn's tokens and the tool reply, once. Memory: the prompt state + one branch's growth at a time
+(trajectories run one after the other; a finished one keeps only its tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..rollout import Response, TurnSampler
+from ..tasks import Example
+from .environment import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_message_ids
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Budgets of a multi-turn rollout (`TrainConfig` fields of the same names; `max_completion_length` bounds the
+    whole trajectory after the prompt, tool tokens included, as in TRL)."""
+
+    max_turns: int = 8
+    max_turn_tokens: int | None = None
+    max_tool_tokens: int = 1024
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1; got {self.max_turns}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1 or None; got {self.max_turn_tokens}")
+        if self.max_tool_tokens < 1:
+            raise ValueError(f"max_tool_tokens must be >= 1; got {self.max_tool_tokens}")
+
+
+class EnvironmentRollout:
+    """The multi-turn rollout hook of an environment factory (see the module doc). `parse`: text → tool calls."""
+
+    def __init__(self, factory: Callable[[], object], settings: AgentSettings | None = None,
+                 parse: Callable[[str], list[ToolCall]] = parse_tool_calls):
+        if not callable(factory):
+            raise TypeError(f"environment factory must be callable; got {type(factory).__name__}")
+        self.factory, self.settings, self.parse = factory, settings or AgentSettings(), parse
+        self.__name__ = getattr(factory, "__name__", type(factory).__name__)
+
+    def __call__(self, sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
+        return [self.trajectory(sampler, example) for _ in range(num_generations)]
+
+    def trajectory(self, sampler: TurnSampler, example: Example) -> Response:
+        """One trajectory from the sampler's prompt state (its branch is freed on return)."""
+        s, tok, eos = sampler.settings, sampler.tokenizer, sampler.eos_token_id
+        env = self.factory()
+        tools = environment_tools(env)
+        first = env.reset(**example.reward_columns())
+        budget = s.max_completion_length
+        turn_cap = self.settings.max_turn_tokens or budget
+        limit = getattr(sampler.state._parts.config, "max_position_embeddings", None) or float("inf")
+        pieces: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (tokens, old log-probs, policy)
+        added = 0
+        calls = failures = turns = 0
+        stopped, truncated = "max_turns", False
+        with sampler.state.fork() as branch:
+            if first:  # the environment's first observation: a tool message before the first turn
+                obs = torch.tensor([eos, *tool_message_ids(tok, "reset", str(first))])
+                if obs.numel() < budget and branch.length + obs.numel() < limit:
+                    branch.extend(obs)
+                    pieces.append((obs, torch.zeros(obs.numel()), False))
+                    added += obs.numel()
+            for _ in range(self.settings.max_turns):
+                room = min(budget - added, turn_cap)
+                if room < 1 or branch.length >= limit:
+                    stopped, truncated = "budget", True
+                    break
+                out = branch.sample(room, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    stop_token_ids=[] if s.ignore_eos else [eos], generator=sampler.generator,
+                                    allowed_token_ids=sampler._allowed)
+                turn, lp = out.tokens[0], out.logprobs[0]
+                pieces.append((turn, lp, True))
+                added += turn.numel()
+                turns += 1
+                requested = self.parse(tok.decode(turn, skip_special_tokens=True))
+                if not requested:  # the answer, or a turn that ran out of tokens without one
+                    stopped, truncated = ("no_stop", True) if bool(out.truncated[0]) else ("answer", False)
+                    break
+                if turns == self.settings.max_turns:
+                    break
+                obs = []
+                for call in requested:
+                    reply, failed = call_tool(tools, call)
+                    calls += 1
+                    failures += failed
+                    obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
+                if added + len(obs) >= budget or branch.length + len(obs) >= limit:
+                    stopped, truncated = "budget", True
+                    break
+                obs_ids = torch.tensor(obs, dtype=torch.long)
+                branch.extend(obs_ids)
+                pieces.append((obs_ids, torch.zeros(obs_ids.numel()), False))
+                added += obs_ids.numel()
+        tokens = torch.cat([p[0] for p in pieces])
+        mask = torch.cat([torch.full((p[0].numel(),), float(p[2])) for p in pieces])
+        old = torch.cat([p[1] for p in pieces])
+        reward = getattr(env, "get_reward", None)
+        extra = dict(turns=turns, tool_calls=calls, tool_failures=failures, stopped=stopped,
+                     environment_reward=None if reward is None else float(reward()))
+        return Response(tokens, old, mask, truncated, extra=extra)
+
+    def _cut(self, tok, text: str) -> str:
+        """`text` cut to `max_tool_tokens` tokens, saying how much was left out."""
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        n = self.settings.max_tool_tokens
+        if len(ids) <= n:
+            return text
+        return tok.decode(ids[:n]) + f"\n[cut: {len(ids) - n} more tokens]"
