@@ -1,0 +1,148 @@
+"""Backward memory and time of one agent trajectory against its number of turns: turn by turn vs whole vs naive.
+
+A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tokens, each followed by a tool reply of
+`--tool-tokens` tokens (the last turn is the answer). Three ways to get the gradient of its masked log-prob sum
+(LoRA on the dense benchmark model, `longstraw.compare.bench_model("dense")`), each in a fresh process:
+
+- `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one policy turn's graph at a time;
+- `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
+- `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
+
+Memory: peak RSS during the replay and backward − RSS before it (`longstraw.memory.MemoryMeter`; the prompt state is
+captured before, so it is not counted for the two longstraw methods, and the naive way has none). G does not enter:
+trajectories are replayed one at a time, so a step's memory is one trajectory's.
+
+    python bench/agent_turns.py                   # → bench/results/agent_turns.{json,md,png}
+    python bench/agent_turns.py --turns 2 4 --out /tmp/quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import finish, record  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("segments", "whole", "naive")
+
+
+def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, threads: int) -> dict:
+    import time
+
+    import torch
+
+    import longstraw
+    from longstraw.compare import bench_model
+    from longstraw.memory import MemoryMeter
+    from longstraw.trajectory import replay_segments
+
+    torch.set_num_threads(threads)
+    model = bench_model("dense")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    pieces, mask = [], []
+    for t in range(turns):
+        pieces.append(torch.randint(0, vocab, (turn_tokens,), generator=g))
+        mask += [1.0] * turn_tokens
+        if t < turns - 1:
+            pieces.append(torch.randint(0, vocab, (tool_tokens,), generator=g))
+            mask += [0.0] * tool_tokens
+    tokens, mask = torch.cat(pieces), torch.tensor(mask)
+    meter = MemoryMeter("cpu")
+    state = None
+    if method != "naive":
+        state = longstraw.capture(model, prompt, chunk_size=1024)
+    meter.start_step()
+    t0 = time.perf_counter()
+    with meter.stage("backward"):
+        if method == "segments":
+            replay_segments(state, tokens, mask, lambda sl, out: out.logprobs.sum())
+        elif method == "whole":
+            (state.replay(tokens).logprobs * mask).sum().backward()
+        else:
+            logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+            (lp * mask).sum().backward()
+    seconds = time.perf_counter() - t0
+    res = meter.results()
+    return dict(method=method, turns=turns, P=P, trajectory_tokens=tokens.numel(), policy_tokens=int(mask.sum()),
+                backward_mem_mb=res["step_mem_mb"], seconds=round(seconds, 3),
+                prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2), threads=threads)
+
+
+def _plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method, style in zip(METHODS, ("o-", "s--", "^:")):
+        got = sorted((r["turns"], r) for r in rows if r.get("method") == method and "backward_mem_mb" in r)
+        if not got:
+            continue
+        x = [t for t, _ in got]
+        axes[0].plot(x, [r["backward_mem_mb"] for _, r in got], style, label=method)
+        axes[1].plot(x, [r["seconds"] for _, r in got], style, label=method)
+    for ax, label in zip(axes, ("backward memory (MiB)", "backward time (s)")):
+        ax.set_xlabel("policy turns (a tool reply after each but the last)")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("One agent trajectory's gradient: turn by turn vs whole vs naive full sequence")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _table(rows) -> str:
+    lines = ["| turns | trajectory tokens | method | backward memory (MiB) | backward time (s) |",
+             "|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if "backward_mem_mb" in r:
+            lines.append(f"| {r['turns']} | {r['trajectory_tokens']:,} | {r['method']} | {r['backward_mem_mb']:,.1f} | "
+                         f"{r['seconds']:.1f} |")
+        else:
+            lines.append(f"| {r['turns']} | – | {r['method']} | error: {r.get('error', '')[:60]} | – |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=2, metavar=("METHOD", "TURNS"), help=argparse.SUPPRESS)
+    ap.add_argument("--turns", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--P", type=int, default=2048)
+    ap.add_argument("--turn-tokens", type=int, default=32)
+    ap.add_argument("--tool-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS / "agent_turns"))
+    args = ap.parse_args()
+    if args.worker:
+        row = worker(args.worker[0], int(args.worker[1]), args.P, args.turn_tokens, args.tool_tokens, args.threads)
+        print(json.dumps(row))
+        return
+    rows: list[dict] = []
+    out = Path(args.out)
+    for turns in args.turns:
+        for method in args.methods:
+            cmd = [sys.executable, __file__, "--worker", method, str(turns), "--P", str(args.P), "--turn-tokens",
+                   str(args.turn_tokens), "--tool-tokens", str(args.tool_tokens), "--threads", str(args.threads)]
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # RSS follows the live tensors (see compare.py)
+            done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+            if done.returncode != 0:
+                record(rows, dict(method=method, turns=turns, error=done.stderr.strip()[-300:]), out)
+            else:
+                record(rows, json.loads(done.stdout.strip().splitlines()[-1]), out)
+    finish(rows, out, _plot, _table)
+
+
+if __name__ == "__main__":
+    main()
