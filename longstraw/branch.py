@@ -151,9 +151,12 @@ def own_nbytes(cache, state: PromptState) -> int:
 
 def detach_own(cache) -> None:
     """Cut every branch layer's own tensors from the autograd graph they were made in (values unchanged), so that
-    the next forward reads them as constants after that graph's backward freed it."""
+    the next forward reads them as constants after that graph's backward freed it. The prompt parts a layer reads
+    (attributes and fields named `prompt...`) stay as they are: in exact mode they collect the prompt's gradient."""
     for layer in cache.layers:
         for name, value in list(vars(layer).items()):
+            if name.startswith("prompt"):
+                continue
             new = _detached(value)
             if new is not value:
                 setattr(layer, name, new)
@@ -169,7 +172,7 @@ def _detached(value):
         items = [_detached(v) for v in value]
         return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
-        changed = {n: _detached(getattr(value, n)) for n in value.__dataclass_fields__}
+        changed = {n: _detached(getattr(value, n)) for n in value.__dataclass_fields__ if not n.startswith("prompt")}
         changed = {n: v for n, v in changed.items() if v is not getattr(value, n)}
         return dataclasses.replace(value, **changed) if changed else value
     return value

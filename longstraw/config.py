@@ -92,10 +92,11 @@ class TrainConfig:
                                            "trajectory has left)")
     max_tool_tokens: int = _f(1024, "with `environment`: tokens of one tool reply at most (a longer one is cut, "
                                     "with a note saying how much)")
-    segment_replay: bool | None = _f(None, "replay a multi-turn response one policy turn at a time against the prompt "
-                                           "and its earlier turns held without autograd (memory flat in turns; the "
-                                           "detached gradient of the earlier turns); null: on with `environment`, "
-                                           "off otherwise (the whole response in one graph)")
+    segment_replay: bool | None = _f(None, "replay a multi-turn response one turn at a time against the prompt and "
+                                           "its earlier turns held without a graph (memory flat in turns; with "
+                                           "prompt_grad: exact the gradient still reaches the earlier turns, the tool "
+                                           "output and the prompt); null: on with `environment`, off otherwise (the "
+                                           "whole response in one graph)")
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -182,9 +183,6 @@ class TrainConfig:
         need(self.max_turns >= 1 and self.max_tool_tokens >= 1
              and (self.max_turn_tokens is None or self.max_turn_tokens >= 1),
              "max_turns, max_turn_tokens and max_tool_tokens must be >= 1")
-        need(not self.replays_segments or self.prompt_grad == "detached",
-             "segment_replay holds the earlier turns as constants: it needs prompt_grad: detached (or set "
-             "segment_replay: false to replay each trajectory whole)")
         need(not self.replays_segments or self.importance_sampling_level == "token",
              "segment_replay needs importance_sampling_level: token (a sequence-level ratio couples the turns)")
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")

@@ -258,6 +258,10 @@ class Trainer:
                  reward=float(r.rewards.mean()), reward_std=float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
                  durable_bytes=r.durable_bytes, tokens=r.tokens,
                  **prompt_length_metrics([g.prompt_ids.numel() for g in r.groups]))
+        for key in ("turns", "tool_calls", "tool_failures"):  # multi-turn rollouts (`environment`): per trajectory
+            values = [x.extra[key] for x in r.responses if key in x.extra]
+            if values:
+                m[f"agent/{key}"] = sum(values) / len(values)
         for f, name in enumerate(self.rewards.names):
             col = r.per_function[:, f]
             m[f"rewards/{name}/mean"] = float(col.nanmean())
@@ -280,7 +284,7 @@ class Trainer:
             rows.append(dict(step=step, group=gi, prompt_tokens=g.prompt_ids.numel(),
                              prompt_tail=decode(g.prompt_ids[-self.PROMPT_TAIL:].tolist(), skip_special_tokens=False),
                              completion=decode(resp.tokens.tolist(), skip_special_tokens=False),
-                             truncated=bool(resp.truncated),
+                             truncated=bool(resp.truncated), **({"agent": resp.extra} if resp.extra else {}),
                              rewards={name: float(r.per_function[i, f]) for f, name in enumerate(self.rewards.names)},
                              reward=float(r.rewards[i]), advantage=float(r.advantages[i])))
         return rows

@@ -8,14 +8,17 @@ on one branch cache forked from the prompt state (`longstraw.branch`):
 - a policy segment runs with autograd, its log-probs go to `segment_loss`, whose result is back-propagated at once;
   the branch's own state is then cut from the freed graph (`detach_own`) and read as a constant by what follows.
 
-The gradient is the detached one, turn by turn: each policy segment's log-probs are differentiated through that
-segment's own computation, the prompt and the earlier segments held as constants, as a transformers cache filled
-without grad would hold them (`longstraw.reference.segmented_reference_grads` is that reference). The values are the
-model's: each token's log-prob equals the full-sequence forward's.
+With a detached prompt state the gradient is the detached one, turn by turn: each policy segment's log-probs are
+differentiated through that segment's own computation, the prompt and the earlier segments held as constants, as a
+transformers cache filled without grad would hold them (`longstraw.reference.segmented_reference_logprobs` is that
+reference). With `prompt_grad="exact"` it is the full-sequence gradient (`_replay_exact`): through the earlier turns,
+the tool output and the prompt, as one forward + backward of [prompt + trajectory] would send it. The values are the
+model's either way: each token's log-prob equals the full-sequence forward's.
 
-Memory: the prompt state + the branch's own growth (the whole trajectory's K/V or states, without autograd) + one
-policy segment's graph: independent of the number of turns and of G (trajectories are replayed one at a time).
-Work: every trajectory token runs once.
+Memory: the prompt state + the branch's own growth (the whole trajectory's K/V or states, without autograd; exact
+mode: twice that, with its gradient) + one segment's graph: independent of the number of turns and of G
+(trajectories are replayed one at a time). Work: every trajectory token runs once (exact mode: a second forward and a
+backward of the segments before the last turn).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import torch
 
 from .branch import detach_own
 from .hf.decoder import run_decoder
-from .layers import AttentionBranchLayer
+from .hf_attention import snapshot
+from .layers import (
+    AttentionBranchLayer,
+    CompressedBranchLayer,
+    LatentBranchLayer,
+    MixerlessBranchLayer,
+    RecurrentBranchLayer,
+)
 from .logprobs import chunked_logprobs
 from .state import PromptState, Replay, as_ids, check_length
 
@@ -62,10 +72,6 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
     if getattr(state, "group", None) is not None:
         raise NotImplementedError("segmented replay runs in one process: a context-parallel prompt state (group=...) "
                                   "replays trajectories whole; set segment_replay: false")
-    if state.prompt_grad == "exact":
-        raise NotImplementedError(
-            "segmented replay holds the earlier turns as constants (the detached gradient); prompt_grad='exact' "
-            "would need their gradient too: use prompt_grad='detached', or replay the trajectory whole")
     parts = state._parts
     device = state.last_token.device
     response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
@@ -73,6 +79,8 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
     if m.numel() != response.numel():
         raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
     check_length(parts.config, state.prompt_length + response.numel())
+    if state.prompt_grad == "exact":
+        return _replay_exact(state, response, m, segment_loss, temperature)
     inputs = torch.cat([state.last_token, response[:-1]])
     start = state.prompt_length - 1
     cache = state._cache(1)
@@ -103,4 +111,145 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
         del hidden, lp, ent, loss
         if i < last_policy:
             detach_own(cache)
+    return Replay(logprobs=logprobs, entropy=entropy)
+
+
+# ----------------------------------------------------------------------------------------- exact mode
+
+
+class _Carry:
+    """Exact mode: what later segments read of one trajectory's own growth, as tensors that collect its gradient.
+
+    Attention layers: one key and one value buffer per layer for the whole trajectory `[1, Hkv, T, D]` (leaves that
+    require grad); a segment reads the positions before it as a view of the buffer (its gradient lands in
+    `buffer.grad`) and its own new keys are copied in after its forward. Recurrent layers (linear attention, SSM,
+    short convolutions): the states at each segment boundary as leaves (O(1) each); boundary 0 is the prompt state's
+    own (exact-mode leaves of the `PromptState`). Memory: 2 × the trajectory's K/V + the boundary states.
+    """
+
+    def __init__(self, cache, total: int):
+        self.total = total
+        self.attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, AttentionBranchLayer)]
+        self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
+        for i, layer in enumerate(cache.layers):
+            served = (isinstance(layer, (AttentionBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer))
+                      and not isinstance(layer, (CompressedBranchLayer, LatentBranchLayer)))
+            if not served:
+                raise NotImplementedError(
+                    f"segmented replay with prompt_grad='exact' does not serve layer {i} ({type(layer).__name__}) "
+                    "yet: use prompt_grad='detached' or replay the trajectory whole (segment_replay: false)")
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.initial = {i: snapshot(cache.layers[i]) for i in self.recurrent}
+        self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
+
+    def enter(self, cache, j: int, start: int) -> None:
+        """Set the cache up to run segment j (first token at `start`) from the carry."""
+        for i in self.attention:
+            layer = cache.layers[i]
+            layer.trim, layer.own_offset = False, 0
+            if start == 0 or i not in self.keys:
+                layer.keys = layer.values = None
+            else:
+                layer.keys, layer.values = self.keys[i][:, :, :start], self.values[i][:, :, :start]
+        for i in self.recurrent:
+            if j == 0:
+                fresh = snapshot(self.initial[i])
+                for name in ("conv_states", "recurrent_states", "has_previous_state"):
+                    setattr(cache.layers[i], name, dict(getattr(fresh, name)))
+                continue
+            layer = cache.layers[i]
+            for (li, which, idx), leaf in self.boundaries[j].items():
+                if li == i:
+                    getattr(layer, f"{which}_states")[idx] = leaf
+                    layer.has_previous_state[idx] = True
+
+    def leave(self, cache, j: int, start: int, end: int, first_pass: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After segment j's forward: on the first pass, store what it produced (its keys into the buffers, its end
+        states as the leaves of boundary j + 1); on the reverse pass, the (produced tensor, accumulated gradient)
+        pairs to back-propagate."""
+        out = []
+        for i in self.attention:
+            layer = cache.layers[i]
+            k, v = layer.keys[:, :, start:end], layer.values[:, :, start:end]
+            if first_pass:
+                if i not in self.keys:
+                    shape = (*k.shape[:2], self.total)
+                    self.keys[i] = k.new_zeros((*shape, k.shape[3])).requires_grad_(True)
+                    self.values[i] = v.new_zeros((*shape, v.shape[3])).requires_grad_(True)
+                with torch.no_grad():
+                    self.keys[i][:, :, start:end] = k
+                    self.values[i][:, :, start:end] = v
+            else:
+                for own, buf in ((k, self.keys[i]), (v, self.values[i])):
+                    if buf.grad is not None and own.requires_grad:
+                        out.append((own, buf.grad[:, :, start:end]))
+        if first_pass:
+            nxt = {}
+            for i in self.recurrent:
+                layer = cache.layers[i]
+                for which in ("conv", "recurrent"):
+                    for idx, t in getattr(layer, f"{which}_states").items():
+                        if t is not None:
+                            nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
+            self.boundaries.append(nxt)
+        else:
+            for (i, which, idx), leaf in self.boundaries[j + 1].items():
+                produced = getattr(cache.layers[i], f"{which}_states")[idx]
+                if leaf.grad is not None and produced is not None and produced.requires_grad:
+                    out.append((produced, leaf.grad))
+        return out
+
+
+def _replay_exact(state: PromptState, response, mask, segment_loss, temperature: float) -> Replay:
+    """Exact mode: the gradient of every policy segment's loss through the whole trajectory and the prompt, as one
+    full-sequence backward would send it. A first pass in order runs each segment (policy segments with autograd,
+    their loss back-propagated at once into the parameters and into the carry of what they read); a reverse pass
+    recomputes segments last to first with autograd and pushes the gradient accumulated on what each produced back
+    through it. The prompt's share stays on the prompt state's leaves for `PromptState.backward()`. Cost: about one
+    more forward + backward of the trajectory; memory: the carry (`_Carry`) + one segment's graph."""
+    parts = state._parts
+    device = state.last_token.device
+    inputs = torch.cat([state.last_token, response[:-1]])
+    start = state.prompt_length - 1
+    cache = state._cache(1)
+    carry = _Carry(cache, response.numel())
+    logprobs = torch.zeros(response.numel(), device=device)
+    entropy = torch.zeros(response.numel(), device=device)
+    segs = segments(mask)
+    last_policy = max((i for i, seg in enumerate(segs) if seg.policy), default=-1)
+
+    def run(seg):
+        positions = torch.arange(start + seg.start, start + seg.end, device=device)
+        return run_decoder(parts, inputs[None, seg.start : seg.end], positions, cache)
+
+    for j, seg in enumerate(segs[: last_policy + 1]):
+        carry.enter(cache, j, seg.start)
+        if seg.policy:
+            with torch.enable_grad():
+                hidden = run(seg)
+                sl = slice(seg.start, seg.end)
+                lp, ent = chunked_logprobs(hidden[0], parts.lm_head, response[sl], temperature=temperature,
+                                           softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+                loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
+                if loss is not None and loss.requires_grad:
+                    loss.backward()
+            logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
+            del hidden, lp, ent, loss
+        else:
+            with torch.no_grad():
+                run(seg)
+        carry.leave(cache, j, seg.start, seg.end, first_pass=True)
+        detach_own(cache)
+    for j in range(last_policy - 1, -1, -1):  # the last policy segment's own state is read by nothing
+        seg = segs[j]
+        carry.enter(cache, j, seg.start)
+        with torch.enable_grad():
+            run(seg)
+            pairs = carry.leave(cache, j, seg.start, seg.end, first_pass=False)
+            if pairs:
+                # the gradients copied: backward accumulates into the same buffers (at earlier positions)
+                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype, copy=True) for t, g in pairs])
+        del pairs
+        detach_own(cache)
     return Replay(logprobs=logprobs, entropy=entropy)

@@ -88,6 +88,8 @@ def test_rollout_grows_each_trajectory_by_tool_replies(tmp_path):
         assert r.extra["tool_calls"] == r.extra["environment_reward"]  # one lookup per call
         assert r.extra["stopped"] in ("answer", "max_turns", "budget", "no_stop")
     assert seen_tool, "no trajectory called the tool: the test would not test tool replies"
+    m = trainer.grpo_step(0)  # the step's metrics say how the trajectories went
+    assert m["agent/turns"] >= 1 and m["agent/tool_calls"] > 0
     assert torch.equal(rollout.per_function[:, 0], torch.tensor([r.extra["tool_calls"] for r in group.responses],
                                                                  dtype=torch.float32))
 
@@ -114,6 +116,31 @@ def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
             loss, _ = trainer.loss_fn.response_loss(lp, r.old_logprobs, float(rollout.advantages[i]), norm[i], mask=m)
             total = total + loss
         ref = torch.autograd.grad(total, params, allow_unused=True)
+    for p in params:
+        p.grad = None
+    trainer.update(rollout)
+    num = sum((p.grad - g).pow(2).sum() for p, g in zip(params, ref) if g is not None)
+    den = sum(g.pow(2).sum() for g in ref if g is not None)
+    assert den > 0 and (num / den).sqrt().item() <= FP32_GRAD_TOL
+
+
+def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path):
+    """prompt_grad='exact' with turn-by-turn replay: the step's gradient equals the same GRPO loss on one full-sequence
+    forward per trajectory (tool tokens masked out of the loss, read by what follows), `FP32_GRAD_TOL` relative."""
+    trainer = _trainer(tmp_path, reward_funcs=["environment_reward", "tests.test_agent:length_reward"],
+                       prompts_per_step=2, prompt_grad="exact")
+    rollout = trainer.rollout(0)
+    assert any(bool((r.mask == 0).any()) for r in rollout.responses) and bool((rollout.advantages != 0).any())
+    params = trainer.params
+    masks = [loss_mask(r, trainer.update_settings) for r in rollout.responses]
+    norm = trainer.loss_fn.normalizer([int(m.sum()) for m in masks], rollout.group_ids,
+                                      trainer.update_settings.max_completion_length)
+    total = 0.0
+    for i, (r, m) in enumerate(zip(rollout.responses, masks)):
+        lp = full_sequence_logprobs(trainer.model, rollout.groups[rollout.group_ids[i]].prompt_ids, r.tokens)
+        loss, _ = trainer.loss_fn.response_loss(lp, r.old_logprobs, float(rollout.advantages[i]), norm[i], mask=m)
+        total = total + loss
+    ref = torch.autograd.grad(total, params, allow_unused=True)
     for p in params:
         p.grad = None
     trainer.update(rollout)
@@ -192,9 +219,7 @@ def test_tool_message_tokens_follow_the_chat_template():
     assert "section three" in text and text.rstrip().endswith("assistant")
 
 
-def test_config_refuses_exact_mode_and_a_sequence_ratio_with_segments(tmp_path):
-    with pytest.raises(ValueError, match="prompt_grad: detached"):
-        TrainConfig(environment="a:B", prompt_grad="exact")
+def test_config_refuses_a_sequence_ratio_with_segments(tmp_path):
     with pytest.raises(ValueError, match="importance_sampling_level: token"):
         TrainConfig(environment="a:B", importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="not both"):

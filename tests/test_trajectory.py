@@ -131,11 +131,44 @@ def test_branch_refuses_bad_input_and_the_position_limit():
         branch.sample(1)
 
 
-def test_segmented_replay_refuses_exact_mode():
-    model = make_model("llama", False)
+#: the layer kinds exact segmented replay serves: full attention, sliding window, chunked attention, sinks, gated
+#: DeltaNet + attention, short convolution, Mamba-2 with mixer-less layers, Jamba, Zamba2, Falcon-H1 (hybrid layers)
+EXACT_KINDS = ["llama", "gemma3_text", "llama4_text", "gpt_oss", "qwen3_next", "lfm2", "nemotron_h", "jamba", "zamba2",
+               "falcon_h1"]
+
+
+@pytest.mark.parametrize("arch", EXACT_KINDS)
+@pytest.mark.parametrize("mask", [MASK, torch.tensor([0.0] * 6 + [1.0] * 3)], ids=["turns", "tool-first"])
+def test_exact_segmented_replay_equals_naive_full_sequence(arch, mask):
+    """prompt_grad='exact': the gradient of Σ w·mask·log-probs, through the prompt, the tool output and the earlier
+    turns, equals one full-sequence forward + backward of the unmodified model within `FP32_GRAD_TOL` per parameter
+    (the tolerance `test_exact` holds the prompt's exact gradient to)."""
+    model = make_model(arch, False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prompt, response = tie_free_tokens(model, 19, mask.numel(), seed=3)
+    w = torch.linspace(-1.0, 1.5, mask.numel()) * mask
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        full = full_sequence_logprobs(model, prompt, response)
+        ref = torch.autograd.grad((w * full).sum(), params, allow_unused=True)
+    state = longstraw.capture(model, prompt, chunk_size=5, block_size=4, prompt_grad="exact")
+    for p in params:
+        p.grad = None
+    out = replay_segments(state, response, mask, lambda sl, r: (w[sl] * r.logprobs).sum())
+    state.backward()
+    on = mask > 0
+    assert (out.logprobs - full.detach())[on].abs().max().item() <= 16 * 2**-23 * max(full.abs().max().item(), 1.0)
+    err, norm = _grad_errors(params, [p.grad for p in params], ref)
+    scale = max(norm)
+    assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_exact_segmented_replay_refuses_the_kinds_it_does_not_serve(arch):
+    model = make_model(arch, False)
     prompt, response = tie_free_tokens(model, 12, MASK.numel(), seed=2)
     state = longstraw.capture(model, prompt, prompt_grad="exact")
-    with pytest.raises(NotImplementedError, match="prompt_grad='exact'"):
+    with pytest.raises(NotImplementedError, match="prompt_grad='exact' does not serve layer"):
         replay_segments(state, response, MASK, lambda sl, out: out.logprobs.sum())
 
 
