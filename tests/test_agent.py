@@ -204,6 +204,17 @@ def test_tool_calls_are_parsed_from_the_chat_format():
     with pytest.raises(TypeError, match="reset"):
         environment_tools(object())
 
+    class Shadowed:
+        def reset(self, answer="", **kw):
+            self.answer = answer  # an attribute named like a tool
+
+        def answer(self, code):
+            return f"got {code}"
+
+    env = Shadowed()
+    env.reset(answer="1234")
+    assert call_tool(environment_tools(env), ToolCall("answer", {"code": "1"})) == ("got 1", False)
+
 
 def test_tool_message_tokens_follow_the_chat_template():
     from transformers import AutoTokenizer

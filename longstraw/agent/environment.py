@@ -56,9 +56,9 @@ def environment_tools(env) -> dict:
     if not callable(getattr(env, "reset", None)):
         raise TypeError(f"an environment needs a callable reset(**columns); {type(env).__name__} has none")
     tools = {}
-    for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction):
+    for name, fn in inspect.getmembers(type(env), predicate=inspect.isfunction):
         if not name.startswith("_") and name not in ("reset", "get_reward"):
-            tools[name] = getattr(env, name)
+            tools[name] = fn.__get__(env, type(env))  # the class's method, even where an attribute shadows the name
     return tools
 
 

@@ -9,14 +9,15 @@ with the example's columns, forks a `Branch` from the prompt state and alternate
 2. read its tool calls; none: the trajectory is done (the turn is the answer, or, without a stop token, a truncated
    end);
 3. call each tool (`call_tool`: an unknown tool, bad arguments, an exception, an empty reply each become an error
-   message for the policy, never the end of the run), cut each reply to `max_tool_tokens`, and `extend` the branch by
+   message for the policy, never the end of the run); a tool that sets the environment's `done` (a final answer)
+   ends the trajectory there; cut each reply to `max_tool_tokens`, and `extend` the branch by
    the chat template's tool messages. A reply that would pass the trajectory's budget or the model's positions ends
    the trajectory (truncated), as TRL drops an overlong tool result.
 
 Each trajectory becomes one `Response`: its tokens, mask 1 on the policy's turns and 0 on the tool messages, the
 turns' old log-probs (0 on tool tokens), and `extra` columns the reward functions receive as keyword lists (TRL
 forwards a rollout's extra fields the same way): `turns`, `tool_calls`, `tool_failures`, `stopped` (answer,
-max_turns, budget, no_stop) and `environment_reward` (`env.get_reward()`, None when the environment has none).
+done, max_turns, budget, no_stop) and `environment_reward` (`env.get_reward()`, None when the environment has none).
 
 Work per turn: the turn's tokens and the tool reply, once. Memory: the prompt state + one branch's growth at a time
 (trajectories run one after the other; a finished one keeps only its tokens).
@@ -109,6 +110,9 @@ class EnvironmentRollout:
                     calls += 1
                     failures += failed
                     obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
+                if getattr(env, "done", False):  # the environment ended the trajectory (a final answer tool)
+                    stopped = "done"
+                    break
                 if added + len(obs) >= budget or branch.length + len(obs) >= limit:
                     stopped, truncated = "budget", True
                     break

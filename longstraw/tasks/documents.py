@@ -34,6 +34,11 @@ VARIANTS = ("needle", "distractors")
 
 def paragraphs() -> list[str]:
     """The standard library's docstrings (module, class and function level), each a paragraph of ≥ 200 chars."""
+    return [text for _, text in named_paragraphs()]
+
+
+def named_paragraphs() -> list[tuple[str, str]]:
+    """`paragraphs()` with the module each comes from: (module name, docstring)."""
     import importlib
 
     seen, out = set(), []
@@ -48,7 +53,7 @@ def paragraphs() -> list[str]:
             doc = inspect.getdoc(obj)
             if doc and len(doc) >= 200 and doc not in seen:
                 seen.add(doc)
-                out.append(doc.strip())
+                out.append((name, doc.strip()))
     return out
 
 
