@@ -117,41 +117,57 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
 # ----------------------------------------------------------------------------------------- exact mode
 
 
+#: per branch-layer class, the own tensors that grow along the trajectory: (attribute, token dimension)
+_APPENDED = ((LatentBranchLayer, (("keys", -2), ("index_keys", 1))),
+             (AttentionBranchLayer, (("keys", -2), ("values", -2))))
+
+
 class _Carry:
     """Exact mode: what later segments read of one trajectory's own growth, as tensors that collect its gradient.
 
-    Attention layers: one key and one value buffer per layer for the whole trajectory `[1, Hkv, T, D]` (leaves that
-    require grad); a segment reads the positions before it as a view of the buffer (its gradient lands in
-    `buffer.grad`) and its own new keys are copied in after its forward. Recurrent layers (linear attention, SSM,
-    short convolutions): the states at each segment boundary as leaves (O(1) each); boundary 0 is the prompt state's
-    own (exact-mode leaves of the `PromptState`). Memory: 2 × the trajectory's K/V + the boundary states.
+    Tensors that grow with the trajectory (attention keys and values `[1, Hkv, T, D]`, MLA latents `[1, 1, T, r + dr]`
+    and DSA indexer keys `[1, T, Di]`): one buffer each for the whole trajectory (leaves that require grad); a segment
+    reads the positions before it as a view of the buffer (its gradient lands in `buffer.grad`) and what it produced
+    is copied in after its forward. Recurrent layers (linear attention, SSM, short convolutions): the states at each
+    segment boundary as leaves (O(1) each); boundary 0 is the prompt state's own (exact-mode leaves of the
+    `PromptState`). Memory: 2 × the trajectory's own state + the boundary states.
     """
 
     def __init__(self, cache, total: int):
         self.total = total
-        self.attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, AttentionBranchLayer)]
+        self.appended: dict[int, tuple] = {}
+        for i, layer in enumerate(cache.layers):
+            for cls, attrs in _APPENDED:
+                if isinstance(layer, cls):
+                    self.appended[i] = attrs
+                    break
         self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
         for i, layer in enumerate(cache.layers):
-            served = (isinstance(layer, (AttentionBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer))
-                      and not isinstance(layer, (CompressedBranchLayer, LatentBranchLayer)))
+            served = (isinstance(layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer,
+                                         MixerlessBranchLayer)) and not isinstance(layer, CompressedBranchLayer))
             if not served:
                 raise NotImplementedError(
                     f"segmented replay with prompt_grad='exact' does not serve layer {i} ({type(layer).__name__}) "
                     "yet: use prompt_grad='detached' or replay the trajectory whole (segment_replay: false)")
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         self.initial = {i: snapshot(cache.layers[i]) for i in self.recurrent}
         self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
 
+    @staticmethod
+    def _slice(t: torch.Tensor, dim: int, start: int, end: int | None = None) -> torch.Tensor:
+        return t.narrow(dim % t.dim(), start, (t.shape[dim] if end is None else end) - start)
+
     def enter(self, cache, j: int, start: int) -> None:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
-        for i in self.attention:
+        for i, attrs in self.appended.items():
             layer = cache.layers[i]
-            layer.trim, layer.own_offset = False, 0
-            if start == 0 or i not in self.keys:
-                layer.keys = layer.values = None
-            else:
-                layer.keys, layer.values = self.keys[i][:, :, :start], self.values[i][:, :, :start]
+            if isinstance(layer, AttentionBranchLayer):
+                layer.trim, layer.own_offset = False, 0
+            for name, dim in attrs:
+                buf = self.buffers.get((i, name))
+                setattr(layer, name, None if start == 0 or buf is None else self._slice(buf, dim, 0, start))
+            if getattr(layer, "values_alias", False):
+                layer.values = layer.keys
         for i in self.recurrent:
             if j == 0:
                 fresh = snapshot(self.initial[i])
@@ -165,25 +181,29 @@ class _Carry:
                     layer.has_previous_state[idx] = True
 
     def leave(self, cache, j: int, start: int, end: int, first_pass: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """After segment j's forward: on the first pass, store what it produced (its keys into the buffers, its end
-        states as the leaves of boundary j + 1); on the reverse pass, the (produced tensor, accumulated gradient)
-        pairs to back-propagate."""
+        """After segment j's forward: on the first pass, store what it produced (into the buffers, its end states as
+        the leaves of boundary j + 1); on the reverse pass, the (produced tensor, accumulated gradient) pairs to
+        back-propagate."""
         out = []
-        for i in self.attention:
+        for i, attrs in self.appended.items():
             layer = cache.layers[i]
-            k, v = layer.keys[:, :, start:end], layer.values[:, :, start:end]
-            if first_pass:
-                if i not in self.keys:
-                    shape = (*k.shape[:2], self.total)
-                    self.keys[i] = k.new_zeros((*shape, k.shape[3])).requires_grad_(True)
-                    self.values[i] = v.new_zeros((*shape, v.shape[3])).requires_grad_(True)
-                with torch.no_grad():
-                    self.keys[i][:, :, start:end] = k
-                    self.values[i][:, :, start:end] = v
-            else:
-                for own, buf in ((k, self.keys[i]), (v, self.values[i])):
-                    if buf.grad is not None and own.requires_grad:
-                        out.append((own, buf.grad[:, :, start:end]))
+            for name, dim in attrs:
+                own = getattr(layer, name)
+                if own is None:
+                    continue
+                new = self._slice(own, dim, start, end)
+                key = (i, name)
+                if first_pass:
+                    if key not in self.buffers:
+                        shape = list(new.shape)
+                        shape[dim % new.dim()] = self.total
+                        self.buffers[key] = new.new_zeros(shape).requires_grad_(True)
+                    with torch.no_grad():
+                        self._slice(self.buffers[key], dim, start, end).copy_(new)
+                else:
+                    buf = self.buffers[key]
+                    if buf.grad is not None and new.requires_grad:
+                        out.append((new, self._slice(buf.grad, dim, start, end)))
         if first_pass:
             nxt = {}
             for i in self.recurrent:
