@@ -80,7 +80,7 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
         raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
     check_length(parts.config, state.prompt_length + response.numel())
     if state.prompt_grad == "exact":
-        return _replay_exact(state, response, m, segment_loss, temperature)
+        return _replay_exact(state, response, m, segment_loss, temperature, checkpoint_layers)
     inputs = torch.cat([state.last_token, response[:-1]])
     start = state.prompt_length - 1
     cache = state._cache(1)
@@ -92,26 +92,38 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
     parts_list = segments(m)
     last_policy = max((i for i, seg in enumerate(parts_list) if seg.policy), default=-1)
     for i, seg in enumerate(parts_list[: last_policy + 1]):  # environment tokens after the last turn: never read
-        positions = torch.arange(start + seg.start, start + seg.end, device=device)
         if not seg.policy:
-            with torch.no_grad():
-                for s in range(seg.start, seg.end, state.chunk_size):
-                    e = min(s + state.chunk_size, seg.end)
-                    run_decoder(parts, inputs[None, s:e], positions[s - seg.start : e - seg.start], cache)
+            _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
             continue
-        sl = slice(seg.start, seg.end)
-        with torch.enable_grad():
-            hidden = run_decoder(parts, inputs[None, sl], positions, cache, checkpoint_layers=checkpoint_layers)
-            lp, ent = chunked_logprobs(hidden[0], parts.lm_head, response[sl], temperature=temperature,
-                                       softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
-            loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
-            if loss is not None and loss.requires_grad:
-                loss.backward()
-        logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
-        del hidden, lp, ent, loss
+        _run_policy(parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers,
+                    logprobs, entropy)
         if i < last_policy:
             detach_own(cache)
     return Replay(logprobs=logprobs, entropy=entropy)
+
+
+def _run_environment(parts, cache, inputs, start: int, seg: Segment, chunk: int) -> None:
+    """An environment segment through the branch cache without autograd, `chunk` tokens per forward."""
+    with torch.no_grad():
+        for s in range(seg.start, seg.end, chunk):
+            e = min(s + chunk, seg.end)
+            run_decoder(parts, inputs[None, s:e], torch.arange(start + s, start + e, device=inputs.device), cache)
+
+
+def _run_policy(parts, cache, inputs, response, start: int, seg: Segment, segment_loss, temperature: float,
+                checkpoint_layers: bool, logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+    """A policy segment with autograd: its log-probs and entropies (written, detached, into `logprobs` / `entropy`)
+    go to `segment_loss`, whose result is back-propagated before the graph is dropped."""
+    sl = slice(seg.start, seg.end)
+    positions = torch.arange(start + seg.start, start + seg.end, device=inputs.device)
+    with torch.enable_grad():
+        hidden = run_decoder(parts, inputs[None, sl], positions, cache, checkpoint_layers=checkpoint_layers)
+        lp, ent = chunked_logprobs(hidden[0], parts.lm_head, response[sl], temperature=temperature,
+                                   softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+        loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+    logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
 
 
 # ----------------------------------------------------------------------------------------- exact mode
@@ -221,7 +233,8 @@ class _Carry:
         return out
 
 
-def _replay_exact(state: PromptState, response, mask, segment_loss, temperature: float) -> Replay:
+def _replay_exact(state: PromptState, response, mask, segment_loss, temperature: float,
+                  checkpoint_layers: bool = False) -> Replay:
     """Exact mode: the gradient of every policy segment's loss through the whole trajectory and the prompt, as one
     full-sequence backward would send it. A first pass in order runs each segment (policy segments with autograd,
     their loss back-propagated at once into the parameters and into the carry of what they read); a reverse pass
@@ -246,19 +259,10 @@ def _replay_exact(state: PromptState, response, mask, segment_loss, temperature:
     for j, seg in enumerate(segs[: last_policy + 1]):
         carry.enter(cache, j, seg.start)
         if seg.policy:
-            with torch.enable_grad():
-                hidden = run(seg)
-                sl = slice(seg.start, seg.end)
-                lp, ent = chunked_logprobs(hidden[0], parts.lm_head, response[sl], temperature=temperature,
-                                           softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
-                loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
-                if loss is not None and loss.requires_grad:
-                    loss.backward()
-            logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
-            del hidden, lp, ent, loss
+            _run_policy(parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers,
+                        logprobs, entropy)
         else:
-            with torch.no_grad():
-                run(seg)
+            _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
         carry.leave(cache, j, seg.start, seg.end, first_pass=True)
         detach_own(cache)
     for j in range(last_policy - 1, -1, -1):  # the last policy segment's own state is read by nothing
