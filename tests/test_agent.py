@@ -94,11 +94,11 @@ def test_rollout_grows_each_trajectory_by_tool_replies(tmp_path):
                                                                  dtype=torch.float32))
 
 
-def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
-    """The trainer's accumulated gradient over a step of multi-turn trajectories equals the same GRPO loss computed
-    on the per-turn detached cache reference's log-probs (`FP32_GRAD_TOL` relative)."""
+def _step_error(tmp_path, reference_logprobs, **kw) -> float:
+    """Relative error of the trainer's accumulated gradient over one step of multi-turn trajectories against the same
+    GRPO loss computed on `reference_logprobs(model, prompt, response)` `[R]` (with grad) per trajectory."""
     trainer = _trainer(tmp_path, reward_funcs=["environment_reward", "tests.test_agent:length_reward"],
-                       prompts_per_step=2)
+                       prompts_per_step=2, **kw)
     rollout = trainer.rollout(0)
     assert any(bool((r.mask == 0).any()) for r in rollout.responses) and bool((rollout.advantages != 0).any())
     params = trainer.params
@@ -108,11 +108,7 @@ def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
     total = 0.0
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         for i, (r, m) in enumerate(zip(rollout.responses, masks)):
-            prompt = rollout.groups[rollout.group_ids[i]].prompt_ids
-            pieces = segmented_reference_logprobs(trainer.model, prompt, r.tokens, r.mask)
-            lp = torch.zeros(r.tokens.numel())
-            for sl, seg in pieces:
-                lp = lp.index_put((torch.arange(sl.start, sl.stop),), seg)
+            lp = reference_logprobs(trainer.model, rollout.groups[rollout.group_ids[i]].prompt_ids, r)
             loss, _ = trainer.loss_fn.response_loss(lp, r.old_logprobs, float(rollout.advantages[i]), norm[i], mask=m)
             total = total + loss
         ref = torch.autograd.grad(total, params, allow_unused=True)
@@ -121,32 +117,28 @@ def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
     trainer.update(rollout)
     num = sum((p.grad - g).pow(2).sum() for p, g in zip(params, ref) if g is not None)
     den = sum(g.pow(2).sum() for g in ref if g is not None)
-    assert den > 0 and (num / den).sqrt().item() <= FP32_GRAD_TOL
+    assert den > 0
+    return (num / den).sqrt().item()
+
+
+def _per_turn_reference(model, prompt, r):
+    lp = torch.zeros(r.tokens.numel())
+    for sl, seg in segmented_reference_logprobs(model, prompt, r.tokens, r.mask):
+        lp = lp.index_put((torch.arange(sl.start, sl.stop),), seg)
+    return lp
+
+
+def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
+    """The trainer's accumulated gradient over a step of multi-turn trajectories equals the same GRPO loss computed
+    on the per-turn detached cache reference's log-probs (`FP32_GRAD_TOL` relative)."""
+    assert _step_error(tmp_path, _per_turn_reference) <= FP32_GRAD_TOL
 
 
 def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path):
     """prompt_grad='exact' with turn-by-turn replay: the step's gradient equals the same GRPO loss on one full-sequence
     forward per trajectory (tool tokens masked out of the loss, read by what follows), `FP32_GRAD_TOL` relative."""
-    trainer = _trainer(tmp_path, reward_funcs=["environment_reward", "tests.test_agent:length_reward"],
-                       prompts_per_step=2, prompt_grad="exact")
-    rollout = trainer.rollout(0)
-    assert any(bool((r.mask == 0).any()) for r in rollout.responses) and bool((rollout.advantages != 0).any())
-    params = trainer.params
-    masks = [loss_mask(r, trainer.update_settings) for r in rollout.responses]
-    norm = trainer.loss_fn.normalizer([int(m.sum()) for m in masks], rollout.group_ids,
-                                      trainer.update_settings.max_completion_length)
-    total = 0.0
-    for i, (r, m) in enumerate(zip(rollout.responses, masks)):
-        lp = full_sequence_logprobs(trainer.model, rollout.groups[rollout.group_ids[i]].prompt_ids, r.tokens)
-        loss, _ = trainer.loss_fn.response_loss(lp, r.old_logprobs, float(rollout.advantages[i]), norm[i], mask=m)
-        total = total + loss
-    ref = torch.autograd.grad(total, params, allow_unused=True)
-    for p in params:
-        p.grad = None
-    trainer.update(rollout)
-    num = sum((p.grad - g).pow(2).sum() for p, g in zip(params, ref) if g is not None)
-    den = sum(g.pow(2).sum() for g in ref if g is not None)
-    assert den > 0 and (num / den).sqrt().item() <= FP32_GRAD_TOL
+    full = lambda model, prompt, r: full_sequence_logprobs(model, prompt, r.tokens)  # noqa: E731
+    assert _step_error(tmp_path, full, prompt_grad="exact") <= FP32_GRAD_TOL
 
 
 @pytest.mark.parametrize("env,failures", [("RaisingEnv", True), ("EmptyEnv", False)])
