@@ -16,6 +16,11 @@ observation after it, never the trajectory again.
 
 Memory: the prompt's state (shared) + the branch's own growth, O(T) per attention layer for the T tokens the
 trajectory added (O(window) for sliding-window layers, O(1) for recurrent ones) + one chunk's activations.
+
+Context parallelism: a branch of a prompt captured over a process group (`capture(..., group=pg)`) is a collective,
+as that state's `sample` is. Every rank grows the same trajectory (the same tokens, the same generator), the
+attention against the prompt split over the ranks' slices and the branch's own growth held alike on every rank;
+`extend` and `sample` refuse, on every rank, arguments that differ between ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from .hf.decoder import run_decoder
 from .layers import AttentionBranchLayer
-from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode
+from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sampling_fields
 
 if TYPE_CHECKING:
     from .state import PromptState
@@ -41,10 +46,9 @@ class Branch:
     """
 
     def __init__(self, state: PromptState, chunk_size: int | None = None):
-        if getattr(state, "group", None) is not None:
-            raise NotImplementedError("a Branch grows in one process: context-parallel prompt states (group=...) "
-                                      "cannot be forked yet; capture the prompt without a group for agent rollouts")
         self.state = state
+        #: the process group of a context-parallel prompt state (`longstraw.distributed.Group`), else None
+        self.group = getattr(state, "group", None)
         self._parts = state._parts
         self.chunk_size = chunk_size or state.chunk_size
         self._cache = state._cache(1)
@@ -100,6 +104,8 @@ class Branch:
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"tokens outside [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
         self._check_room(ids.numel())
+        if self.group is not None:
+            self.group.agree("Branch.extend", {"length": self.length, "tokens": ids.cpu()})
         inputs = torch.cat([self.last_token, ids[:-1]])
         start = self.length - 1
         for s in range(0, inputs.numel(), self.chunk_size):
@@ -125,10 +131,15 @@ class Branch:
         check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
         device = self.last_token.device
         check_generator(generator, device)
+        if self.group is not None:
+            self.group.agree("Branch.sample", {"length": self.length, **sampling_fields(
+                max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator)})
         out = decode(self._parts, cache, self.last_token[None], self.length - 1, max_new_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                      generator=generator, banned=banned_tokens(allowed_token_ids, vocab, device))
         turn = out.tokens[0]
+        if self.group is not None:
+            self.group.agree("Branch.sample: the sampled tokens", {"tokens": turn.cpu()})
         self.last_token = turn[-1:].clone()
         self.length += turn.numel()
         self.added += turn.numel()

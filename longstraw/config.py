@@ -95,8 +95,9 @@ class TrainConfig:
     segment_replay: bool | None = _f(None, "replay a multi-turn response one turn at a time against the prompt and "
                                            "its earlier turns held without a graph (memory flat in turns; with "
                                            "prompt_grad: exact the gradient still reaches the earlier turns, the tool "
-                                           "output and the prompt); null: on with `environment`, off otherwise (the "
-                                           "whole response in one graph)")
+                                           "output and the prompt); null: on with `environment` in one process, off "
+                                           "otherwise (the whole response in one graph; on N processes, which "
+                                           "replay with context parallelism, it is not available yet)")
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")

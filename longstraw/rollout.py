@@ -121,12 +121,29 @@ class TurnSampler:
     earlier turns and tool output), with the run's temperature, top-p/top-k, stop token and seeded
     generator; the returned log-probs are the old log-probs of the new tokens. `tokenizer` and
     `eos_token_id` are there for hooks that decode or append text.
+
+    On N processes (context parallelism) every rank runs the hook alike and sampling is a collective (every rank
+    the same tokens); `on_main(name, fn)` runs what must happen once (an environment's tool call, anything with side
+    effects or its own randomness) on rank 0 and gives its result, or its exception, to every rank.
     """
 
-    def __init__(self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator):
+    def __init__(self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator,
+                 ranks=None):
         self.state, self.settings, self.generator = state, settings, generator
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
+        self.ranks = ranks  # `longstraw.parallel.Ranks` of a multi-process run, else None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process runs what `on_main` runs (rank 0, or the only process)."""
+        return self.ranks is None or self.ranks.main
+
+    def on_main(self, name: str, fn):
+        """`fn()` on rank 0 only, its result (picklable) or exception on every rank; `fn()` in one process."""
+        if self.ranks is None or self.ranks.size == 1:
+            return fn()
+        return self.ranks.from_main(name, fn)
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings
@@ -232,7 +249,7 @@ class RolloutStage:
                             group=self.ranks.pg if self.ranks is not None else None)
         nbytes = state.nbytes
         with meter.stage("sample"):
-            sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b))
+            sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b), self.ranks)
             responses = self._responses(sampler, ex)
         with meter.stage("reward"):
             def score():

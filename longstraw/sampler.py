@@ -117,6 +117,17 @@ def check_generator(generator: torch.Generator | None, device) -> None:
                          f"create it with torch.Generator(device={str(device)!r})")
 
 
+def sampling_fields(max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids,
+                    generator: torch.Generator | None) -> dict:
+    """What every rank of a collective decode must agree on (`Group.agree` fields): the options and the generator's
+    state (the global one when `generator` is None)."""
+    return {"max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
+            "temperature": repr(temperature), "top_p": repr(top_p), "top_k": repr(top_k),
+            "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
+            "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
+            "generator state": generator.get_state() if generator is not None else torch.get_rng_state()}
+
+
 @torch.no_grad()
 def decode(parts, cache, step_input: torch.Tensor, start: int, max_new_tokens: int, *, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,

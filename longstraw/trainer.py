@@ -27,6 +27,7 @@ exports the final model from the last checkpoint into a model of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -217,6 +218,12 @@ class Trainer:
             scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func, ranks=self.ranks)
         self.update_settings = UpdateSettings.from_config(cfg)
+        if self.ranks.size > 1 and self.update_settings.segment_replay:
+            if cfg.segment_replay:
+                raise ValueError(f"segment_replay: true on {self.ranks.size} processes: a context-parallel prompt "
+                                 "state replays each trajectory whole (segmented replay runs in one process); set "
+                                 "segment_replay: false, or train in one process")
+            self.update_settings = dataclasses.replace(self.update_settings, segment_replay=False)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
 
     # ------------------------------------------------------------------ pieces

@@ -42,6 +42,35 @@ def token_reward(prompts, completions, completion_ids, **kw) -> list[float]:
 OTHER = dict(prompts_per_step=1, num_generations=4, sft_full_sequence=False, prompt_grad="exact", beta=0.0)
 
 
+class CountingEnv:
+    """tests.test_agent's lookup environment, counting the instances this process made."""
+
+    made = 0
+
+    def __init__(self):
+        from .test_agent import LookupEnv
+
+        type(self).made += 1
+        self.inner = LookupEnv()
+
+    def reset(self, **columns):
+        return self.inner.reset(**columns)
+
+    def lookup(self, key: str) -> str:
+        """Look a key up."""
+        return self.inner.lookup(key)
+
+    def get_reward(self) -> float:
+        return self.inner.get_reward()
+
+
+#: run Y: agent trajectories (multi-turn, tool replies) from an environment, 2 GRPO steps of 2 prompts, G = 3
+AGENT = dict(prompt_length=12, num_steps=2, sft_warmup_steps=0, max_completion_length=160, max_turns=4,
+             max_turn_tokens=3, max_tool_tokens=64, environment=f"{__name__}:CountingEnv",
+             tool_parser="tests.test_agent:parse_keys",
+             reward_funcs=["environment_reward", "tests.test_agent:length_reward"])
+
+
 def _cfg(out: str, **kw) -> TrainConfig:
     base = dict(model="llama", output_dir=out, prompt_length=24, task_options={"num_pairs": 4, "num_values": 8},
                 reward_funcs=[f"{__name__}:token_reward"],
@@ -72,7 +101,7 @@ def _recording(trainer) -> list:
     def record(step):
         r = rollout(step)
         seen.append(dict(step=step, tokens=[x.tokens.tolist() for x in r.responses], rewards=r.rewards.clone(),
-                         advantages=r.advantages.clone()))
+                         advantages=r.advantages.clone(), extra=[x.extra for x in r.responses]))
         return r
 
     trainer.rollout = record
@@ -169,6 +198,16 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
     from longstraw.distributed import CollectiveError
 
     path = os.path.join(out_dir, f"{scenario}-rank{rank}.pt")
+    if scenario == "agent":  # run Y (segment_replay unset: off on N ranks), then the same asking for segments
+        result = dict(Y=_train(os.path.join(out_dir, "Y"), AGENT), made=CountingEnv.made)
+        try:
+            Trainer(_cfg(os.path.join(out_dir, "Y-segments"), **AGENT, segment_replay=True))
+            result["segments_error"] = None
+        except ValueError as err:
+            result["segments_error"] = str(err)
+        torch.save(result, path)
+        dist.destroy_process_group()
+        return
     if scenario == "resume":  # run B again: every rank resumes from rank 0's checkpoint of step 2
         torch.save(dict(B=_train(os.path.join(out_dir, "B"))), path)
         dist.destroy_process_group()
@@ -270,6 +309,33 @@ def test_two_processes_train_like_one(runs, run):
           f"spawn + 2 runs {runs['t_two']:.1f} s")
     assert moved > 1e-2
     assert replay_err <= replay_tol(a0)
+
+
+def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
+    """Run Y, agent trajectories through an environment, on 2 ranks = 1 process given the same weights before each
+    step: the same trajectories (policy turns and tool replies, every rank growing them on collective branches over
+    the context-parallel prompt), the same per-trajectory columns, rewards and advantages, the gradient each step
+    applies within `GRAD_TOL`. The environment exists on rank 0 only (rank 1 made none). On N ranks the trajectories
+    replay whole (the single process is given segment_replay: false to match), and asking for segments is refused
+    by name."""
+    two = _spawn(tmp_path, "agent")
+    y0, y1 = two[0]["Y"], two[1]["Y"]
+    one = _train(str(tmp_path / "one-Y"), dict(AGENT, segment_replay=False), force=weights_at(y0))
+    assert len(one["rollouts"]) == 2
+    assert any(e["tool_calls"] > 0 for w in one["rollouts"] for e in w["extra"]), "no tool was called"
+    for got in (y0["rollouts"], y1["rollouts"]):
+        assert [g["tokens"] for g in got] == [w["tokens"] for w in one["rollouts"]]
+        assert [g["extra"] for g in got] == [w["extra"] for w in one["rollouts"]]
+        for g, w in zip(got, one["rollouts"]):
+            assert torch.allclose(g["rewards"], w["rewards"]) and torch.allclose(g["advantages"], w["advantages"])
+    assert all(w["advantages"].abs().max() > 0.1 for w in one["rollouts"])
+    grad_err = [_rel(g, w) for g, w in zip(y0["grads"], one["grads"])]
+    assert len(grad_err) == 2 and max(grad_err) <= GRAD_TOL, grad_err
+    assert all(torch.equal(y0["weights"][k], y1["weights"][k]) for k in y0["weights"])
+    trajectories = 2 * 2 * 3
+    assert (two[0]["made"], two[1]["made"]) == (trajectories, 0)
+    assert "segment_replay: true on 2 processes" in two[0]["segments_error"], two[0]["segments_error"]
+    print(f"\nagent run, 1 vs 2 processes: applied gradients off by {[f'{e:.1e}' for e in grad_err]}")
 
 
 def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):

@@ -21,12 +21,17 @@ done, max_turns, budget, no_stop) and `environment_reward` (`env.get_reward()`, 
 
 Work per turn: the turn's tokens and the tool reply, once. Memory: the prompt state + one branch's growth at a time
 (trajectories run one after the other; a finished one keeps only its tokens).
+
+On N processes (a prompt captured with context parallelism) every rank grows the same trajectories on collective
+branches; the environment exists on rank 0 only, and its reset, tool calls and reward reach the other ranks from
+there (`TurnSampler.on_main`), so a tool runs once per call, not once per rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -69,9 +74,11 @@ class EnvironmentRollout:
     def trajectory(self, sampler: TurnSampler, example: Example) -> Response:
         """One trajectory from the sampler's prompt state (its branch is freed on return)."""
         s, tok, eos = sampler.settings, sampler.tokenizer, sampler.eos_token_id
-        env = self.factory()
-        tools = environment_tools(env)
-        first = env.reset(**example.reward_columns())
+        env = tools = None
+        if sampler.is_main:  # on N processes the environment lives on rank 0 (`TurnSampler.on_main`)
+            env = self.factory()
+            tools = environment_tools(env)
+        first = sampler.on_main("agent: environment reset", lambda: env.reset(**example.reward_columns()))
         budget = s.max_completion_length
         turn_cap = self.settings.max_turn_tokens or budget
         limit = getattr(sampler.state._parts.config, "max_position_embeddings", None) or float("inf")
@@ -104,13 +111,11 @@ class EnvironmentRollout:
                     break
                 if turns == self.settings.max_turns:
                     break
-                obs = []
-                for call in requested:
-                    reply, failed = call_tool(tools, call)
-                    calls += 1
-                    failures += failed
-                    obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
-                if getattr(env, "done", False):  # the environment ended the trajectory (a final answer tool)
+                obs, failed, done = sampler.on_main("agent: tool calls",
+                                                    partial(self._call_tools, env, tools, tok, requested))
+                calls += len(requested)
+                failures += failed
+                if done:  # the environment ended the trajectory (a final answer tool)
                     stopped = "done"
                     break
                 if added + len(obs) >= budget or branch.length + len(obs) >= limit:
@@ -123,10 +128,23 @@ class EnvironmentRollout:
         tokens = torch.cat([p[0] for p in pieces])
         mask = torch.cat([torch.full((p[0].numel(),), float(p[2])) for p in pieces])
         old = torch.cat([p[1] for p in pieces])
-        reward = getattr(env, "get_reward", None)
+        def env_reward():
+            reward = getattr(env, "get_reward", None)
+            return None if reward is None else float(reward())
+
         extra = dict(turns=turns, tool_calls=calls, tool_failures=failures, stopped=stopped,
-                     environment_reward=None if reward is None else float(reward()))
+                     environment_reward=sampler.on_main("agent: environment reward", env_reward))
         return Response(tokens, old, mask, truncated, extra=extra)
+
+    def _call_tools(self, env, tools, tok, requested: list[ToolCall]) -> tuple[list[int], int, bool]:
+        """Run a turn's tool calls: (the replies' chat-template token ids, how many failed, whether the environment
+        is done)."""
+        obs, failures = [], 0
+        for call in requested:
+            reply, failed = call_tool(tools, call)
+            failures += failed
+            obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
+        return obs, failures, bool(getattr(env, "done", False))
 
     def _cut(self, tok, text: str) -> str:
         """`text` cut to `max_tool_tokens` tokens, saying how much was left out."""

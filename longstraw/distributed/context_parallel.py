@@ -1145,16 +1145,11 @@ class ContextParallelState(PromptState):
         generator's state (the global one when `generator` is None) must agree across ranks (refused otherwise); the
         sampled tokens are compared at the end as well. Spread the samples' replays over the ranks yourself, e.g.
         rank r replays samples r, r + N, ..."""
-        from ..sampler import sample
+        from ..sampler import sample, sampling_fields
 
-        rng = generator.get_state() if generator is not None else torch.get_rng_state()
         self.group.agree("ContextParallelState.sample", {
             "captured state": self._key, "num": num if isinstance(num, int) else repr(num),
-            "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
-            "temperature": repr(temperature), "top_p": repr(top_p), "top_k": repr(top_k),
-            "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
-            "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
-            "generator state": rng})
+            **sampling_fields(max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator)})
         samples = sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
         self.group.agree("ContextParallelState.sample: the sampled tokens",
