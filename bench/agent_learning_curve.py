@@ -42,12 +42,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import longstraw
-    from longstraw.config import TrainConfig
+    from longstraw.train.config import TrainConfig
     from longstraw.real_models import model_path
-    from longstraw.rollout import SamplingSettings, TurnSampler
+    from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.tasks.archive_tools import write_archive_task
     from longstraw.tasks.jsonl import load_jsonl
-    from longstraw.trainer import Trainer
+    from longstraw.train.trainer import Trainer
 
     path = model_path("smollm2")
     out = Path(args.out)

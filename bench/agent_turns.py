@@ -8,7 +8,7 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
 
-Memory: peak RSS during the replay and backward − RSS before it (`longstraw.memory.MemoryMeter`; the prompt state is
+Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt state is
 captured before, so it is not counted for the two longstraw methods, and the naive way has none). G does not enter:
 trajectories are replayed one at a time, so a step's memory is one trajectory's.
 
@@ -39,7 +39,7 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
 
     import longstraw
     from longstraw.compare import bench_model
-    from longstraw.memory import MemoryMeter
+    from longstraw.train.memory import MemoryMeter
     from longstraw.trajectory import replay_segments
 
     torch.set_num_threads(threads)

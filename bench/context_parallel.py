@@ -44,7 +44,7 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
     torch.set_num_threads(1)
     import longstraw
     from longstraw.compare import bench_model
-    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb, trim_heap
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb, trim_heap
 
     group = None
     if n > 1:

@@ -77,7 +77,7 @@ def build(name: str, device, dtype, smoke: bool, max_len: int):
     model = get_peft_model(model, lora)
     for p in model.parameters():
         if p.requires_grad:
-            p.data = p.data.float()  # adapters in float32 (longstraw.devices)
+            p.data = p.data.float()  # adapters in float32 (longstraw.train.devices)
     return model.train()
 
 

@@ -69,11 +69,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from longstraw.config import TrainConfig
+    from longstraw.train.config import TrainConfig
     from longstraw.real_models import model_path
     from longstraw.tasks.documents import write_document_task
     from longstraw.tasks.jsonl import load_jsonl
-    from longstraw.trainer import Trainer
+    from longstraw.train.trainer import Trainer
 
     path = model_path("smollm2")
     out = Path(args.out + (f"-{args.tag}" if args.tag else ""))

@@ -36,7 +36,7 @@ def _data(tok, P: int, d: str) -> Path:
 
 
 def _measure(marks: dict, begin: bool) -> None:
-    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
 
     if begin:
         marks["before"] = rss_mb()
@@ -50,9 +50,9 @@ def _measure(marks: dict, begin: bool) -> None:
 def run_longstraw(P: int, G: int, R: int, threads: int) -> dict:
     from transformers import AutoTokenizer
 
-    from longstraw.config import TrainConfig
+    from longstraw.train.config import TrainConfig
     from longstraw.real_models import model_path
-    from longstraw.trainer import Trainer
+    from longstraw.train.trainer import Trainer
 
     path = model_path("smollm2")
     with tempfile.TemporaryDirectory() as d:

@@ -28,7 +28,7 @@ def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
 
     import longstraw
     from longstraw.compare import bench_model
-    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
 
     torch.set_num_threads(1)
     model = bench_model(model_name)

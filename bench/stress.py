@@ -66,7 +66,7 @@ def child(name: str, run: dict, threads: int, out: Path) -> None:
     import torch
 
     import longstraw
-    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
     from longstraw.plan import PlanConfig, plan
 
     torch.set_num_threads(threads)

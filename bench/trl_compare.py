@@ -34,7 +34,7 @@ def _model_overrides(name: str) -> dict:
 
 
 def _config(name: str, P: int, G: int, R: int, out: str):
-    from longstraw.config import TrainConfig
+    from longstraw.train.config import TrainConfig
 
     return TrainConfig(model=ARCH[name], model_overrides=_model_overrides(name), lora=True, lora_r=8, lora_alpha=16,
                        train_embeddings=False, task="kv_retrieval", task_options={"num_pairs": 16, "num_values": 16},
@@ -44,7 +44,7 @@ def _config(name: str, P: int, G: int, R: int, out: str):
 
 
 def run_longstraw(name, P, G, R) -> dict:
-    from longstraw.trainer import Trainer
+    from longstraw.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as d:
         trainer = Trainer(_config(name, P, G, R, d))
@@ -60,8 +60,8 @@ def run_trl(name, P, G, R) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from longstraw.memory import peak_rss_mb, reset_peak, rss_mb
-    from longstraw.trainer import Trainer
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
+    from longstraw.train.trainer import Trainer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

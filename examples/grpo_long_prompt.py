@@ -13,7 +13,7 @@ random model visibly learns in a few seconds on a CPU; put a verifier of your ta
 Simplifications, on purpose: a tiny random llama instead of a pretrained model, one prompt per step,
 no reference model (beta = 0), the default detached prompt gradient (`prompt_grad="exact"` would add
 the prompt's share through `state.backward()`, called below either way). `longstraw train` does the
-same with data, reward functions, checkpoints and metrics around it (`longstraw.trainer`).
+same with data, reward functions, checkpoints and metrics around it (`longstraw.train.trainer`).
 """
 
 from __future__ import annotations

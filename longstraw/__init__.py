@@ -10,10 +10,11 @@ Public surface (docs/design.md):
     longstraw.prepare(model)           # once per model (capture calls it); the model still works normally
     report = longstraw.check(model)    # self-check against the unmodified model: report.ok, worst errors
 
-Around it: `longstraw.losses` (GRPO loss family), `longstraw.trainer.Trainer` with
-`longstraw.config.TrainConfig`, the `longstraw` command line.
+Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Trainer` with
+`longstraw.train.config.TrainConfig`, the `longstraw` command line.
 """
 
+from ._moved import install as _install_moved
 from .api import capture
 from .errors import UnsupportedArchitectureError
 from .prepare import prepare, unprepare
@@ -22,6 +23,7 @@ from .state import PromptState, Replay
 from .support import tested_families
 
 __version__ = "0.1.0"
+_install_moved()  # the old paths of the modules moved into longstraw.train (one release, with a warning)
 
 __all__ = ["CheckReport", "PromptState", "Replay", "UnsupportedArchitectureError", "capture", "check", "prepare",
            "tested_families", "unprepare"]

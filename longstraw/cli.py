@@ -81,9 +81,9 @@ def real_demo_config(overrides: dict | None = None, length: int = REAL_DEMO_LENG
     for every step, `eval_examples` held-out rows of other seeds) unless it is there from an earlier run."""
     from transformers import AutoTokenizer
 
-    from .config import TrainConfig
     from .real_models import model_path
     from .tasks.documents import write_document_task
+    from .train.config import TrainConfig
 
     values = {**REAL_DEMO_CONFIG, **(overrides or {})}
     path = model_path("smollm2")
@@ -143,7 +143,7 @@ def _parse_value(field: dataclasses.Field, text: str):
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    from .config import TrainConfig
+    from .train.config import TrainConfig
 
     group = parser.add_argument_group("config fields (override the file; lists and dicts in YAML syntax)")
     for f in dataclasses.fields(TrainConfig):
@@ -153,7 +153,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args) -> dict:
-    from .config import TrainConfig
+    from .train.config import TrainConfig
 
     out = {}
     for f in dataclasses.fields(TrainConfig):
@@ -191,8 +191,8 @@ def run_training(cfg) -> tuple[object, dict]:
 
     eval.json holds the accuracy per length, the baselines that apply, and each held-out example's greedy
     completion (what a reloaded model must reproduce)."""
-    from .plots import plot_run
-    from .trainer import Trainer
+    from .train.plots import plot_run
+    from .train.trainer import Trainer
 
     trainer = Trainer(cfg)
     out = Path(cfg.output_dir)
@@ -245,8 +245,8 @@ def _launch(args, cfg) -> int | None:
     exit status; None when this process is to train itself."""
     if args.nproc <= 1:
         return None
-    from .devices import resolve_device
     from .parallel import launch_local
+    from .train.devices import resolve_device
 
     argv = list(args.argv)
     for i, a in enumerate(argv):  # the ranks get the same command without --nproc
@@ -260,7 +260,7 @@ def _launch(args, cfg) -> int | None:
 
 
 def cmd_train(args) -> int:
-    from .config import TrainConfig
+    from .train.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(args.config, _overrides(args))  # checked before any rank starts
     launched = _launch(args, cfg)
@@ -284,7 +284,7 @@ def _tiny_names():
 
 
 def demo_config(overrides: dict | None = None):
-    from .config import TrainConfig
+    from .train.config import TrainConfig
 
     values = dict(DEMO_CONFIG)
     values.update(overrides or {})
@@ -329,8 +329,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .config import TrainConfig
-    from .trainer import Trainer
+    from .train.config import TrainConfig
+    from .train.trainer import Trainer
 
     run = Path(args.run)
     if not (run / "config.yaml").exists():
@@ -513,7 +513,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = argv
     from .distributed import CollectiveError
-    from .rewards import RewardFunctionError
+    from .train.rewards import RewardFunctionError
 
     try:
         return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,

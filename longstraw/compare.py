@@ -12,7 +12,7 @@ of R tokens that share a prompt of P tokens, with a LoRA adapter trainable:
   backward: the replay graph keeps one layer's activations).
 
 Step memory = peak RSS during the step − RSS just before it, with the peak reset after a warm-up
-step on a short prompt (`longstraw.memory`). Used by `longstraw demo` and `bench/memory_step.py`.
+step on a short prompt (`longstraw.train.memory`). Used by `longstraw demo` and `bench/memory_step.py`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
             (-(a * lp).sum()).backward()
     elif method in ("longstraw", "longstraw_exact", "longstraw_ckpt"):
         mode = "exact" if method == "longstraw_exact" else "detached"
-        from .memory import peak_rss_mb
+        from .train.memory import peak_rss_mb
 
         with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
@@ -122,7 +122,7 @@ def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int =
 def _measured(row: dict, fn) -> dict:
     """`row` plus the step memory (peak RSS − RSS before, peak reset first) and wall time of `fn()`,
     and what `fn` reports (durable state in MiB, ...)."""
-    from .memory import peak_rss_mb, reset_peak, rss_mb
+    from .train.memory import peak_rss_mb, reset_peak, rss_mb
 
     before = rss_mb()
     reset_peak()

@@ -20,7 +20,7 @@ Every rank runs the same trainer over the same data, seeds and weights, and one 
   every rank takes the same clipped AdamW step, so the weights stay equal (checked at every checkpoint). With
   `fsdp: true` the decoder layers are sharded instead (`longstraw.distributed.fsdp`): their gradients are
   reduce-scattered in the step's last backward, only the replicated parameters are all-reduced, each rank steps its
-  shards (see `longstraw.trainer`).
+  shards (see `longstraw.train.trainer`).
 Supervised warm-up steps: full-sequence ones split the step's prompts over the ranks (data parallel: ranks hold
 whole prompts there), replayed ones capture each prompt context parallel and the prompt's owner (b mod N) replays
 its answer. Evaluation captures context parallel too; every rank gets the same greedy completions.

@@ -5,9 +5,9 @@ import copy
 
 import torch
 
-from longstraw.config import TrainConfig
-from longstraw.rollout import Response
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.rollout import Response
+from longstraw.train.trainer import Trainer
 
 from .test_distributed_trainer import EPS32
 from .test_equivalence import FLOOR_FACTOR

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from longstraw import cli
-from longstraw.config import TrainConfig
+from longstraw.train.config import TrainConfig
 
 
 def test_help_documents_every_field(capsys):

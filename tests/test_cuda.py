@@ -193,8 +193,8 @@ def test_lm_head_on_gpu(dtype):
 
 
 def test_trainer_runs_on_cuda_in_bf16(tmp_path):
-    from longstraw.config import TrainConfig
-    from longstraw.trainer import Trainer
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
 
     cfg = TrainConfig(model="llama", output_dir=str(tmp_path / "run"), prompt_length=64, num_steps=2,
                       task_options={"num_pairs": 4, "num_values": 8}, num_generations=4, max_completion_length=2,

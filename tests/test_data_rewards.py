@@ -6,10 +6,10 @@ import math
 import pytest
 
 from longstraw import cli
-from longstraw.config import TrainConfig
-from longstraw.rewards import RewardFunctionError
+from longstraw.train.config import TrainConfig
+from longstraw.train.rewards import RewardFunctionError
 from longstraw.tasks import build_tokenizer
-from longstraw.trainer import Trainer
+from longstraw.train.trainer import Trainer
 
 # Only words of the built-in vocabulary: each message's content, then "=" as the generation prompt.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
@@ -35,7 +35,7 @@ def short_reward(prompts, completions, **kwargs):
 
 def _model_folder(tmp_path, chat_template=CHAT_TEMPLATE):
     """A local model folder: tiny llama + the task tokenizer, with a chat template."""
-    from longstraw.trainer import _tiny_base
+    from longstraw.train.trainer import _tiny_base
 
     tok = build_tokenizer(num_keys=16, num_values=8)
     tok.chat_template = chat_template

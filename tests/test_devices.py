@@ -1,14 +1,14 @@
-"""The device and dtype policy (`longstraw.devices`) and the trainer under it, on the CPU."""
+"""The device and dtype policy (`longstraw.train.devices`) and the trainer under it, on the CPU."""
 
 import math
 
 import pytest
 import torch
 
-from longstraw.config import TrainConfig
-from longstraw.devices import resolve_device, resolve_dtype
-from longstraw.precision import MasterWeights
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.devices import resolve_device, resolve_dtype
+from longstraw.train.precision import MasterWeights
+from longstraw.train.trainer import Trainer
 
 from .conftest import full_and_resumed
 
@@ -54,9 +54,9 @@ def test_trainable_fp16_weights_are_refused_bf16_ones_accepted():
 
 def test_trainable_fp16_weights_from_auto_are_refused(tmp_path, monkeypatch):
     """`dtype: auto` resolves to fp16 on a GPU without bf16: the trainer refuses trainable fp16 weights then too."""
-    import longstraw.devices
+    import longstraw.train.devices
 
-    monkeypatch.setattr(longstraw.devices, "resolve_dtype", lambda name, device: torch.float16)
+    monkeypatch.setattr(longstraw.train.devices, "resolve_dtype", lambda name, device: torch.float16)
     with pytest.raises(ValueError, match="loss scaling"):
         Trainer(TrainConfig(model="llama", output_dir=str(tmp_path / "run"), lora=False, progress=False))
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longstraw.config import TrainConfig
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import Trainer
 
 from .conftest import spawn_ranks
 
@@ -234,7 +234,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
 def _spawn(tmp_path, scenario: str) -> list[dict]:
     init = tmp_path / f"init-{scenario}"
     spawn_ranks(_worker, (2, str(init), str(tmp_path), scenario), 2,
-                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.trainer",
+                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.train.trainer",
                  "longstraw.distributed", "transformers.models.llama.modeling_llama"], 2 * TIMEOUT_S, repr(scenario))
     return [torch.load(tmp_path / f"{scenario}-rank{r}.pt") for r in range(2)]
 

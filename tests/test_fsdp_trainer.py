@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longstraw.checkpoint import CheckpointError
-from longstraw.trainer import Trainer
+from longstraw.train.checkpoint import CheckpointError
+from longstraw.train.trainer import Trainer
 
 from .conftest import spawn_ranks
 from .test_distributed_trainer import GRAD_TOL, METRIC_TOL, _cfg, _flat, _rel, _train, adamw_replay, replay_tol, weights_at
@@ -71,7 +71,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp-train")
     spawn_ranks(_worker, (2, str(tmp / "init"), str(tmp)), 2,
-                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.trainer",
+                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.train.trainer",
                  "longstraw.distributed", "transformers.models.llama.modeling_llama"], 4 * TIMEOUT_S, "fsdp runs")
     two = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
     torch.set_num_threads(1)

@@ -126,3 +126,52 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     graph, private = import_graph(pkg)
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert private == [("pkg.d", "pkg.a", "_hidden")]
+
+
+#: the modules above the trainer: the command line, the tools, and the agent rollouts the trainer runs as a stage
+ABOVE_TRAIN = {"longstraw.__main__", "longstraw.cli", "longstraw.compare", "longstraw.agent", "longstraw.agent.rollout",
+               "longstraw.agent.environment"}
+
+
+def test_nothing_below_the_trainer_imports_it():
+    """The engine (capture, the prompt state, sampling, replay, layer kinds, the bridge to transformers, the
+    distributed parts) never imports `longstraw.train`: the trainer is built on it, not the other way round."""
+    graph, _ = import_graph()
+    upward = sorted((m, d) for m, deps in graph.items() if not m.startswith("longstraw.train") and m not in ABOVE_TRAIN
+                    for d in deps if d.startswith("longstraw.train"))
+    assert not upward, f"(module, trainer module it imports): {upward}"
+
+
+def test_the_tier_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "longstraw"
+    (pkg / "train").mkdir(parents=True)
+    for f in ("__init__.py", "state.py", "train/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "train" / "trainer.py").write_text("from ..state import x\n")
+    (pkg / "sampler.py").write_text("def f():\n    from .train.trainer import Trainer\n")
+    graph, _ = import_graph(pkg)
+    assert graph["longstraw.sampler"] == {"longstraw.train.trainer"}
+    assert graph["longstraw.train.trainer"] == {"longstraw.state"}
+
+
+def test_moved_modules_keep_their_old_import_path():
+    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object and warns once
+    with a DeprecationWarning naming the new path; in a fresh interpreter, so that nothing is imported yet."""
+    import subprocess
+    import sys
+
+    from longstraw._moved import MOVED
+
+    code = ("import importlib, warnings\n"
+            "from longstraw._moved import MOVED\n"
+            "for old, new in MOVED.items():\n"
+            "    with warnings.catch_warnings(record=True) as w:\n"
+            "        warnings.simplefilter('always')\n"
+            "        a = importlib.import_module(old)\n"
+            "    assert a is importlib.import_module(new), old\n"
+            "    assert [str(x.message) for x in w if x.category is DeprecationWarning] == "
+            "[f'{old} moved to {new}; the old name goes in the next release'], (old, [str(x.message) for x in w])\n"
+            "print(len(MOVED))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(len(MOVED))

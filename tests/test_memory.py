@@ -2,9 +2,9 @@
 
 import torch
 
-from longstraw.config import TrainConfig
-from longstraw.memory import MemoryMeter
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.memory import MemoryMeter
+from longstraw.train.trainer import Trainer
 
 
 def _allocate_and_free(n_small: int = 20000) -> None:
@@ -46,7 +46,7 @@ def _tb_config(tmp_path, steps=2):
 def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import pytest
 
-    from longstraw import metrics
+    from longstraw.train import metrics
 
     monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
     with pytest.raises(ValueError, match="pip install tensorboard"):

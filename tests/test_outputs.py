@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from longstraw import cli
-from longstraw.checkpoint import CheckpointError
-from longstraw.config import TrainConfig
-from longstraw.trainer import Trainer
+from longstraw.train.checkpoint import CheckpointError
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import Trainer
 
 CONFIG = ("model: llama\nprompt_length: 24\ntask_options: {num_pairs: 4, num_values: 8}\nnum_generations: 4\n"
           "max_completion_length: 3\nprogress: false\nthreads: 1\nnum_steps: 2\nsft_warmup_steps: 1\n"

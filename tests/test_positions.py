@@ -4,7 +4,7 @@ model takes RoPE scaling from `model_overrides`."""
 import pytest
 from transformers import AutoConfig
 
-from longstraw.config import TrainConfig
+from longstraw.train.config import TrainConfig
 from longstraw.models import tiny_model
 from longstraw.plan import PlanConfig, plan
 from longstraw.positions import coverage, position_note
@@ -41,7 +41,7 @@ def test_plan_notes_the_positions(tmp_path):
 
 def test_a_local_model_takes_rope_scaling_from_model_overrides(tmp_path):
     from longstraw.tasks import build_tokenizer
-    from longstraw.trainer import build_model_and_tokenizer
+    from longstraw.train.trainer import build_model_and_tokenizer
 
     tiny_model("llama").save_pretrained(tmp_path)
     build_tokenizer(num_keys=8, num_values=4).save_pretrained(tmp_path)

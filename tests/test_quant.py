@@ -193,8 +193,8 @@ def test_bad_state_dtype(kwargs, match):
 def test_trainer_with_a_compressed_state(tmp_path):
     """`state_dtype: fp8` in a run: the logged durable state is smaller than in the same run at full precision;
     exact prompt gradients with a quantized state are refused at configuration."""
-    from longstraw.config import TrainConfig
-    from longstraw.trainer import Trainer
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
 
     def run(name, **kw):
         cfg = TrainConfig(model="llama", output_dir=str(tmp_path / name), prompt_length=300, num_steps=2,

@@ -4,8 +4,8 @@ held-out accuracy before and after training."""
 import json
 
 from longstraw import cli
-from longstraw.config import TrainConfig
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import Trainer
 
 REWARDS = '''
 def first_word(prompts, completions, answer, **kwargs):

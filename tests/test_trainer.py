@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
-from longstraw.config import TrainConfig
-from longstraw.trainer import RewardFunctionError, Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import RewardFunctionError, Trainer
 
 from .conftest import full_and_resumed
 

@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from longstraw.config import TrainConfig
-from longstraw.trainer import Trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import Trainer
 
 from .conftest import rel_err
 from .test_equivalence import FLOOR_FACTOR

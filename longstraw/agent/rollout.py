@@ -1,6 +1,6 @@
 """Multi-turn rollouts: G trajectories from one captured prompt, each growing on its own branch by tool output.
 
-`EnvironmentRollout(factory, settings)` is a rollout hook (`longstraw.rollout.RolloutStage`: `(sampler, example,
+`EnvironmentRollout(factory, settings)` is a rollout hook (`longstraw.train.rollout.RolloutStage`: `(sampler, example,
 num_generations) -> responses`). For each of the G trajectories it makes an environment (`factory()`), resets it
 with the example's columns, forks a `Branch` from the prompt state and alternates:
 
@@ -35,8 +35,8 @@ from functools import partial
 
 import torch
 
-from ..rollout import Response, TurnSampler
 from ..tasks import Example
+from ..train.rollout import Response, TurnSampler
 from .environment import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_message_ids
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .tasks import REWARD_FUNCTIONS, Example
+from ..tasks import REWARD_FUNCTIONS, Example
 
 
 class RewardFunctionError(RuntimeError):

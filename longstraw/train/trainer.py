@@ -1,15 +1,16 @@
 """The GRPO trainer: wires the stages of a run, one optimizer step per batch.
 
-    rollout   (`longstraw.rollout`)     capture each prompt → sample G → reward → reference log-probs
-                                        → advantages
-    update    (`longstraw.update`)      loss normalizer → serial replay, loss, backward per response
-    optimizer                           clip, one AdamW step (skipped on a non-finite loss or gradient); trainable
-                                        bf16 weights step on float32 masters (`longstraw.precision`)
-    checkpoint (`longstraw.checkpoint`) atomic, resumable; the final model via `longstraw.export`
+    rollout    (`rollout`)     capture each prompt → sample G → reward → reference log-probs → advantages
+    update     (`update`)      loss normalizer → serial replay, loss, backward per response
+    optimizer                  clip, one AdamW step (skipped on a non-finite loss or gradient); trainable bf16
+                               weights step on float32 masters (`precision`)
+    checkpoint (`checkpoint`)  atomic, resumable; the final model via `export`
+
+(modules of `longstraw.train`)
 
 The first `sft_warmup_steps` steps are supervised (`update.sft_update`). Data and sampling are drawn
 from (seed, step), so a resumed run repeats exactly what an uninterrupted one does. Metrics of every
-step, with memory and time per stage (`longstraw.memory.MemoryMeter`), go to `metrics.jsonl` (and to
+step, with memory and time per stage (`longstraw.train.memory.MemoryMeter`), go to `metrics.jsonl` (and to
 TensorBoard with `report_to: tensorboard`).
 
 On N processes (torchrun, `longstraw train --nproc N`; `longstraw.parallel`): the stages take `self.ranks`, the
@@ -35,6 +36,10 @@ from pathlib import Path
 
 import torch
 
+from ..losses import combine_rewards, make_loss
+from ..models import TINY_CONFIGS, tiny_config
+from ..parallel import setup_ranks
+from ..tasks import Example, build_tokenizer
 from .checkpoint import (
     SHARDED_WEIGHTS,
     latest_name,
@@ -47,15 +52,11 @@ from .checkpoint import (
 from .config import TrainConfig
 from .data import build_data
 from .export import export_model
-from .losses import combine_rewards, make_loss
 from .memory import MemoryMeter
 from .metrics import MetricsWriter
-from .models import TINY_CONFIGS, tiny_config
-from .parallel import setup_ranks
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, RewardSet, resolve_callable, resolve_reward
 from .rollout import Policy, RolloutStage, SamplingSettings
-from .tasks import Example, build_tokenizer
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 
 EVAL_SEED_OFFSET = 1_000_000
@@ -152,7 +153,7 @@ class Trainer:
     """Runs `TrainConfig`: `train()` for the whole run (resuming from the latest checkpoint).
 
     `reward_funcs`: callables `(prompts, completions, **kwargs) -> list[float]` (TRL's signature) to use
-    instead of the config's. `rollout_func`: a rollout hook (`longstraw.rollout.RolloutStage`) instead of
+    instead of the config's. `rollout_func`: a rollout hook (`longstraw.train.rollout.RolloutStage`) instead of
     the config's `rollout_func` import path.
     """
 
@@ -174,8 +175,8 @@ class Trainer:
         if cfg.fsdp and not self.sharded:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
         if self.sharded:
-            from .distributed.fsdp import shard
-            from .models import base_model, decoder_of
+            from ..distributed.fsdp import shard
+            from ..models import base_model, decoder_of
 
             in_layers = [p for p in decoder_of(base_model(self.model)).layers.parameters() if p.requires_grad]
             shard(self.model, float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers))
@@ -184,7 +185,7 @@ class Trainer:
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
-            from .agent import AgentSettings, EnvironmentRollout
+            from ..agent import AgentSettings, EnvironmentRollout
 
             kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
             rollout_func = EnvironmentRollout(resolve_callable(cfg.environment, "environment"),
@@ -241,7 +242,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def rollout(self, step: int):
-        """The rollout of GRPO step `step` (`longstraw.rollout.Rollout`)."""
+        """The rollout of GRPO step `step` (`longstraw.train.rollout.Rollout`)."""
         return self.rollout_stage.collect(self.examples(step), step, self.meter)
 
     def update(self, rollout) -> dict:
@@ -253,7 +254,7 @@ class Trainer:
         """With sharded layers: what turns their gradient reduction on for the step's last backward."""
         if not self.sharded:
             return None
-        from .distributed.fsdp import gradient_sync
+        from ..distributed.fsdp import gradient_sync
 
         return lambda: gradient_sync(self.model, True)
 
@@ -306,7 +307,7 @@ class Trainer:
         self.meter.start_step()
         self.opt.zero_grad(set_to_none=True)
         if self.sharded:  # the layers' gradients accumulate unreduced until the step's last backward
-            from .distributed.fsdp import gradient_sync
+            from ..distributed.fsdp import gradient_sync
 
             gradient_sync(self.model, False)
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
@@ -330,7 +331,7 @@ class Trainer:
         params = self.masters.params  # where the gradients are (float32)
         norm = None
         if self.sharded:  # shards and replicated gradients: one norm, one verdict, the same on every rank
-            from .distributed.fsdp import clip_grad_norm
+            from ..distributed.fsdp import clip_grad_norm
 
             norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg)
             grads_ok = math.isfinite(norm)
@@ -355,7 +356,7 @@ class Trainer:
     def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
         """Greedy responses (token ids, stop token included) of the current model, one per example (`bar`: a
         progress bar advanced per example)."""
-        from .api import capture
+        from ..api import capture
 
         out = []
         # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it
@@ -432,7 +433,7 @@ class Trainer:
         """`params` but sharded ones (with sharded layers); every one of them otherwise."""
         if not self.sharded:
             return list(params)
-        from .distributed.fsdp import is_sharded
+        from ..distributed.fsdp import is_sharded
 
         return [p for p in params if not is_sharded(p[1] if isinstance(p, tuple) else p)]
 
@@ -443,7 +444,7 @@ class Trainer:
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
         if self.sharded:
-            from .distributed.fsdp import full_tensors, local_optimizer_state
+            from ..distributed.fsdp import full_tensors, local_optimizer_state
 
             return save_sharded_checkpoint(self.out / "checkpoints", self.step, self.ranks,
                                            full_tensors(self._named_trainable(), keep=self.ranks.main),
@@ -466,7 +467,7 @@ class Trainer:
 
         def load():
             if name is not None and self.sharded:
-                from .distributed.fsdp import load_full_tensors
+                from ..distributed.fsdp import load_full_tensors
 
                 return load_sharded_checkpoint(
                     root / name, self.ranks,
@@ -487,7 +488,7 @@ class Trainer:
         return True
 
     def export(self) -> dict[str, Path]:
-        """The final model folders (`longstraw.export`)."""
+        """The final model folders (`longstraw.train.export`)."""
         base_model = base_path = None
         if self.cfg.lora:
             if self.cfg.model in TINY_CONFIGS:
@@ -510,8 +511,8 @@ class Trainer:
     def _unsharded_copy(self):
         """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
         with sharded layers; memory: a second copy of the model on rank 0, at the end)."""
+        from ..distributed.fsdp import load_full_tensors
         from .checkpoint import LazyTensors
-        from .distributed.fsdp import load_full_tensors
 
         name = latest_name(self.out / "checkpoints")
         ckpt = self.out / "checkpoints" / name

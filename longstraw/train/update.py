@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import capture
-from .logprobs import chunked_logprobs
-from .losses import GRPOLoss
-from .losses.base import TokenStats
+from ..api import capture
+from ..logprobs import chunked_logprobs
+from ..losses import GRPOLoss
+from ..losses.base import TokenStats
+from ..support import model_parts
+from ..tasks import Example
+from ..trajectory import replay_segments
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
-from .support import model_parts
-from .tasks import Example
-from .trajectory import replay_segments
 
 
 @dataclass(frozen=True)

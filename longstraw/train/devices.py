@@ -6,7 +6,7 @@ slow and the test suite's tolerances are fp32's). Whatever the model dtype, atte
 log-sum-exps, log-probs and loss terms accumulate in float32 (`longstraw.attention`, `longstraw.logprobs`),
 and LoRA adapters stay float32 (PEFT keeps adapter weights in float32 by default), so their AdamW state is
 float32 too. Trainable bf16 weights (full fine-tuning, or `train_embeddings` beside LoRA) step on float32
-master copies (`longstraw.precision`). Trainable fp16 weights would also need loss scaling, which the trainer
+master copies (`longstraw.train.precision`). Trainable fp16 weights would also need loss scaling, which the trainer
 does not do: `TrainConfig` refuses them.
 """
 

@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from .tasks import TASKS, Example, load_jsonl
+from ..tasks import TASKS, Example, load_jsonl
 
 
 @dataclass

@@ -5,7 +5,7 @@
       step-12/
         weights/             the trainable weights: a PEFT adapter folder, or model.safetensors
         optimizer.pt         optimizer and scheduler state, torch RNG state, float32 master weights of trainable
-                             bf16 parameters (`longstraw.precision`): tensors and plain containers
+                             bf16 parameters (`longstraw.train.precision`): tensors and plain containers
         trainer_state.json   step, data position, Python RNG state, the run's config
 
 A checkpoint is written into a temporary folder and renamed, then `latest` is replaced: an interrupted
@@ -209,7 +209,7 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
     """Restore a checkpoint of `save_sharded_checkpoint` on this rank: `load_weights_fn({name: whole tensor})` puts
     the weights into the (sharded) model, this rank's optimizer file into `optimizer` (shards wrapped as the
     parameters' `DTensor`s again), the rest as `load_checkpoint`. Returns the trainer state."""
-    from .distributed.fsdp import sharded_optimizer_state
+    from ..distributed.fsdp import sharded_optimizer_state
 
     state = read_trainer_state(ckpt)
     if not state.get("fsdp") or state.get("world_size") != ranks.size:

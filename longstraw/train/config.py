@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .losses import LOSS_TYPES, SCALE_REWARDS
-from .losses.base import IMPORTANCE_SAMPLING_LEVELS
-from .tasks import REWARD_FUNCTIONS, TASKS
+from ..losses import LOSS_TYPES, SCALE_REWARDS
+from ..losses.base import IMPORTANCE_SAMPLING_LEVELS
+from ..tasks import REWARD_FUNCTIONS, TASKS
 
 
 def _f(default, help: str, **kw):
@@ -78,7 +78,7 @@ class TrainConfig:
                                 "(prompts, completions, **columns) -> list[float]; empty: the task's own")
     rollout_func: str | None = _f(None, "rollout hook 'package.module:function' or 'path/to/file.py:function': "
                                         "(sampler, example, num_generations) -> responses with token ids, mask and "
-                                        "old log-probs (multi-turn, tool output; see longstraw.rollout)")
+                                        "old log-probs (multi-turn, tool output; see longstraw.train.rollout)")
     environment: str | None = _f(None, "agent environment factory 'package.module:Class' or 'path/to/file.py:Class' "
                                        "(TRL's environment_factory: reset(**columns), public methods as tools, "
                                        "optional get_reward()): multi-turn rollouts whose tool replies grow each "

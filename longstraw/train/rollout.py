@@ -7,7 +7,7 @@ For each prompt:
 3. score them with the reward functions (`RewardSet`);
 4. with `beta > 0`, the reference policy's log-probs (adapters disabled, a second capture).
 Then the advantages are computed per group over the weighted rewards. The update stage
-(`longstraw.update`) replays what this stage returns.
+(`longstraw.train.update`) replays what this stage returns.
 
 Memory: one prompt state at a time, except that with one prompt per step it is kept for the update
 (no second capture).
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .api import capture
-from .losses import combine_rewards, group_advantages
+from ..api import capture
+from ..losses import combine_rewards, group_advantages
+from ..sampler import Samples, sample
+from ..state import PromptState
+from ..tasks import Example
 from .memory import MemoryMeter
 from .rewards import RewardSet
-from .sampler import Samples, sample
-from .state import PromptState
-from .tasks import Example
 
 
 @dataclass
