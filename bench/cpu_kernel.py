@@ -7,7 +7,7 @@ Two measurements, each alternating the two kernels so that a shared machine's no
    median of --repeats calls per kernel.
 2. One capture of the stress model (`bench/stress.py`: the tiny hybrid with a 2-query-head / 1-KV-head × 16
    full-attention layer) at --capture-P tokens with the fp8 state and with the float32 state, chunk 2,048,
-   --capture-threads torch threads, each kernel in its own fresh process (`longstraw.kernels.use`). Two processes
+   --capture-threads torch threads, each kernel in its own fresh process (`longstraw.ops.kernels.use`). Two processes
    of 2 threads on 2 cores (this one beside another run) slow each other's OpenMP regions by several times and at
    random: measure on quiet cores, or with 1 thread.
 
@@ -35,7 +35,7 @@ from _bench import finish, record  # noqa: E402
 def kernel_rates(d: int, rows: int, keys: int, threads: int, repeats: int) -> dict:
     import torch
 
-    from longstraw.kernels import native
+    from longstraw.ops.kernels import native
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(d)

@@ -2,7 +2,7 @@
 
 1. `kernels`: one attention part of a replay (R = 256 queries of 32 heads / 8 KV heads of 128, or 16 / 4 of 256,
    over T prompt keys), forward and the dq-only backward of detached mode, for every kernel of
-   `longstraw.kernels` that computes it; last, `flex_attention(return_lse=True)` (forward, compiled) as a candidate.
+   `longstraw.ops.kernels` that computes it; last, `flex_attention(return_lse=True)` (forward, compiled) as a candidate.
 2. `lm_head`: log-probs of 8 × 256 response tokens through a 151,936 × 4,096 head, forward + backward, with
    longstraw's chunked head, the plain `log_softmax` of all logits, and Liger-Kernel's fused linear
    cross-entropy where installed.
@@ -61,7 +61,7 @@ def timed(fn, repeat=5, device=None):
 
 def kernels_section(smoke, device, emit):
     from longstraw import kernels
-    from longstraw.kernels import Part
+    from longstraw.ops.kernels import Part
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = [(32, 8, 128), (16, 4, 256)]
@@ -92,7 +92,7 @@ def kernels_section(smoke, device, emit):
 
 
 def lm_head_section(smoke, device, emit):
-    from longstraw.logprobs import chunked_logprobs, reference_logprobs
+    from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     v, hdim, n = (4096, 256, 64) if smoke else (151936, 4096, 8 * 256)

@@ -55,7 +55,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import longstraw
-    from longstraw.kernels import blockwise
+    from longstraw.ops.kernels import blockwise
     from longstraw.real_models import model_path
     from longstraw.state import default_chunk_size
 

@@ -2,8 +2,9 @@
 at its new home (`longstraw.train.trainer`, the same module object, so `monkeypatch` and `isinstance` agree) and
 warns with a DeprecationWarning naming the new path.
 
-`MOVED` maps each old module name to its new one; `install()` (run by `longstraw/__init__.py`) appends the finder to
-`sys.meta_path`, after the regular finders, so it only answers for names no file holds any more.
+`MOVED` maps each old module name to its new one; `install()` (run by `longstraw/__init__.py`) puts the finder first
+in `sys.meta_path`: it answers only for the old names (no file holds them any more), and it must answer before the
+regular finder would load a moved package's submodule a second time under its old name.
 """
 
 from __future__ import annotations
@@ -14,20 +15,33 @@ import importlib.util
 import sys
 import warnings
 
-#: old module name → new module name (moved in 0.1.0 → removed in the next release)
-MOVED = {f"longstraw.{m}": f"longstraw.train.{m}" for m in (
-    "config", "data", "rewards", "rollout", "update", "precision", "trainer", "checkpoint", "export", "devices",
-    "metrics", "memory", "plots")}
+#: old module name → new module name (moved in 0.1.0 → removed in the next release); a moved package's submodules
+#: follow it (`longstraw.kernels.native` → `longstraw.ops.kernels.native`)
+MOVED = {
+    **{f"longstraw.{m}": f"longstraw.train.{m}" for m in (
+        "config", "data", "rewards", "rollout", "update", "precision", "trainer", "checkpoint", "export", "devices",
+        "metrics", "memory", "plots")},
+    **{f"longstraw.{m}": f"longstraw.ops.{m}" for m in (
+        "attention", "logprobs", "quant", "latent_attention", "compressed_attention", "kernels")},
+}
+
+
+def new_name(name: str) -> str | None:
+    """The module an old name now is, or None for a name that did not move."""
+    for old, new in MOVED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return None
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name not in MOVED:
+        if new_name(name) is None:
             return None
         return importlib.util.spec_from_loader(name, self)
 
     def create_module(self, spec):
-        new = MOVED[spec.name]
+        new = new_name(spec.name)
         warnings.warn(f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning,
                       stacklevel=2)
         return importlib.import_module(new)
@@ -38,4 +52,4 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def install() -> None:
     if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+        sys.meta_path.insert(0, _Alias())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import DEFAULT_BLOCK
+from .ops.attention import DEFAULT_BLOCK
 from .prepare import prepare
 from .self_check import ensure_verified
 from .state import PromptState, capture_local, default_chunk_size, validate_capture
@@ -26,7 +26,7 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
 
     `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
     `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
-    K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.quant`), quantized once
+    K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.ops.quant`), quantized once
     here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.
 
     `state_device`: "cpu" for a model on a GPU keeps the full-attention K/V (the state that grows with P in

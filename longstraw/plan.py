@@ -30,8 +30,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .attention import TILE_ELEMENTS
 from .layers.sizes import state_bytes
+from .ops.attention import TILE_ELEMENTS
 from .positions import position_note
 from .support import layer_plan
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant
-from .attention import DEFAULT_BLOCK
 from .branch import Branch
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
 from .hf_attention import BranchCache
 from .layers import LayerState
-from .logprobs import chunked_logprobs
+from .ops import quant
+from .ops.attention import DEFAULT_BLOCK
+from .ops.logprobs import chunked_logprobs
 from .plan import auto_chunk_size
 from .prepare import prepare
 from .sampler import sample
@@ -156,7 +156,7 @@ class PromptState:
         Differentiable with respect to the trainable parameters through the response positions; with
         `prompt_grad="exact"` the backward also accumulates the gradient of the durable state, which
         `backward()` later pushes through the prompt (detached: the state is a constant). The LM head
-        runs in chunks (`longstraw.logprobs`): no `[R, vocab]` tensor is saved.
+        runs in chunks (`longstraw.ops.logprobs`): no `[R, vocab]` tensor is saved.
 
         `checkpoint_layers=True` keeps only each decoder layer's input in the graph and recomputes the
         layer during backward (activation checkpointing of the replay): replay memory drops from every

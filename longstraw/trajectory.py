@@ -38,7 +38,7 @@ from .layers import (
     MixerlessBranchLayer,
     RecurrentBranchLayer,
 )
-from .logprobs import chunked_logprobs
+from .ops.logprobs import chunked_logprobs
 from .state import PromptState, Replay, as_ids, check_length
 
 

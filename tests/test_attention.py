@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from longstraw import kernels
-from longstraw.attention import reference_attention, split_attention
+from longstraw.ops.attention import reference_attention, split_attention
 
 # (heads, kv_heads, R, P, head_dim, v_dim, block, window, softcap)
 CASES = [

@@ -12,7 +12,7 @@ float32 model's, by the same 1.5× rule.
 On these tiny random models log-probs are near uniform (≈ −log 256) and transformers' bf16 error is
 dominated by its logits being rounded to bf16 (longstraw's too: its LM head multiplies in the model's dtype,
 then takes the log-softmax in float32); the bound catches what costs at least as much: log-softmax in bf16, a prompt chunk captured from wrong tokens, attention parts
-merged in bf16 (longstraw/attention.py did that until 6547a67: 1.75× / 3.1× transformers' error with LoRA on the
+merged in bf16 (longstraw/ops/attention.py did that until 6547a67: 1.75× / 3.1× transformers' error with LoRA on the
 tiny llama, 6.8× its gradient error), bf16 accumulators in the blockwise attention kernel (with LoRA).
 
 The two MoE families have their FFNs made dense here (`DENSE_FFN`): under bf16 rounding a top-k router

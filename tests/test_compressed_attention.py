@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.attention import split_attention
-from longstraw.compressed_attention import (
+from longstraw.ops.attention import split_attention
+from longstraw.ops.compressed_attention import (
     apply_sinks,
     dense_entry_part,
     entry_part,
@@ -22,7 +22,7 @@ from longstraw.compressed_attention import (
     reference_compressed_attention,
     reference_pool,
 )
-from longstraw.latent_attention import select_topk
+from longstraw.ops.latent_attention import select_topk
 from longstraw.layers.compressed_attention import Stream, full_indexer_scores
 from longstraw.models import base_model, decoder_of
 from longstraw.reference import full_sequence_logprobs

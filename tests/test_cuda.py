@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.logprobs import chunked_logprobs, reference_logprobs
+from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.reference import _response_logprobs, cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import assert_grads_close, lora, rel_err, tie_free_tokens, tokens

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from longstraw import kernels
-from longstraw.attention import reference_attention, split_attention
-from longstraw.kernels import KERNELS, Part
-from longstraw.quant import QuantizedTokens
+from longstraw.ops.attention import reference_attention, split_attention
+from longstraw.ops.kernels import KERNELS, Part
+from longstraw.ops.quant import QuantizedTokens
 
 # name: (B, H, Hkv, R, T, D, Dv, q_start, k_start, window, softcap, chunk, q_period, block)
 PARTS = {
@@ -120,7 +120,7 @@ def test_windowed_part_reads_only_the_keys_its_query_tiles_see(window, chunk):
     """A capture chunk of R = 4,096 queries of a sliding-window (or chunked) layer, over its own keys and over
     4,096 earlier prompt keys, reads O(R · (W + tile + block)) key positions per query row, not R · T: the work
     that made a sliding-window capture chunk cost its square."""
-    from longstraw.kernels import blockwise
+    from longstraw.ops.kernels import blockwise
 
     r, t, block = 4096, 4096, 256
     span = window or chunk

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
-from longstraw.latent_attention import (
+from longstraw.ops.latent_attention import (
     absorb_query,
     absorbed_weights,
     expand_output,
@@ -222,7 +222,7 @@ def test_replay_never_expands_the_prompt(arch, monkeypatch):
     scores or indexer scores. The fused CPU kernel's dq-only backward reads the prompt in tiles of
     `CPU_TILE_ELEMENTS` keys × heads × dims (2M by default: the whole of this prompt), each tile's unused dK/dV
     as large as the tile: tiles of one key block here, so that a prompt-sized temporary would show."""
-    import longstraw.kernels.fused as fused
+    import longstraw.ops.kernels.fused as fused
 
     monkeypatch.setattr(fused, "CPU_TILE_ELEMENTS", 1)
     model = _model(arch)

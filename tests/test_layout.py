@@ -136,22 +136,37 @@ ABOVE_TRAIN = {"longstraw.__main__", "longstraw.cli", "longstraw.compare", "long
 def test_nothing_below_the_trainer_imports_it():
     """The engine (capture, the prompt state, sampling, replay, layer kinds, the bridge to transformers, the
     distributed parts) never imports `longstraw.train`: the trainer is built on it, not the other way round."""
-    graph, _ = import_graph()
-    upward = sorted((m, d) for m, deps in graph.items() if not m.startswith("longstraw.train") and m not in ABOVE_TRAIN
-                    for d in deps if d.startswith("longstraw.train"))
+    upward = imports_of_the_trainer(import_graph()[0])
     assert not upward, f"(module, trainer module it imports): {upward}"
 
 
-def test_the_tier_check_sees_an_upward_import(tmp_path):
+def imports_of_the_trainer(graph) -> list[tuple[str, str]]:
+    """(module below the trainer, trainer module it imports)."""
+    return sorted((m, d) for m, deps in graph.items() if not m.startswith("longstraw.train") and m not in ABOVE_TRAIN
+                  for d in deps if d.startswith("longstraw.train"))
+
+
+def imports_above_the_ops(graph) -> list[tuple[str, str]]:
+    """(op module, module above the ops that it imports)."""
+    return sorted((m, d) for m, deps in graph.items() if m.startswith("longstraw.ops")
+                  for d in deps if not d.startswith("longstraw.ops") and d not in OPS_MAY_IMPORT)
+
+
+def test_the_tier_checks_see_an_upward_import(tmp_path):
+    """The two tier checks themselves, on a package with one upward import each (one of them function-local) and
+    one allowed downward import (the trainer reading the state)."""
     pkg = tmp_path / "longstraw"
     (pkg / "train").mkdir(parents=True)
     for f in ("__init__.py", "state.py", "train/__init__.py"):
         (pkg / f).write_text("")
     (pkg / "train" / "trainer.py").write_text("from ..state import x\n")
     (pkg / "sampler.py").write_text("def f():\n    from .train.trainer import Trainer\n")
+    (pkg / "ops").mkdir()
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "attention.py").write_text("from ..sampler import f\n")
     graph, _ = import_graph(pkg)
-    assert graph["longstraw.sampler"] == {"longstraw.train.trainer"}
-    assert graph["longstraw.train.trainer"] == {"longstraw.state"}
+    assert imports_of_the_trainer(graph) == [("longstraw.sampler", "longstraw.train.trainer")]
+    assert imports_above_the_ops(graph) == [("longstraw.ops.attention", "longstraw.sampler")]
 
 
 def test_moved_modules_keep_their_old_import_path():
@@ -175,3 +190,15 @@ def test_moved_modules_keep_their_old_import_path():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(len(MOVED))
+
+
+#: what the pure tensor ops may import besides each other: the leaf modules (exceptions, where builds are kept)
+OPS_MAY_IMPORT = {"longstraw.errors", "longstraw.paths"}
+
+
+def test_the_ops_import_nothing_of_the_models():
+    """`longstraw.ops` (split attention, latent and compressed attention, log-probs, 8-bit tokens, kernels) is the
+    bottom tier: it imports only itself and the leaf modules, never a layer kind, the prompt state or the bridge to
+    transformers."""
+    upward = imports_above_the_ops(import_graph()[0])
+    assert not upward, f"(op module, module above it that it imports): {upward}"

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from longstraw.logprobs import chunked_logprobs
+from longstraw.ops.logprobs import chunked_logprobs
 
 from .conftest import rel_err
 
@@ -23,7 +23,7 @@ GRAD_TOL = TOL * 4
 BF16_TOL = torch.finfo(torch.bfloat16).eps * 2
 
 def reference_logprobs(hidden, head, targets, *, temperature=1.0, softcap=None):
-    """Written here, independent of longstraw.logprobs: the whole `[T, V]` log-softmax of the head's logits
+    """Written here, independent of longstraw.ops.logprobs: the whole `[T, V]` log-softmax of the head's logits
     (float64, then back to float32), and the entropy from the probabilities."""
     z = head(hidden).double()
     if softcap is not None:

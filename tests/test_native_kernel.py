@@ -1,4 +1,4 @@
-"""longstraw's compiled CPU kernel (`longstraw.kernels.native`, `simd_cpu`) against a float64 softmax: many key
+"""longstraw's compiled CPU kernel (`longstraw.ops.kernels.native`, `simd_cpu`) against a float64 softmax: many key
 tiles, rows that do not fill a register block, keys read in place from a view into a longer cache, several
 threads; the build on a machine with a compiler; the fallback to PyTorch's kernel without it."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from longstraw import kernels
-from longstraw.kernels import native
-from longstraw.kernels.part import Part
+from longstraw.ops.kernels import native
+from longstraw.ops.kernels.part import Part
 
 HAS_COMPILER = any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++"))
 
@@ -79,7 +79,7 @@ def test_avx2_build_has_no_avx512_instruction_and_equals_float64(tmp_path):
     that build.)"""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
-    code = ("import torch; from longstraw.kernels import native; from tests.test_native_kernel import _softmax; "
+    code = ("import torch; from longstraw.ops.kernels import native; from tests.test_native_kernel import _softmax; "
             "print(native.why_unavailable()); print(native.library_path()); g = torch.Generator().manual_seed(0); "
             "q, k, v = (torch.randn(1, 2, n, 32, generator=g) * s for n, s in ((19, 3), (700, 1), (700, 1))); "
             "out, lse = native.attend_full(q, k, v, 32 ** -0.5); "
@@ -109,8 +109,8 @@ def test_chosen_for_prompt_parts_and_refused_where_it_cannot():
 
 
 def test_without_it_the_choice_falls_back_to_pytorch():
-    code = ("import torch; from longstraw import kernels; from longstraw.kernels import native; "
-            "from longstraw.kernels.part import Part; "
+    code = ("import torch; from longstraw import kernels; from longstraw.ops.kernels import native; "
+            "from longstraw.ops.kernels.part import Part; "
             "p = Part(40, 0, None, None, 0.25, 16); q = torch.randn(1, 2, 3, 16); k = torch.randn(1, 2, 40, 16); "
             "print(native.why_unavailable()); print(kernels.choose(q, k, k, p).name)")
     env = {**os.environ, "LONGSTRAW_NATIVE": "0"}
@@ -126,7 +126,7 @@ def test_8bit_state_read_in_place_equals_the_dequantized_attention(qdtype, h, ro
     values (the unfinished tail excluded: the caller's)."""
     if native.why_unavailable() is not None:
         pytest.skip(native.why_unavailable())
-    from longstraw.quant import QuantizedTokens
+    from longstraw.ops.quant import QuantizedTokens
 
     g = torch.Generator().manual_seed(t + d)
     k, v = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, dv, generator=g) * 3

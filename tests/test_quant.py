@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.attention import reference_attention, split_attention
-from longstraw.quant import QUANT_BLOCK, QuantizedTokens
+from longstraw.ops.attention import reference_attention, split_attention
+from longstraw.ops.quant import QUANT_BLOCK, QuantizedTokens
 from longstraw.reference import full_sequence_logprobs
 
 from .conftest import make_model, tokens
@@ -164,7 +164,7 @@ def test_no_full_precision_copy_of_the_compressed_state(monkeypatch):
     spanning the 640 quantized prompt tokens, in capture or in a replay with backward: the state is dequantized one
     tile at a time, never whole (tiles hold `CPU_TILE_ELEMENTS` keys × heads × dims, 2M by default: at this size the
     whole state would be one tile)."""
-    import longstraw.kernels.fused as fused
+    import longstraw.ops.kernels.fused as fused
 
     monkeypatch.setattr(fused, "CPU_TILE_ELEMENTS", 1)
     model = make_model("llama", use_lora=True)

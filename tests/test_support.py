@@ -9,7 +9,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import longstraw
 from longstraw import self_check, support
-from longstraw.logprobs import chunked_logprobs, reference_logprobs
+from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.models import UnsupportedArchitectureError, tiny_model
 from longstraw.reference import full_sequence_logprobs
 
@@ -192,7 +192,7 @@ def test_self_check_refuses_a_wrong_backward_and_names_its_layer(wrong_call, lay
     """A replay whose forward is right but whose attention backward is off in one layer (the query gradient of the
     prompt part scaled by 0.97) is refused by the gradient check alone, which names that layer; with nothing
     trainable the gradient is checked too (it is taken with respect to each layer's input, not the weights)."""
-    from longstraw.attention import SplitAttention
+    from longstraw.ops.attention import SplitAttention
 
     real, calls = SplitAttention.backward, []
 

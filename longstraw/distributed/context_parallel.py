@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import quant
-from ..attention import DEFAULT_BLOCK, Part, part_backward, part_forward
 from ..hf_attention import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
@@ -18,9 +16,11 @@ from ..layers.full_attention import AttentionBranchLayer, KVState
 from ..layers.latent_attention import IndexedLatentState, LatentOwn, LatentState
 from ..layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..layers.sliding_window import SlidingKVState
-from ..logprobs import chunked_logprobs
 from ..models import ModelParts, base_model
-from ..quant import QUANT_BLOCK, QuantizedTokens
+from ..ops import quant
+from ..ops.attention import DEFAULT_BLOCK, Part, part_backward, part_forward
+from ..ops.logprobs import chunked_logprobs
+from ..ops.quant import QUANT_BLOCK, QuantizedTokens
 from ..state import (
     PromptState,
     Replay,
@@ -59,7 +59,7 @@ def slice_bounds(total: int, size: int, align: int = 1) -> list[tuple[int, int]]
 
 
 def _part(q_start, k_start, window, softcap, scale, block, q_period=None) -> Part:
-    """A `longstraw.attention.Part`, built by field name (the kernel interface is being reorganised)."""
+    """A `longstraw.ops.attention.Part`, built by field name (the kernel interface is being reorganised)."""
     return Part(q_start=int(q_start), k_start=int(k_start), window=window, softcap=softcap, scale=float(scale),
                 block=int(block), q_period=q_period)
 
@@ -125,7 +125,7 @@ class SliceKVState(LayerState):
 class SliceLatentState(SliceKVState):
     """Latents `[1, 1, end − start, kv_lora_rank + qk_rope_head_dim]` of one MLA layer for this rank's slice (built by
     the context-parallel capture in place of `LatentState`). The latent attention is multi-query attention with the
-    latent as its one key head and as its values (`longstraw.latent_attention`), so the slice is read as K/V with
+    latent as its one key head and as its values (`longstraw.ops.latent_attention`), so the slice is read as K/V with
     `keys` and `values` the same tensor, kept once."""
 
     def commit(self, branch_layer, n: int) -> None:
@@ -803,7 +803,7 @@ class ReplayAttention(torch.autograd.Function):
     Forward: queries all-gathered (padded to the longest branch); each rank computes (out, lse) of every rank's
     queries against its own slice; an all-to-all returns them to their owners, which fold them in slice order
     0..N−1 (float32) and merge the result with the branch's own causal part. Saves q, own K/V, the merged output
-    and the two log-sum-exps, as `longstraw.attention.SplitAttention` does.
+    and the two log-sum-exps, as `longstraw.ops.attention.SplitAttention` does.
 
     Backward: the prompt part's incoming gradient w_p·dO, the merged output and the prompt part's lse go to every rank
     with the queries (one all-gather); each rank computes dq of every rank's queries against its slice (the prompt
@@ -846,7 +846,7 @@ class ReplayAttention(torch.autograd.Function):
         g, lengths, layer = info.group, info.lengths, info.layer
         rmax, r = max(lengths), q.shape[2]
         # each part's share of the softmax mass over every key (and the sink): exp(lse_part − lse); without a sink
-        # the two shares are sigmoid(lse_p − lse_o) and its complement, as `longstraw.attention` computes them
+        # the two shares are sigmoid(lse_p − lse_o) and its complement, as `longstraw.ops.attention` computes them
         if sinks is None:
             w_p = torch.sigmoid(lse_p - lse_o)[..., None]
             w_o = 1 - w_p

@@ -17,7 +17,7 @@ query rows owned by rank i (its branch in a replay, a chunk of its slice in capt
    exchange does. The backward sends (q, dO, lse, Δ = rowsum(dO · O), positions) to every rank, which returns dq of
    its share: the gradient of the flash-style surrogate Σ_k exp(s_k − lse) · (dO · v_k − Δ) (`sparse_partial_grad`).
 
-The latents are keys and values alike (MLA in latent space, `longstraw.latent_attention`); outputs carry the full
+The latents are keys and values alike (MLA in latent space, `longstraw.ops.latent_attention`); outputs carry the full
 latent width and the caller keeps the first `kv_lora_rank` columns. In exact mode the slices' latents get their
 gradient (every rank's rows that selected them, summed in rank order); the indexer keys get none (transformers runs
 the indexer without grad, as the single process does).
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import TILE_ELEMENTS
-from ..latent_attention import Selection, index_scores
-from ..quant import QuantizedTokens
+from ..ops.attention import TILE_ELEMENTS
+from ..ops.latent_attention import Selection, index_scores
+from ..ops.quant import QuantizedTokens
 from .collectives import Group
 from .merge import fold, pad_rows
 
@@ -83,7 +83,7 @@ def _fill(vals, pos, topk: int):
 
 
 def as_selection(pos: torch.Tensor, own_start: int) -> Selection:
-    """A `longstraw.latent_attention.Selection` whose indices are positions (the prompt's first `own_start`
+    """A `longstraw.ops.latent_attention.Selection` whose indices are positions (the prompt's first `own_start`
     positions, then the branch's own keys), `valid` where a key was selected."""
     valid = pos >= 0
     return Selection(pos.clamp(min=0), valid, own_start)

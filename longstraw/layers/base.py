@@ -81,8 +81,8 @@ class LayerState(ABC):
     def release(self) -> None:
         """Drop the durable tensors."""
 
-    #: 8-bit storage of the state (`longstraw.quant`) when set by `capture(state_dtype=...)`; kinds whose state grows
-    #: with P support it (`supports_compression`), the O(1) states stay in the model's dtype
+    #: 8-bit storage of the state (`longstraw.ops.quant`) when set by `capture(state_dtype=...)`; kinds whose state
+    #: grows with P support it (`supports_compression`), the O(1) states stay in the model's dtype
     state_dtype: torch.dtype | None = None
     supports_compression: bool = False
     #: where the state lives when set by `capture(state_device="cpu")` for a model on a GPU (pinned host

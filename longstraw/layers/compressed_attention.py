@@ -12,7 +12,7 @@ dtype size), plus O(W + m) independent of P.
 Inside a longstraw forward `CompressedAttention` (put in front of `DeepseekV4Attention` by `longstraw.prepare`)
 runs the module's own projections, norms and RoPE, extends the streams with the branch's tokens (a
 response that completes a window creates the entry the full-sequence forward makes: same pooling, same
-position), and attends to [sliding window | entries] by log-sum-exp merges (`longstraw.compressed_attention`).
+position), and attends to [sliding window | entries] by log-sum-exp merges (`longstraw.ops.compressed_attention`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..attention import split_attention
-from ..compressed_attention import (
+from ..hf_attention import active_cache
+from ..ops.attention import split_attention
+from ..ops.compressed_attention import (
     apply_sinks,
     check_rate,
     dense_entry_part,
@@ -34,8 +35,7 @@ from ..compressed_attention import (
     merge_parts,
     pool_windows,
 )
-from ..hf_attention import active_cache
-from ..latent_attention import select_topk
+from ..ops.latent_attention import select_topk
 from . import base
 from .base import register_layer_kind
 from .full_attention import AttentionBranchLayer
@@ -322,7 +322,7 @@ class CompressedAttention:
 def full_indexer_scores(indexer, hidden_states, q_residual) -> torch.Tensor:
     """Indexer scores `[B, S, n]` of a whole sequence from position 0 (future entries −inf), computed with the
     stream and scoring code above: what the tie-free checks of the tests compare the top-k boundary on."""
-    from ..latent_attention import index_scores
+    from ..ops.latent_attention import index_scores
 
     b, s, _ = hidden_states.shape
     rate = indexer.compress_rate

@@ -3,14 +3,14 @@
 Durable bytes per prompt token: 2 · kv_heads · head_dim · dtype size. The K/V buffers are allocated
 once at their final length (P − 1) and filled chunk by chunk, so capture never concatenates or copies
 what it already holds. A branch keeps its own K/V apart and attention merges the two parts
-(`longstraw.attention.split_attention`), so the prompt K/V is never copied into a branch.
+(`longstraw.ops.attention.split_attention`), so the prompt K/V is never copied into a branch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant import QuantizedTokens, host_or_device
+from ..ops.quant import QuantizedTokens, host_or_device
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 

@@ -10,7 +10,7 @@ dtype size — never the expanded per-head K/V.
 transformers' MLA modules expand the cached latents per head (`expand_kv`) before attention, which would materialise
 heads × P × head_dim for the prompt. Inside a longstraw forward `LatentAttention` (a mixin `longstraw.prepare` puts in
 front of the module's class) takes over the module's forward: it calls the module's own projections, norms and rotary
-function, and attends in latent space (`longstraw.latent_attention`: absorbed up-projections, blockwise split
+function, and attends in latent space (`longstraw.ops.latent_attention`: absorbed up-projections, blockwise split
 attention; DSA: blockwise indexer top-k, gathered sparse attention).
 """
 
@@ -22,7 +22,7 @@ import inspect
 import torch
 
 from ..hf_attention import active_cache
-from ..latent_attention import (
+from ..ops.latent_attention import (
     absorb_query,
     absorbed_weights,
     expand_output,
@@ -30,7 +30,7 @@ from ..latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from ..quant import QuantizedTokens
+from ..ops.quant import QuantizedTokens
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind
 

@@ -3,7 +3,7 @@ equal to a captured `PromptState.nbytes`).
 
 `state_bytes(kind, config, layer_idx, tokens, elem, state_dtype)`: bytes one decoder layer of `kind` keeps
 after `tokens` captured prompt tokens, the model's values taking `elem` bytes each; `state_dtype` an 8-bit
-dtype for the kinds that grow with P (`longstraw.quant`: 1 byte per value + a float32 scale per 64 tokens
+dtype for the kinds that grow with P (`longstraw.ops.quant`: 1 byte per value + a float32 scale per 64 tokens
 × head, the unfinished last block in the model's dtype). A kind without a formula here raises
 `KeyError` naming it (the planner then says it cannot predict that model).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..quant import QUANT_BLOCK
+from ..ops.quant import QUANT_BLOCK
 
 _FORMULAS: dict[str, Callable] = {}
 

@@ -3,7 +3,7 @@
 `device: auto` is CUDA when a CUDA device is present, else the CPU. `dtype: auto` is bfloat16 on CUDA
 (what the models people train are stored and trained in) and float32 on the CPU (where bf16 matmuls are
 slow and the test suite's tolerances are fp32's). Whatever the model dtype, attention partials,
-log-sum-exps, log-probs and loss terms accumulate in float32 (`longstraw.attention`, `longstraw.logprobs`),
+log-sum-exps, log-probs and loss terms accumulate in float32 (`longstraw.ops.attention`, `longstraw.ops.logprobs`),
 and LoRA adapters stay float32 (PEFT keeps adapter weights in float32 by default), so their AdamW state is
 float32 too. Trainable bf16 weights (full fine-tuning, or `train_embeddings` beside LoRA) step on float32
 master copies (`longstraw.train.precision`). Trainable fp16 weights would also need loss scaling, which the trainer

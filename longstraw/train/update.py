@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from ..api import capture
-from ..logprobs import chunked_logprobs
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
+from ..ops.logprobs import chunked_logprobs
 from ..support import model_parts
 from ..tasks import Example
 from ..trajectory import replay_segments

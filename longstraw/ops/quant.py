@@ -8,7 +8,7 @@ until capture ends. Bytes per token and head: D (the 8-bit values) + 4 / block (
 D = 128 and block = 64, 0.25 of float32 (0.50 of bf16); for D = 32, 0.25 + 1/512.
 
 Attention never dequantizes the whole state: its kernels read one key block at a time through
-`read(start, n, dtype)` (`longstraw.attention`), and DSA gathers only the selected rows
+`read(start, n, dtype)` (`longstraw.ops.attention`), and DSA gathers only the selected rows
 (`gather_rows`); the transient is one tile. `dequantize()` is the plain reference the tests use.
 
 The state is a constant: exact mode (`prompt_grad="exact"`) refuses a quantized state, since its

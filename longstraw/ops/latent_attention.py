@@ -10,7 +10,7 @@ heads × P × head_dim per layer. Instead the up-projections are absorbed:
 
 so attention runs as multi-query attention with one key head of width r + dr (the latent itself) and
 values `c` (its first r columns): `latent_attention` below, through the split attention of
-`longstraw.attention` (saves only output and log-sum-exp, never an R×P score tensor).
+`longstraw.ops.attention` (saves only output and log-sum-exp, never an R×P score tensor).
 
 DSA adds an indexer: each query scores every earlier key with its own small multi-head projection
 (Σ_h w_h · relu(scale · q_h · k)) and attends only to its `index_topk` best keys. `select_topk`
@@ -62,7 +62,7 @@ def latent_attention(query, own, prompt, rank: int, *, q_start: int, own_start: 
     `[B, 1, T, r + dr]`]; out `[B, H, S, r]` (values are the first `rank` columns of each latent).
 
     The latents serve as keys and as values whole (the output's last dr columns are dropped): keys and
-    values of one width let the fused CPU attention kernel run (`longstraw.attention`), for dr / r more
+    values of one width let the fused CPU attention kernel run (`longstraw.ops.attention`), for dr / r more
     value work, and the dropped columns get zero gradient."""
     out = split_attention(query, own, own, prompt, prompt, q_start=q_start, own_start=own_start, prompt_start=0,
                           scale=scale, block=block)
@@ -138,7 +138,7 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
 
 def gather_latents(latents, idx: torch.Tensor) -> torch.Tensor:
     """Rows `idx` `[B, n, K]` of latents `[1|B, 1, T, D]` (batch 1 shared by all B) → `[B, n, K, D]`; a compressed
-    state (`longstraw.quant.QuantizedTokens`) dequantizes only those rows."""
+    state (`longstraw.ops.quant.QuantizedTokens`) dequantizes only those rows."""
     if not isinstance(latents, torch.Tensor):
         return latents.gather_rows(idx)
     bl, _, t, d = latents.shape

@@ -1,4 +1,4 @@
-"""longstraw's compiled CPU attention kernel (`longstraw/kernels/csrc/attend_cpu.cpp`), built on first use, loaded
+"""longstraw's compiled CPU attention kernel (`longstraw/ops/kernels/csrc/attend_cpu.cpp`), built on first use, loaded
 with ctypes.
 
 What it computes: one mask-free part — every query sees every key — in float32: `out = softmax(q kᵀ · scale) v`
@@ -14,7 +14,7 @@ AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/test_nat
 the source, the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
 machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes (torchrun
 ranks) never load a half-written library. Without a compiler, with a failed build, or with `LONGSTRAW_NATIVE=0`, the
-kernel is unavailable (`why_unavailable()` says why) and `longstraw.kernels` uses PyTorch's kernels: nothing else
+kernel is unavailable (`why_unavailable()` says why) and `longstraw.ops.kernels` uses PyTorch's kernels: nothing else
 changes.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir
+from ...paths import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "attend_cpu.cpp"
 #: compiler flags besides `-march` (`-Wno-psabi`: the 64-byte vector type changes the ABI of the kernel's internal
@@ -165,7 +165,7 @@ def exp2_neg(x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_full_8bit(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_full` over the whole blocks of an 8-bit state (`longstraw.quant.QuantizedTokens` `k`, `v` on the
+    """`attend_full` over the whole blocks of an 8-bit state (`longstraw.ops.quant.QuantizedTokens` `k`, `v` on the
     CPU: tokens 0 … `k.quantized` − 1; the unfinished tail is the caller's), read where it lies: each tile of 256
     keys is decoded into float32 as `QuantizedTokens.read` dequantizes it (code value × block scale), so the result
     is the attention over the dequantized state. Transient: one tile of K and of V per thread."""

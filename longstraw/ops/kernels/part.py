@@ -28,7 +28,7 @@ class Part:
     scale: float
     block: int
     #: query positions repeat every `q_period` rows (queries of several sequences folded into one
-    #: batch row, see `longstraw.attention.SplitAttention`); None: all rows are consecutive positions.
+    #: batch row, see `longstraw.ops.attention.SplitAttention`); None: all rows are consecutive positions.
     q_period: int | None = None
     #: chunked local attention (Llama 4): a query at p sees only keys of its own attention chunk,
     #: positions ≥ (p // chunk) · chunk; None: no such bound

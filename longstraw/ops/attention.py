@@ -9,12 +9,12 @@ log-sum-exps. Backward recomputes each part: with w_a the merge weight of part a
 part a is ordinary attention backward with incoming gradient w_a·dO and the *merged* output in the
 softmax-correction term, so each part needs only its own (out, lse) kernel pair.
 
-The kernels that compute one part (`longstraw.kernels`: reference, blockwise, fused CPU and CUDA flash
-attention) and the table that picks one per part live in `longstraw.kernels`.
+The kernels that compute one part (`longstraw.ops.kernels`: reference, blockwise, fused CPU and CUDA flash
+attention) and the table that picks one per part live in `longstraw.ops.kernels`.
 
 Shapes: q `[B, H, R, D]`, k `[B, Hkv, T, D]`, v `[B, Hkv, T, Dv]`, H a multiple of Hkv. The prompt part's
-k / v may also be a compressed state (`longstraw.quant.QuantizedTokens`) or live in host memory; the
-kernels read it tile by tile. Positions: see `longstraw.kernels.part`.
+k / v may also be a compressed state (`longstraw.ops.quant.QuantizedTokens`) or live in host memory; the
+kernels read it tile by tile. Positions: see `longstraw.ops.kernels.part`.
 
 `reference_attention` is the plain version (materialise all scores, mask, softmax) that the tests
 hold the kernels equal to.
@@ -148,7 +148,7 @@ def split_attention(
     softmax denominator with no value (gpt-oss): a third part with lse = sink and output 0, merged by
     log-sum-exp, out · sigmoid(lse − sink); the sinks get their gradient from autograd.
     `with_lse`: return (out, lse `[B, H, R]` float) without sinks, for a caller that merges more parts
-    (DeepSeek-V4's compressed entries, `longstraw.compressed_attention`); both are differentiable.
+    (DeepSeek-V4's compressed entries, `longstraw.ops.compressed_attention`); both are differentiable.
     """
     for k in (own_k, prompt_k):
         if k is not None and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):

@@ -12,7 +12,7 @@ indexer-sized copy of the same pooling); HCA queries see every visible entry. En
 and the attention sink share one softmax.
 
 Here: `pool_windows` (one call per batch of complete windows, exactly transformers' operations),
-`entry_part` (all-visible prompt entries, blockwise through `longstraw.attention`'s kernels, saves
+`entry_part` (all-visible prompt entries, blockwise through `longstraw.ops.attention`'s kernels, saves
 only (out, lse)), `dense_entry_part` (a branch's own few entries, O(R · R/m)), `gathered_entry_part`
 (CSA: the selected entries gathered per block of queries, O(rows · top-k · D), recomputed in backward)
 and `merge_parts`. Nothing of size queries × P exists. `reference_pool` / `reference_compressed_attention`
