@@ -5,6 +5,8 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 (LoRA on the dense benchmark model, `longstraw.compare.bench_model("dense")`), each in a fresh process:
 
 - `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one policy turn's graph at a time;
+- `exact`: the same with `prompt_grad="exact"` (the gradient also through the earlier turns, the tool output and the
+  prompt: the trajectory's own K/V as leaf buffers, then a reverse pass over the segments and the prompt's);
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("segments", "whole", "naive")
+METHODS = ("segments", "exact", "whole", "naive")
 
 
 def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, threads: int) -> dict:
@@ -58,12 +60,14 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
     meter = MemoryMeter("cpu")
     state = None
     if method != "naive":
-        state = longstraw.capture(model, prompt, chunk_size=1024)
+        state = longstraw.capture(model, prompt, chunk_size=1024,
+                                  prompt_grad="exact" if method == "exact" else "detached")
     meter.start_step()
     t0 = time.perf_counter()
     with meter.stage("backward"):
-        if method == "segments":
+        if method in ("segments", "exact"):
             replay_segments(state, tokens, mask, lambda sl, out: out.logprobs.sum())
+            state.backward()  # exact: the prompt's share (nothing to do when detached)
         elif method == "whole":
             (state.replay(tokens).logprobs * mask).sum().backward()
         else:
@@ -84,7 +88,7 @@ def _plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, style in zip(METHODS, ("o-", "s--", "^:")):
+    for method, style in zip(METHODS, ("o-", "d-.", "s--", "^:")):
         got = sorted((r["turns"], r) for r in rows if r.get("method") == method and "backward_mem_mb" in r)
         if not got:
             continue
