@@ -23,6 +23,8 @@ MOVED = {
         "metrics", "memory", "plots")},
     **{f"longstraw.{m}": f"longstraw.ops.{m}" for m in (
         "attention", "logprobs", "quant", "latent_attention", "compressed_attention", "kernels")},
+    "longstraw.hf_attention": "longstraw.hf.cache",
+    "longstraw.parallel": "longstraw.distributed.ranks",
 }
 
 

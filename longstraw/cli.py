@@ -241,11 +241,11 @@ def _rank() -> int:
 
 
 def _launch(args, cfg) -> int | None:
-    """`--nproc N` (N > 1): run the same command as N local ranks (`longstraw.parallel.launch_local`) and return its
-    exit status; None when this process is to train itself."""
+    """`--nproc N` (N > 1): run the same command as N local ranks (`longstraw.distributed.ranks.launch_local`) and
+    return its exit status; None when this process is to train itself."""
     if args.nproc <= 1:
         return None
-    from .parallel import launch_local
+    from .distributed.ranks import launch_local
     from .train.devices import resolve_device
 
     argv = list(args.argv)
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 3
     except RuntimeError as err:  # the same inside torch's own collectives (FSDP2's, a DTensor's)
-        from .parallel import torch_collective_failure
+        from .distributed.ranks import torch_collective_failure
 
         what = torch_collective_failure(err)
         if what is None:

@@ -33,7 +33,7 @@ PROBE_TOKENS = 8
 #: longest probe forward: a declared window or chunk beyond it is read from the call's argument only
 MAX_PROBE = 16386
 
-#: arguments a call may carry without changing the math (`longstraw.hf_attention` reads the others it implements)
+#: arguments a call may carry without changing the math (`longstraw.hf.cache` reads the others it implements)
 _READ = ("sliding_window", "scaling", "softcap", "s_aux", "dropout")
 
 

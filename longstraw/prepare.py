@@ -3,7 +3,7 @@
 `prepare(model)` (called by `capture`) checks that longstraw can represent every decoder layer
 (`longstraw.support.check_capability`), then installs, once per model:
 - nothing for attention itself: each longstraw forward names the "longstraw" implementation on the
-  model's configs for its duration (`longstraw.hf_attention.running`); `prepare` asks transformers
+  model's configs for its duration (`longstraw.hf.cache.running`); `prepare` asks transformers
   once to switch and verifies the switch on every config the model's modules read (a refused switch
   would otherwise only log a warning and replays would silently ignore the prompt), then switches back;
 - on MLA attention modules, `LatentAttention` in front of their class (attends in latent space
@@ -32,8 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .archs import family
 from .errors import UnsupportedArchitectureError
+from .hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
 from .hf.parts import base_model, decoder_of, model_configs
-from .hf_attention import ATTN_IMPLEMENTATION, active_cache, running, snapshot
 from .layers.compressed_attention import CompressedAttention, CompressedKVState
 from .layers.jamba import JambaMixer
 from .layers.latent_attention import LatentAttention

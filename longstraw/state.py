@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from .branch import Branch
+from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
-from .hf_attention import BranchCache
 from .layers import LayerState
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from .branch import detach_own
+from .hf.cache import snapshot
 from .hf.decoder import run_decoder
-from .hf_attention import snapshot
 from .layers import (
     AttentionBranchLayer,
     CompressedBranchLayer,

@@ -148,8 +148,8 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     another machine."""
     import longstraw
     from longstraw.archs import family
-    from longstraw.ops.latent_attention import index_scores
     from longstraw.layers.latent_attention import indexer_inputs
+    from longstraw.ops.latent_attention import index_scores
 
     base = longstraw.models.base_model(model)
     layers = longstraw.models.decoder_of(base).layers

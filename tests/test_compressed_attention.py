@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import longstraw
+from longstraw.layers.compressed_attention import Stream, full_indexer_scores
+from longstraw.models import base_model, decoder_of
 from longstraw.ops.attention import split_attention
 from longstraw.ops.compressed_attention import (
     apply_sinks,
@@ -23,8 +25,6 @@ from longstraw.ops.compressed_attention import (
     reference_pool,
 )
 from longstraw.ops.latent_attention import select_topk
-from longstraw.layers.compressed_attention import Stream, full_indexer_scores
-from longstraw.models import base_model, decoder_of
 from longstraw.reference import full_sequence_logprobs
 
 from .conftest import assert_grads_close, assert_tie_free, make_model, tie_free_tokens, tokens

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from longstraw import cli
+from longstraw.tasks import build_tokenizer
 from longstraw.train.config import TrainConfig
 from longstraw.train.rewards import RewardFunctionError
-from longstraw.tasks import build_tokenizer
 from longstraw.train.trainer import Trainer
 
 # Only words of the built-in vocabulary: each message's content, then "=" as the generation prompt.

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import longstraw
-from longstraw.observe import observe_attention
 from longstraw.distributed import slice_bounds
+from longstraw.observe import observe_attention
 
 from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 from .test_distributed_trainer import EPS32, GRAD_TOL

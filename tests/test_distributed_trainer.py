@@ -1,4 +1,4 @@
-"""The trainer on N processes (`longstraw.parallel`): gloo, 2 processes of 1 thread.
+"""The trainer on N processes (`longstraw.distributed.ranks`): gloo, 2 processes of 1 thread.
 
 One spawn of 2 ranks (forkserver, `file://` rendezvous, as tests/test_distributed.py) trains run A for 3 steps (a
 full-sequence supervised step, split over the ranks, then 2 GRPO steps of 2 prompts with G = 3 responses each, so
@@ -592,7 +592,7 @@ def test_torchrun_two_nodes_with_fsdp_and_resume(tmp_path):
 
 def test_torchrun_two_nodes_dead_agent_is_an_error(tmp_path):
     """One of two torchrun agents SIGKILLed (its process group) after step 1's metrics row: its rank, which torchrun
-    started in a session of its own and so survives it, stops (`longstraw.parallel.watch_launcher`); the other rank
+    started in a session of its own and so survives it, stops (`longstraw.distributed.ranks.watch_launcher`); the other rank
     fails in its next collective, naming it, and the other agent exits non-zero, within `dist_timeout` (10 s) + 20 s.
     Before, the orphaned rank trained on, and the other agent, its rank done, waited 300 s in torch's exit barrier for
     the dead agent, then exited 0."""
@@ -639,12 +639,12 @@ def _zombie(pid: int) -> bool | None:
 def test_torch_collective_failure_is_named(tmp_path, monkeypatch):
     """A failure inside torch's own collectives (here the gradient norm's all-reduce, raising as gloo does when the
     peer's connection closes) is reported naming the torch.distributed call and where longstraw was
-    (`longstraw.parallel.torch_collective_failure`, which `longstraw train` prints, exit status 3); other errors are
+    (`longstraw.distributed.ranks.torch_collective_failure`, which `longstraw train` prints, exit status 3); other errors are
     left alone."""
     import torch.distributed.distributed_c10d as c10d
 
     from longstraw.distributed.fsdp import clip_grad_norm
-    from longstraw.parallel import torch_collective_failure
+    from longstraw.distributed.ranks import torch_collective_failure
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.support import layer_plan
 from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.support import layer_plan
 
-from .conftest import ARCHS, make_model, rel_err, tie_free_tokens, tokens
+from .conftest import ARCHS, make_model, tie_free_tokens, tokens
 
 # (P, R, chunk_size): P not a multiple of chunk, P < chunk, P = 1, R = 1, chunk = 1
 SHAPES = [

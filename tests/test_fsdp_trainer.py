@@ -27,7 +27,16 @@ from longstraw.train.checkpoint import CheckpointError
 from longstraw.train.trainer import Trainer
 
 from .conftest import spawn_ranks
-from .test_distributed_trainer import GRAD_TOL, METRIC_TOL, _cfg, _flat, _rel, _train, adamw_replay, replay_tol, weights_at
+from .test_distributed_trainer import (
+    GRAD_TOL,
+    METRIC_TOL,
+    _cfg,
+    _rel,
+    _train,
+    adamw_replay,
+    replay_tol,
+    weights_at,
+)
 
 TIMEOUT_S = 60
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7

@@ -9,8 +9,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import longstraw
 from longstraw import self_check, support
-from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.models import UnsupportedArchitectureError, tiny_model
+from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.reference import full_sequence_logprobs
 
 from .conftest import lora, tokens

@@ -16,7 +16,7 @@ latents, detached mode) slices the prompt in whole blocks of 64 positions and qu
 capture; during capture the ranks read each other's slices in full precision, so the result is not bitwise one
 process's (whose later chunks read the earlier chunks' 8-bit state) but no less accurate. Exact mode works for every
 served layer kind (not with sinks). FSDP2 for the weights: `shard` (`longstraw.distributed.fsdp`; in the trainer:
-`fsdp: true`). The trainer on N processes (torchrun, `longstraw train --nproc N`) is `longstraw.parallel`.
+`fsdp: true`). The trainer on N processes (torchrun, `longstraw train --nproc N`) is `longstraw.distributed.ranks`.
 
 What each rank holds
 --------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf_attention import BranchCache
+from ..hf.cache import BranchCache
 from ..layers import base
 from ..layers.base import LayerState
 from ..layers.full_attention import AttentionBranchLayer, KVState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf_attention import BranchCache, running
+from .cache import BranchCache, running
 from .parts import ModelParts
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..hf_attention import active_cache
+from ..hf.cache import active_cache
 from ..ops.attention import split_attention
 from ..ops.compressed_attention import (
     apply_sinks,

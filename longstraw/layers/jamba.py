@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..hf_attention import active_cache
+from ..hf.cache import active_cache
 
 
 def selective_scan(x, dt, A, B, C, D, z, dt_bias, state):

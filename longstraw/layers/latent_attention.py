@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from ..hf_attention import active_cache
+from ..hf.cache import active_cache
 from ..ops.latent_attention import (
     absorb_query,
     absorbed_weights,

@@ -12,7 +12,7 @@ Then the advantages are computed per group over the weighted rewards. The update
 Memory: one prompt state at a time, except that with one prompt per step it is kept for the update
 (no second capture).
 
-On N processes (`ranks`, `longstraw.parallel`): the capture is context parallel, sampling a collective giving
+On N processes (`ranks`, `longstraw.distributed.ranks`): the capture is context parallel, sampling a collective giving
 every rank the same responses, the rewards scored on rank 0 and broadcast, and each rank computes the reference
 log-probs of the responses it will replay (r, r + N, ...).
 """
@@ -132,7 +132,7 @@ class TurnSampler:
         self.state, self.settings, self.generator = state, settings, generator
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
-        self.ranks = ranks  # `longstraw.parallel.Ranks` of a multi-process run, else None
+        self.ranks = ranks  # `longstraw.distributed.ranks.Ranks` of a multi-process run, else None
 
     @property
     def is_main(self) -> bool:
@@ -225,7 +225,7 @@ class RolloutStage:
     beta: float = 0.0
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
-    ranks: object = None  # `longstraw.parallel.Ranks` of a run on N processes (None: one process)
+    ranks: object = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
 
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
         keep_state = len(examples) == 1  # its state serves the update too (no second capture)

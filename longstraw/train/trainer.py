@@ -13,7 +13,7 @@ from (seed, step), so a resumed run repeats exactly what an uninterrupted one do
 step, with memory and time per stage (`longstraw.train.memory.MemoryMeter`), go to `metrics.jsonl` (and to
 TensorBoard with `report_to: tensorboard`).
 
-On N processes (torchrun, `longstraw train --nproc N`; `longstraw.parallel`): the stages take `self.ranks`, the
+On N processes (torchrun, `longstraw train --nproc N`; `longstraw.distributed.ranks`): the stages take `self.ranks`, the
 gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files.
 
 With `fsdp: true` on N processes the decoder layers are sharded over the ranks (FSDP2,
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.ranks import setup_ranks
 from ..losses import combine_rewards, make_loss
 from ..models import TINY_CONFIGS, tiny_config
-from ..parallel import setup_ranks
 from ..tasks import Example, build_tokenizer
 from .checkpoint import (
     SHARDED_WEIGHTS,

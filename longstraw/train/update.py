@@ -14,7 +14,7 @@ Supervised warm-up (`sft_update`): − mean log-prob of the answer tokens (and t
 
 Memory: the state of one prompt plus one response's graph at a time.
 
-On N processes (`ranks`, `longstraw.parallel`): each prompt is captured context parallel and rank r replays
+On N processes (`ranks`, `longstraw.distributed.ranks`): each prompt is captured context parallel and rank r replays
 responses r, r + N, ... of its group (every rank ⌈G / N⌉ collective replays, padded with weight-0 replays); the
 normalizer and advantages are the whole step's on every rank; the loss metrics are summed over the ranks, the
 gradients by the trainer. Supervised steps split their prompts over the ranks (full sequence) or replay each
@@ -78,7 +78,7 @@ class _Totals:
 def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSettings, meter: MemoryMeter,
                   ranks=None, before_last_backward=None) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
-    `ranks` (`longstraw.parallel.Ranks`, N processes): this rank's share of the replays (see the module doc).
+    `ranks` (`longstraw.distributed.ranks.Ranks`, N processes): this rank's share of the replays (see the module doc).
     `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
     there: `longstraw.distributed.gradient_sync`); the same point on every rank."""
     masks = [loss_mask(r, settings) for r in rollout.responses]

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from .ops.attention import DEFAULT_BLOCK, split_attention
+from ..ops.attention import DEFAULT_BLOCK, split_attention
 
 ATTN_IMPLEMENTATION = "longstraw"
 

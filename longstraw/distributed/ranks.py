@@ -47,7 +47,7 @@ import uuid
 
 import torch
 
-from .distributed.collectives import CollectiveError, Group
+from .collectives import CollectiveError, Group
 
 __all__ = ["Ranks", "launch_local", "setup_ranks"]
 
@@ -292,10 +292,10 @@ def torch_collective_failure(err: BaseException) -> str | None:
         what += f" (FSDP2 {fsdp[-1]}: a sharded decoder layer's parameters or gradients)"
     elif dtensor:
         what += f" (DTensor.{dtensor[0]} of a sharded parameter)"
-    package = os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace("\\", "/") + "/"  # longstraw/
     ours = [(path[len(package):], name, line) for path, name, line in frames if path.startswith(package)]
     where = (" in " + ", ".join(f"{path}:{line} ({name})" for path, name, line in ours[-2:])) if ours else ""
-    steps = [name for path, name, _ in ours if path == "trainer.py"]
+    steps = [name for path, name, _ in ours if path == "train/trainer.py"]
     during = f" during Trainer.{steps[-1]}" if steps else ""
     first = text.splitlines()[0] if text else ""
     return (f"{what} failed on rank {os.environ.get('RANK', '?')} of {env_world_size()}{where}{during} "
