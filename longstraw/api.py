@@ -1,10 +1,9 @@
 """The one entry point of a capture, `longstraw.capture`. It validates, prepares the model, runs the self-check where
 the model departs from what was tested, then captures in this process (`longstraw.state.capture_local`) or as a
-collective of a process group (`longstraw.distributed.context_parallel.capture`)."""
+collective of a process group (`longstraw.distributed.context_parallel`). Every check of a capture's arguments and of
+the model runs here, once, for both."""
 
 from __future__ import annotations
-
-import torch
 
 from .ops.attention import DEFAULT_BLOCK
 from .prepare import prepare
@@ -47,22 +46,25 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
     of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
     """
-    if group is not None:
-        from .distributed.context_parallel import capture as capture_cp  # torch.distributed only when a group is given
+    cp = g = None
+    if group is not None:  # torch.distributed only when a group is given
+        from .distributed import context_parallel as cp
 
-        if progress is not None and not callable(progress):
-            raise TypeError(f"progress must be a callable progress(done, total); got {type(progress).__name__}")
-        if chunk_size is None:
-            chunk_size = default_chunk_size(model, torch.as_tensor(prompt_ids).numel())
-        state = capture_cp(model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, group=group,
-                           state_device=state_device)
-        if progress is not None:
-            captured = torch.as_tensor(prompt_ids).numel() - 1
-            progress(captured, captured)
-        return state
+        # every rank the same arguments first, so that whatever is refused below is refused on every rank alike
+        g = cp.agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, state_device)
     validated = validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress)
+    parts, prompt, compressed = validated
+    if cp is not None:
+        cp.check_served(g, parts, prompt, prompt_grad, compressed, state_device)
     prepare(model)
-    if verify or (verify is None and untested_because(model, validated[0]) is not None):
+    if verify or (verify is None and untested_because(model, parts) is not None):
         ensure_verified(model)
-    return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device, progress,
-                         validated=validated)
+    if cp is None:
+        return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device,
+                             progress, validated=validated)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(model, prompt.numel())
+    state = cp.capture(g, parts, prompt, compressed, chunk_size, prompt_grad, block_size)
+    if progress is not None:
+        progress(prompt.numel() - 1, prompt.numel() - 1)
+    return state

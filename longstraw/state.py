@@ -164,15 +164,27 @@ class PromptState:
         Gradients are the same.
         """
         parts = self._parts
-        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-        check_length(parts.config, self.prompt_length + response.numel())
+        response = self._response(response_ids, checkpoint_layers)
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        hidden = run_decoder(parts, inputs[None], positions, self._cache(), checkpoint_layers=checkpoint_layers)
+        hidden = run_decoder(parts, inputs[None], positions, self._replay_cache(), checkpoint_layers=checkpoint_layers)
         logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
                                              softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
         return Replay(logprobs=logprobs, entropy=entropy)
+
+    def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
+        """The response of a replay as a 1-D LongTensor on the state's device, checked against the vocabulary and the
+        model's positions (`ContextParallelState` agrees it across the ranks)."""
+        parts = self._parts
+        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+        check_length(parts.config, self.prompt_length + response.numel())
+        return response
+
+    def _replay_cache(self) -> BranchCache:
+        """The cache a replay reads its prompt state through: each layer's branch (`ContextParallelState` reads the
+        sliced layers across the ranks)."""
+        return self._cache()
 
     def fork(self, chunk_size: int | None = None) -> Branch:
         """A `longstraw.branch.Branch` of this state: one trajectory that grows by `extend` (tool output) and

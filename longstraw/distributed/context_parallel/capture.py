@@ -1,0 +1,136 @@
+"""The collective capture of a prompt over a process group, in three steps that `longstraw.capture` (`longstraw.api`,
+the one place a capture's arguments are validated) calls around its own checks: `agree` (every rank brings the same
+arguments, before anything can fail differently on one rank), `check_served` (what the context-parallel capture
+serves so far) and `capture` (each rank's slice through the decoder, the slices' attention collective)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...hf.cache import BranchCache
+from ...layers import layer_kind
+from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
+from ...layers.sliding_window import SlidingKVState
+from ...models import ModelParts, base_model
+from ...ops import quant
+from ...ops.attention import DEFAULT_BLOCK
+from ...ops.quant import QUANT_BLOCK
+from ...state import first_trainable_layer, run_decoder
+from ...support import layer_states
+from ..collectives import Group, digest
+from .full_attention import SliceKVState
+from .kinds import SERVED, SLICED, capture_branch
+from .linear_attention import RecurrentRelay
+from .slices import slice_bounds
+from .sliding_window import SlidingCaptureBranchLayer, window_before
+from .state import ContextParallelState
+
+
+def agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, state_device) -> Group:
+    """The `Group` of `group` (a `torch.distributed` process group; the default group for
+    `torch.distributed.group.WORLD`), once the capture's arguments are compared across its ranks (one small all-gather
+    of hashes): a mismatch is refused on every rank with the same `MismatchError`. Invalid arguments pass here alike on
+    every rank and are refused by the validation that follows."""
+    g = Group(group)
+    try:
+        raw = torch.as_tensor(prompt_ids).detach()
+        length = raw.numel()
+    except Exception:  # noqa: BLE001 - invalid input is refused by the validation, on every rank alike
+        raw, length = repr(prompt_ids), -1
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    g.agree("longstraw.capture", {
+        "prompt length": length, "prompt_ids": raw,
+        "chunk_size": chunk_size if chunk_size is None or isinstance(chunk_size, int) else repr(chunk_size),
+        "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
+        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device),
+        "model config": base_model(model).config.to_json_string(use_diff=False),
+        "trainable parameters": trainable,
+    })
+    return g
+
+
+def check_served(g: Group, parts: ModelParts, prompt: torch.Tensor, prompt_grad: str, compressed,
+                 state_device) -> None:
+    """What the context-parallel capture refuses so far, before the model is prepared or self-checked: a state
+    device, layer kinds outside `SERVED`, exact mode on a kind without its reverse pass, and a prompt too short to
+    give every rank a slice (of whole 8-bit blocks with a quantized state)."""
+    if state_device is not None:
+        raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
+                                  "state_device is not supported with group=")
+    kinds = {layer_kind(kind) for kind in parts.plan}
+    if kinds - SERVED:
+        other = sorted(k.__name__ for k in kinds - SERVED)
+        raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in SERVED)} "
+                                  f"so far; {parts.config.model_type!r} also has layer kinds {other}")
+    captured = prompt.numel() - 1
+    align = QUANT_BLOCK if compressed is not None else 1  # a quantized state's slices start on block boundaries
+    if captured < g.size * align:
+        raise ValueError(f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
+                         f"ranks a slice{f' of whole 8-bit blocks of {align} positions' if align > 1 else ''}; "
+                         "use fewer ranks or capture without group=")
+
+
+def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk_size: int, prompt_grad: str,
+            block_size: int = DEFAULT_BLOCK) -> ContextParallelState:
+    """This rank's share of the collective capture of `prompt` (validated, the model prepared and checked, the same
+    on every rank): its slice runs through the decoder in one forward, `chunk_size` keys exchanged per all-gather step
+    (see `longstraw.distributed`); the state of its slice (full attention, MLA, DSA) or the replicated O(1) state
+    (sliding windows, linear attention)."""
+    device = prompt.device
+    captured = prompt.numel() - 1
+    align = QUANT_BLOCK if compressed is not None else 1
+    bounds = slice_bounds(captured, g.size, align)
+    s, e = bounds[g.rank]
+    if compressed is not None:
+        quant.check_device(compressed, device)
+    layers, branches = [], []
+    for i, layer in enumerate(layer_states(parts.config, captured, parts.plan)):
+        if type(layer) in SLICED:
+            layers.append(SLICED[type(layer)](parts.config, i, s, e))
+            layers[-1].state_dtype = compressed
+            branches.append(capture_branch(layers[-1], g, bounds, i, chunk_size))
+        elif type(layer) is SlidingKVState:
+            layers.append(layer)
+            branches.append(SlidingCaptureBranchLayer(g, bounds, i, layer.window))
+        else:  # RecurrentState: the first rank starts from nothing, the others from what the relay brings
+            layers.append(layer)
+            branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+    cache = BranchCache(branches, block=block_size)
+    # recurrent layers read nothing of the other ranks but the relayed state: they run chunk_size positions at a
+    # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
+    # their feed-forward modules)
+    cache.layer_chunks = (chunk_size, {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
+    cache.ffn_chunk = chunk_size  # and every layer's feed-forward module (position-wise)
+    hooks = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentState):
+            relay = RecurrentRelay(g, cache, i, layer, device)
+            block = parts.decoder.layers[i]
+            hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
+    try:
+        with torch.no_grad():
+            run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
+            if isinstance(layer, SliceKVState):
+                layer.commit(branch, e - s)
+            elif isinstance(layer, SlidingKVState):  # the prompt's final window, on every rank
+                k, v, _ = window_before(branch.tails, bounds, captured, layer.window - 1)
+                layer.keys, layer.values, layer.length = k.clone(), v.clone(), captured
+            else:  # the linear-attention state at the end of the prompt, from the last rank to every rank
+                mine = RecurrentRelay.pack(branch, layer.number_of_states)
+                final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
+                conv, rec = RecurrentRelay.unpack(final, layer.number_of_states)
+                layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
+    del cache
+    key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
+    state = ContextParallelState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad,
+                                 block_size, group=g, bounds=bounds, key=key)
+    if prompt_grad == "exact":
+        state._prompt = prompt[:captured]
+        for layer in layers[first_trainable_layer(parts):]:
+            layer.require_grad()
+    return state

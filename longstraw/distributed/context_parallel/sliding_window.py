@@ -1,0 +1,120 @@
+"""Sliding-window layers over a process group: the state (the prompt's final window) is the same on every rank; at
+capture each rank reads the window before its slice from the tails the earlier ranks gather once, and exact mode's
+reverse pass sends the window's gradient back to its owners."""
+
+from __future__ import annotations
+
+import torch
+
+from ...layers.full_attention import AttentionBranchLayer
+from ...ops.attention import Part, part_backward, part_forward
+from ..collectives import Group
+from ..merge import fold as _fold
+from ..merge import fold_sinks
+from ..merge import pad_rows as _pad_rows
+from .slices import make_part, prompt_part
+
+
+def window_before(tails, bounds, pos: int, keep: int):
+    """(keys, values, start) of the captured positions [max(0, pos − keep), pos) from the ranks' slice tails (each the
+    last min(keep, slice length) positions of its slice, `tails[j] = (k, v)`)."""
+    lo = max(0, pos - keep)
+    ks, vs = [], []
+    for (s, e), (k, v) in zip(bounds, tails):
+        a, b = max(s, lo), min(e, pos)
+        if a >= b:
+            continue
+        first = e - k.shape[-2]  # position of the tail's first row
+        if a < first:
+            raise RuntimeError(f"positions [{a}, {b}) are not in the tail [{first}, {e}) of their slice")
+        ks.append(k[:, :, a - first:b - first])
+        vs.append(v[:, :, a - first:b - first])
+    if not ks:
+        return None, None, lo
+    return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), lo
+
+
+class SlidingCaptureBranchLayer(AttentionBranchLayer):
+    """Branch layer of this rank's slice in a sliding-window layer during capture: the ranks all-gather the last W − 1
+    K/V of their slices once (the most any later query reads), rank r attends to what of them lies in the window
+    before its slice, and every rank keeps all tails to assemble the prompt's final window (the durable state, the
+    same on every rank) without a further exchange."""
+
+    def __init__(self, group: Group, bounds, layer_idx: int, window: int):
+        super().__init__(None, None, prompt_length=bounds[group.rank][0], window=window)
+        self.group, self.bounds, self.layer_idx = group, bounds, layer_idx
+        self.tails = None
+
+    def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
+        if sinks is not None and torch.is_grad_enabled():
+            raise NotImplementedError("context-parallel exact mode (the reverse pass) does not support attention "
+                                      "sinks yet")
+        g = self.group
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        own = make_part(q_start, own_start, window, softcap, scale, block)
+        keep = window - 1
+        n = k.shape[-2]
+        if keep > 0:
+            tail = max(0, n - keep)
+            got = g.all_gather(f"capture layer {self.layer_idx}: window keys and values",
+                               [_pad_rows(k[:, :, tail:], keep), _pad_rows(v[:, :, tail:], keep)])
+            lengths = [min(keep, e - s) for s, e in self.bounds]
+            self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
+        else:
+            self.tails = [(k[:, :, :0], v[:, :, :0])] * g.size
+        if torch.is_grad_enabled():  # exact mode's reverse pass: the window's gradient goes back to its owners
+            return SlidingCaptureAttention.apply(q, k, v, own, self)
+        pk, pv, start = window_before(self.tails, self.bounds, self.bounds[g.rank][0], keep)
+        acc = None if pk is None else part_forward(q, pk, pv, prompt_part(own, start))
+        out, _ = fold_sinks(*_fold(acc, part_forward(q, k, v, own)), sinks)
+        return out.to(q.dtype)
+
+
+class SlidingCaptureAttention(torch.autograd.Function):
+    """A sliding-window layer of exact mode's reverse pass (`SlidingCaptureBranchLayer`, whose `tails` the forward
+    has gathered): forward as in capture; backward computes dq and the own dK/dV, and the gradient of the window
+    before the slice, which lies in the tails of earlier ranks, goes back to them (one all-to-all of W − 1 rows per
+    rank), each owner adding what it receives in rank order to its own tail's rows."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, own: Part, layer: SlidingCaptureBranchLayer):
+        g = layer.group
+        keep = own.window - 1
+        pk, pv, start = window_before(layer.tails, layer.bounds, layer.bounds[g.rank][0], keep)
+        prompt = None if pk is None else prompt_part(own, start)
+        acc = None if pk is None else part_forward(q, pk, pv, prompt)
+        out, lse = _fold(acc, part_forward(q, k, v, own))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if pk is None else (pk, pv)))
+        ctx.own, ctx.layer, ctx.prompt, ctx.start = own, layer, prompt, start
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *window = ctx.saved_tensors
+        layer, own = ctx.layer, ctx.own
+        g, bounds = layer.group, layer.bounds
+        keep = own.window - 1
+        dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
+        send = [[k.new_zeros((*k.shape[:2], keep, k.shape[-1]), dtype=torch.float32),
+                 v.new_zeros((*v.shape[:2], keep, v.shape[-1]), dtype=torch.float32)] for _ in range(g.size)]
+        if window:
+            pk, pv = window
+            dqw, dpk, dpv = part_backward(dout, q, pk, pv, out, lse, ctx.prompt, need_kv=True)
+            dq = dq + dqw.float()
+            row = 0  # rows of the window come from the ranks' tails in position order (`window_before`)
+            for j, ((sj, ej), (kj, _)) in enumerate(zip(bounds, layer.tails)):
+                a, b = max(sj, ctx.start), min(ej, bounds[g.rank][0])
+                if a >= b:
+                    continue
+                first = ej - kj.shape[-2]  # position of tail j's first row
+                send[j][0][:, :, a - first:b - first] += dpk[:, :, row:row + b - a].float()
+                send[j][1][:, :, a - first:b - first] += dpv[:, :, row:row + b - a].float()
+                row += b - a
+        back = g.all_to_all(f"reverse pass layer {layer.layer_idx}: window gradients", send)
+        m = min(keep, k.shape[-2])
+        if m > 0:
+            for dkr, dvr in back:  # rank order
+                dk[:, :, k.shape[-2] - m:] += dkr[:, :, :m]
+                dv[:, :, v.shape[-2] - m:] += dvr[:, :, :m]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
