@@ -15,6 +15,7 @@ from .cli import main
 
 if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
     sys.exit(main())
+code: str | int | None
 try:
     code = main()
 except SystemExit as err:

@@ -15,14 +15,19 @@ import dataclasses
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from .train.trainer import Trainer
 
 #: The built-in demo: a 2-layer llama-style model (hidden 64) learns key-value retrieval, first
 #: supervised (full sequence, every pair rehearsed once in the prompt: 4 answers per prompt instead of
 #: 1) while prompts grow from 22 to 1,024 tokens of filler-separated pairs, then with GRPO at 1,024
 #: tokens. In our trials the retrieval circuit formed within ~1,500 steps with an initialisation scale
 #: of 0.05 and lr 1e-3, and not at all with transformers' default 0.02 or lr 2e-3 in the same budget.
-DEMO_CONFIG = dict(
+DEMO_CONFIG: dict[str, Any] = dict(
     model="llama",
     model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 4, "head_dim": 16, "initializer_range": 0.05},
@@ -147,7 +152,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("config fields (override the file; lists and dicts in YAML syntax)")
     for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        # every field has a default or a default factory (`longstraw.train.config._f`)
+        default = f.default if f.default is not dataclasses.MISSING else cast(Callable[[], Any], f.default_factory)()
         group.add_argument(f"--{f.name}", metavar=str(f.type).replace(" ", ""), default=argparse.SUPPRESS,
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
 
@@ -186,7 +192,7 @@ def _report(trainer, accuracy: dict, before: dict | None = None, counts: dict | 
     return "\n".join(lines)
 
 
-def run_training(cfg) -> tuple[object, dict]:
+def run_training(cfg) -> tuple[Trainer, dict]:
     """Train (resuming if the output folder holds a checkpoint), evaluate, plot; returns (trainer, accuracy).
 
     eval.json holds the accuracy per length, the baselines that apply, and each held-out example's greedy
@@ -217,7 +223,7 @@ def run_training(cfg) -> tuple[object, dict]:
     return trainer, accuracy
 
 
-def _accuracy_at_start(trainer, out: Path) -> dict:
+def _accuracy_at_start(trainer, out: Path) -> dict | None:
     """The held-out accuracy of the starting model: measured before the first step and kept in eval_start.json, so
     that a resumed run reads it back instead of measuring its partly trained model."""
     path = out / "eval_start.json"

@@ -9,6 +9,7 @@ logits (`ModelParts`), and per decoder layer a layer kind that keeps its durable
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
@@ -47,7 +48,7 @@ TINY_MULTIMODAL: dict[str, tuple[str, dict]] = {
 }
 
 #: The dense model of the memory benchmark: hidden 128, 4 layers, 2 KV heads of 32.
-BENCH_DENSE = dict(
+BENCH_DENSE: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
@@ -57,7 +58,7 @@ BENCH_DENSE = dict(
     head_dim=32,
 )
 #: The hybrid model of the memory benchmark (qwen3_next-like: 3 linear + 1 full attention layers, MoE).
-BENCH_HYBRID = dict(
+BENCH_HYBRID: dict[str, Any] = dict(
     BENCH_DENSE,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     linear_num_key_heads=2,
@@ -75,7 +76,7 @@ BENCH_HYBRID = dict(
 #: The Mamba-2 hybrid of the memory benchmark (granitemoehybrid): 3 Mamba-2 layers (4 heads of 64, state 16, conv 4)
 #: + 1 full attention layer, MoE. Durable bytes: per Mamba-2 layer 4 · ((256 + 2 · 16) · 4 + 256 · 16) = 20,992
 #: whatever P; per prompt token the attention layer's K/V, 2 · 2 · 32 · 4 = 512.
-BENCH_SSM = dict(
+BENCH_SSM: dict[str, Any] = dict(
     BENCH_DENSE,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     mamba_n_heads=4,
@@ -93,7 +94,7 @@ BENCH_SSM = dict(
 #: (4 and 128) and window (128), 4 heads of 32 sharing one K = V head, indexer of 4 heads × 16 with top-64, MoE
 #: of 4 experts (first layer hash-routed). Per token it keeps (32 + 16) / 4 values on a CSA layer and 32 / 128
 #: on an HCA layer, plus O(window + rate) per layer.
-BENCH_DSV4 = dict(
+BENCH_DSV4: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
     num_hidden_layers=4,
@@ -123,7 +124,7 @@ BENCH_DSV4 = dict(
 #: The compressed-attention model of the memory benchmark (glm_moe_dsa): 4 layers of MLA (16 heads, latent 64 +
 #: rotary 16) with DSA (8 indexer heads of 32, top-256; layers 2 and 4 share the selection of the layer before),
 #: MoE from layer 2. Per token and layer it keeps 112 values where the expanded K/V would take 16 × (48 + 32) = 1280.
-BENCH_DSA = dict(
+BENCH_DSA: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
@@ -166,7 +167,9 @@ def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
     """A tiny random-initialisable config of a supported architecture (fp32 unless overridden)."""
     if arch in TINY_MULTIMODAL:
         text_arch, fields = TINY_MULTIMODAL[arch]
-        return CONFIG_MAPPING[arch](text_config={**TINY_CONFIGS[text_arch], **overrides}, **fields)
+        # ignored below: a multimodal config class (CONFIG_MAPPING types each entry as the base PreTrainedConfig)
+        return CONFIG_MAPPING[arch](text_config={**TINY_CONFIGS[text_arch], **overrides},  # type: ignore[call-arg]
+                                    **fields)
     if arch not in TINY_CONFIGS:
         raise UnsupportedArchitectureError(
             f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS) + sorted(TINY_MULTIMODAL)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
@@ -138,7 +139,7 @@ def observe_attention(model) -> dict[int, AttentionCall]:
         _calls.reset(token)
         base.train(training)
     seen = {}
-    for i, block in enumerate(decoder.layers):
+    for i, block in enumerate(cast(torch.nn.ModuleList, decoder.layers)):  # the decoder's blocks
         module = attention_module(block)
         if module is not None and id(module) in calls:
             seen[i] = calls[id(module)]

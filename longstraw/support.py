@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from collections.abc import Sequence
 
 import transformers
 from transformers import PreTrainedConfig
@@ -213,12 +214,13 @@ def _check_layers(cfg, plan: list[str], blocks) -> None:
     for i, (kind, block) in enumerate(zip(plan, blocks)):
         if kind in _INTERFACE_KINDS:
             attn = attention_module(block)
-            if attn is None or not _uses_attention_interface(type(attn)):
+            # ignored below: a class is hashable; mypy checks type[X] against `Hashable` as if it were an instance
+            if attn is None or not _uses_attention_interface(type(attn)):  # type: ignore[arg-type]
                 what = type(block).__name__ if attn is None else type(attn).__name__
                 raise UnsupportedArchitectureError(
                     f"{cfg.model_type!r} layer {i} ({kind}): {what} does not run its attention through transformers' "
                     f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}")
-        if kind in LATENT_KINDS and (family(cfg.model_type) is None or family(cfg.model_type).latent_rotary is None):
+        if kind in LATENT_KINDS and ((fam := family(cfg.model_type)) is None or fam.latent_rotary is None):
             raise UnsupportedArchitectureError(
                 f"{cfg.model_type!r} layer {i} is latent attention without a family spec; {_families_hint()}")
 
@@ -263,7 +265,7 @@ def model_parts(model) -> ModelParts:
                       plan=model_plan(model))
 
 
-def layer_states(cfg: PreTrainedConfig, capacity: int, plan: list[str] | None = None) -> list:
+def layer_states(cfg: PreTrainedConfig, capacity: int, plan: Sequence[str] | None = None) -> list:
     """A fresh durable state per decoder layer for a prompt of `capacity` captured tokens (`plan`: the model's layer
     plan, `ModelParts.plan`; None: the config's)."""
     return [layer_kind(kind)(cfg, i, capacity) for i, kind in enumerate(plan or layer_plan(cfg))]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -61,7 +62,7 @@ class AgentSettings:
 class EnvironmentRollout:
     """The multi-turn rollout hook of an environment factory (see the module doc). `parse`: text → tool calls."""
 
-    def __init__(self, factory: Callable[[], object], settings: AgentSettings | None = None,
+    def __init__(self, factory: Callable[[], Any], settings: AgentSettings | None = None,
                  parse: Callable[[str], list[ToolCall]] = parse_tool_calls):
         if not callable(factory):
             raise TypeError(f"environment factory must be callable; got {type(factory).__name__}")
@@ -74,6 +75,7 @@ class EnvironmentRollout:
     def trajectory(self, sampler: TurnSampler, example: Example) -> Response:
         """One trajectory from the sampler's prompt state (its branch is freed on return)."""
         s, tok, eos = sampler.settings, sampler.tokenizer, sampler.eos_token_id
+        env: Any  # the factory's environment (duck-typed: `reset` and its tool methods), on rank 0 only
         env = tools = None
         if sampler.is_main:  # on N processes the environment lives on rank 0 (`TurnSampler.on_main`)
             env = self.factory()
@@ -105,7 +107,7 @@ class EnvironmentRollout:
                 pieces.append((turn, lp, True))
                 added += turn.numel()
                 turns += 1
-                requested = self.parse(tok.decode(turn, skip_special_tokens=True))
+                requested = self.parse(cast(str, tok.decode(turn, skip_special_tokens=True)))  # one sequence: a str
                 if not requested:  # the answer, or a turn that ran out of tokens without one
                     stopped, truncated = ("no_stop", True) if bool(out.truncated[0]) else ("answer", False)
                     break

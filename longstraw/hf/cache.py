@@ -20,12 +20,14 @@ thread running the same model outside longstraw during a longstraw forward would
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import cast
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers import AttentionInterface, PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..ops.attention import DEFAULT_BLOCK, split_attention
@@ -45,7 +47,7 @@ class BranchCache(Cache):
         self.block = block
         self.checkpoint_layers = checkpoint_layers
         #: the model's configs (`ModelParts.configs`), for the recomputation of checkpointed layers in backward
-        self.configs = ()
+        self.configs: Sequence[PreTrainedConfig] = ()
         #: the layer of the latest `update` (the attention that follows reads it)
         self.last_updated = -1
         #: tokens before the current forward (set by `run_decoder`)
@@ -83,10 +85,11 @@ class BranchCache(Cache):
         continues from. The copy is O(1) in P (one recurrent state). Autograd: the copy is saved for
         backward before it is written; `run_decoder` saves such copies by value (`inplace_safe`).
         """
-        layer = self.layers[layer_idx]
-        if not layer.has_previous_state[state_idx] or layer.recurrent_states[state_idx] is None:
+        # only linear-attention / SSM layers ask: theirs is a `RecurrentBranchLayer`
+        layer = cast(LinearAttentionCacheLayerMixin, self.layers[layer_idx])
+        if not layer.has_previous_state[state_idx] or (state := layer.recurrent_states[state_idx]) is None:
             return None
-        own = layer.recurrent_states[state_idx].clone()
+        own = state.clone()
         layer.recurrent_states[state_idx] = own
         self._written.add(id(own))
         self._keep.append(own)
@@ -137,7 +140,8 @@ class BranchCache(Cache):
     def batch_select_indices(self, indices) -> None:
         """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
         for layer in self.layers:
-            layer.batch_select_indices(indices)
+            # ignored below: every longstraw branch layer defines it, transformers' base layer classes do not
+            layer.batch_select_indices(indices)  # type: ignore[union-attr]
 
 
 _ACTIVE: ContextVar[BranchCache | None] = ContextVar("longstraw_active_cache", default=None)

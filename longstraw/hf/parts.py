@@ -3,6 +3,7 @@ each layer's token mixer, the device. A leaf: it imports nothing of longstraw.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,13 @@ class ModelParts:
     final_logit_softcapping: float | None
     #: every config the model's modules read (`longstraw.prepare.model_configs`): a longstraw forward names its
     #: attention implementation on them for its duration
-    configs: list = ()
+    configs: Sequence[PreTrainedConfig] = ()
     #: factor the causal-LM class multiplies the logits by before softcapping (Cohere's `logit_scale`,
     #: 1 / Granite's `logits_scaling`); None: 1
     logit_scale: float | None = None
     #: the longstraw layer kind of each decoder layer (`longstraw.support.model_plan`: the config's plan corrected by
     #: what the attention modules pass)
-    plan: list = ()
+    plan: Sequence[str] = ()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -65,7 +66,7 @@ def model_configs(model) -> list[PreTrainedConfig]:
     """Every distinct config the modules of `model` read (the model's, its sub-configs, per-module ones)."""
     base = base_model(model)
     seen: dict[int, PreTrainedConfig] = {}
-    candidates = [base.config, base.config.get_text_config(decoder=True)]
+    candidates: list[object] = [base.config, base.config.get_text_config(decoder=True)]
     candidates += [getattr(m, "config", None) for m in base.modules()]
     for cfg in candidates:
         if isinstance(cfg, PreTrainedConfig):

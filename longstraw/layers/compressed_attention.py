@@ -77,6 +77,7 @@ class Stream:
         indexer: `position_bias`, `kv_norm`, `rotary_emb`, `head_dim`)."""
         b = kv.shape[0]
         if self.tail_kv is not None and self.tail_kv.shape[1]:
+            assert self.tail_gate is not None  # kept with tail_kv
             kv = torch.cat([self.tail_kv.expand(b, -1, -1), kv], dim=1)
             gate = torch.cat([self.tail_gate.expand(b, -1, -1), gate], dim=1)
         usable = (kv.shape[1] // self.rate) * self.rate
@@ -85,6 +86,7 @@ class Stream:
             return new
         prior_kv, prior_gate = self.prior_kv, self.prior_gate
         if prior_kv is not None:
+            assert prior_gate is not None  # kept with prior_kv
             prior_kv, prior_gate = prior_kv.expand(b, -1, -1), prior_gate.expand(b, -1, -1)
         pooled, (p_kv, p_gate) = pool_windows(kv[:, :usable], gate[:, :usable], module.position_bias, prior_kv,
                                               prior_gate, module.head_dim, overlap)
@@ -125,6 +127,7 @@ class CompressedKVState(SlidingKVState):
     """Sliding-window keys plus the compressed streams of a DeepSeek-V4 CSA / HCA layer (module docstring)."""
 
     layer_types = (CSA, HCA)
+    window: int  # the sliding window (`SlidingKVState.__init__`)
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
@@ -145,21 +148,24 @@ class CompressedKVState(SlidingKVState):
 
     def _streams(self) -> dict[str, Stream]:
         n = self.count
-        return {name: Stream(self.rate, n, None if self.entries[name] is None else self.entries[name][:, :, :n],
+        return {name: Stream(self.rate, n, None if (e := self.entries[name]) is None else e[:, :, :n],
                              *self.tails[name], *self.priors[name]) for name in self.names}
 
     def branch(self, batch: int = 1) -> CompressedBranchLayer:
         return CompressedBranchLayer(self.keys, self.length, self.start, self.window, self._streams())
 
-    def commit(self, branch_layer: CompressedBranchLayer, n: int) -> None:
+    def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
+        assert isinstance(branch_layer, CompressedBranchLayer)  # the layer `branch` made
         before = self.count
         super().commit(branch_layer, n)
         self.values = self.keys  # K = V in DeepSeek-V4: one copy
         for name, st in branch_layer.streams.items():
             if st.own is not None:
-                if self.entries[name] is None:
-                    self.entries[name] = base.empty_state(st.own, (1, 1, self.capacity // self.rate, st.own.shape[-1]))
-                self.entries[name][:, :, before : before + st.own_count] = st.own
+                entries = self.entries[name]
+                if entries is None:
+                    entries = self.entries[name] = base.empty_state(st.own, (1, 1, self.capacity // self.rate,
+                                                                             st.own.shape[-1]))
+                entries[:, :, before : before + st.own_count] = st.own
             # clones: slices would keep the chunk's projections alive
             self.tails[name] = (st.tail_kv.clone(), st.tail_gate.clone())
             if st.prior_kv is not None:
@@ -207,7 +213,7 @@ class CompressedKVState(SlidingKVState):
         k, _, k_start = self.boundaries[chunk]
         tails, priors = self.stream_boundaries[chunk]
         n = start // self.rate
-        streams = {name: Stream(self.rate, n, None if self.entries[name] is None else self.entries[name][:, :, :n],
+        streams = {name: Stream(self.rate, n, None if (e := self.entries[name]) is None else e[:, :, :n],
                                 *tails[name], *priors[name]) for name in self.names}
         return CompressedBranchLayer(k, start, k_start, self.window, streams)
 

@@ -62,6 +62,7 @@ class AttentionBranchLayer(PromptBranchLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched."""
         if self.keys is not None:
+            assert self.values is not None  # appended with the keys
             self.keys, self.values = self.keys[indices], self.values[indices]
 
     @property
@@ -73,14 +74,15 @@ class AttentionBranchLayer(PromptBranchLayer):
 class KVState(LayerState):
     """Prompt K/V of a full-attention layer: keys `[1, Hkv, P−1, D]`, values `[1, Hkv, P−1, Dv]`."""
 
-    layer_types = ("full_attention",)
+    layer_types: tuple[str, ...] = ("full_attention",)
     window: int | None = None
     chunk: int | None = None
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        #: plain tensors, or 8-bit `QuantizedTokens` when `state_dtype` is set (keys and values alike)
+        self.keys: torch.Tensor | QuantizedTokens | None = None
+        self.values: torch.Tensor | QuantizedTokens | None = None
 
     @property
     def start(self) -> int:
@@ -93,6 +95,7 @@ class KVState(LayerState):
         if isinstance(self.keys, QuantizedTokens):
             return self.keys, self.values
         n = self.length - self.start
+        assert isinstance(self.values, torch.Tensor)  # stored as the keys are
         return self.keys[:, :, :n], self.values[:, :, :n]
 
     def branch(self, batch: int = 1) -> AttentionBranchLayer:
@@ -104,12 +107,14 @@ class KVState(LayerState):
 
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
+        assert k is not None and v is not None  # the branch ran the chunk
         if k.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {k.shape[-2]} keys")
         if self.state_dtype is not None:  # 8-bit keys and values with per-block scales
             if self.keys is None:
                 self.keys = QuantizedTokens(k, self.capacity, self.state_dtype, device=self.state_device)
                 self.values = QuantizedTokens(v, self.capacity, self.state_dtype, device=self.state_device)
+            assert isinstance(self.keys, QuantizedTokens) and isinstance(self.values, QuantizedTokens)
             self.keys.append(k)
             self.values.append(v)
             self.length += n
@@ -123,13 +128,16 @@ class KVState(LayerState):
             self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))
         if self.length + n > self.capacity:
             raise RuntimeError(f"layer {self.layer_idx}: committing past the captured length {self.capacity}")
+        assert isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor)  # state_dtype is None
         self.keys[:, :, self.length : self.length + n] = k
         self.values[:, :, self.length : self.length + n] = v
         self.length += n
 
     def tensors(self) -> list[torch.Tensor]:
         if isinstance(self.keys, QuantizedTokens):
+            assert isinstance(self.values, QuantizedTokens)  # quantized as the keys are
             return self.keys.tensors() + self.values.tensors()
+        assert not isinstance(self.values, QuantizedTokens)
         return [t for t in (self.keys, self.values) if t is not None]
 
     def release(self) -> None:
@@ -140,11 +148,14 @@ class KVState(LayerState):
 
     def require_grad(self) -> None:
         if self.keys is not None:
+            # exact mode refuses a quantized state
+            assert isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor)
             self.keys.requires_grad_(True)
             self.values.requires_grad_(True)
 
     def reverse_branch(self, chunk: int, start: int) -> AttentionBranchLayer:
         # positions before `start` as views of the leaves: their gradient lands in keys.grad / values.grad
+        assert not isinstance(self.keys, QuantizedTokens) and not isinstance(self.values, QuantizedTokens)  # exact mode
         k = None if self.keys is None else self.keys[:, :, :start]
         v = None if self.values is None else self.values[:, :, :start]
         return AttentionBranchLayer(k, v, start, 0, self.window, self.chunk)

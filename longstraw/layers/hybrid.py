@@ -16,7 +16,8 @@ from .full_attention import AttentionBranchLayer, KVState
 from .linear_attention import RecurrentBranchLayer, RecurrentState
 
 
-class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):
+# the bases' `lazy_initialization` signatures differ: this is the attention side's; the SSM side calls its own by name
+class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):  # type: ignore[misc]  # see the line above
     """An attention branch layer over the prompt K/V that also carries the SSM's conv and recurrent states."""
 
     def __init__(self, attention: AttentionBranchLayer, recurrent: RecurrentBranchLayer):

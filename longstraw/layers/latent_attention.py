@@ -47,6 +47,9 @@ class LatentOwn:
 
     #: whether `values` names the own latents too (the context-parallel layers read them as keys and as values)
     values_alias = False
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    index_keys: torch.Tensor | None
 
     def append(self, latent: torch.Tensor) -> torch.Tensor:
         self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
@@ -219,7 +222,8 @@ class LatentState(LayerState):
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
-        self.latent: torch.Tensor | None = None
+        #: a plain tensor, or 8-bit `QuantizedTokens` when `state_dtype` is set
+        self.latent: torch.Tensor | QuantizedTokens | None = None
 
     supports_compression = True
 
@@ -233,6 +237,7 @@ class LatentState(LayerState):
 
     def commit(self, branch_layer: LatentBranchLayer, n: int) -> None:
         own = branch_layer.keys
+        assert own is not None  # the branch ran the chunk
         if own.shape[-2] != n:
             raise RuntimeError(f"layer {self.layer_idx}: chunk of {n} tokens produced {own.shape[-2]} latents")
         if self.length + n > self.capacity:
@@ -240,11 +245,13 @@ class LatentState(LayerState):
         if self.state_dtype is not None:  # 8-bit latents with per-block scales
             if self.latent is None:
                 self.latent = QuantizedTokens(own, self.capacity, self.state_dtype)
+            assert isinstance(self.latent, QuantizedTokens)  # quantized from the first chunk
             self.latent.append(own)
             self.length += n
             return
         if self.latent is None:
             self.latent = base.empty_state(own, (1, 1, self.capacity, own.shape[-1]))
+        assert isinstance(self.latent, torch.Tensor)  # state_dtype is None
         self.latent[:, :, self.length : self.length + n] = own
         self.length += n
 
@@ -261,6 +268,7 @@ class LatentState(LayerState):
 
     def require_grad(self) -> None:
         if self.latent is not None:
+            assert isinstance(self.latent, torch.Tensor)  # exact mode refuses a quantized state
             self.latent.requires_grad_(True)
 
     def reverse_branch(self, chunk: int, start: int) -> LatentBranchLayer:

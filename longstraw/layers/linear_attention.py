@@ -53,7 +53,9 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
                                                      conv_kernel_size=conv_kernel_size)
         prev = self.conv_states[state_idx] if self.has_previous_state[state_idx] else None
         full = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
-        k = self.conv_kernel_size[state_idx] - self.conv_trim
+        kernel = self.conv_kernel_size[state_idx]
+        assert kernel is not None  # set with the conv state (captured window or `lazy_initialization`)
+        k = kernel - self.conv_trim
         # a copy, not a view: a view would keep the whole chunk's conv inputs alive with the state (exact mode's
         # boundary states: one chunk's worth per chunk, O(P))
         window = full[..., full.shape[-1] - min(k, full.shape[-1]):].clone()
@@ -112,9 +114,13 @@ class RecurrentState(LayerState):
     def commit(self, branch_layer: RecurrentBranchLayer, n: int) -> None:
         for i in range(self.number_of_states):
             if branch_layer.is_conv_states_initialized[i]:
-                self.conv_states[i] = branch_layer.conv_states[i].detach()
+                conv = branch_layer.conv_states[i]
+                assert conv is not None  # initialized: written
+                self.conv_states[i] = conv.detach()
             if branch_layer.is_recurrent_states_initialized[i]:
-                self.recurrent_states[i] = branch_layer.recurrent_states[i].detach()
+                rec = branch_layer.recurrent_states[i]
+                assert rec is not None  # initialized: written
+                self.recurrent_states[i] = rec.detach()
         self.length += n
 
     def tensors(self) -> list[torch.Tensor]:

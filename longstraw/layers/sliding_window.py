@@ -19,9 +19,12 @@ from .full_attention import AttentionBranchLayer, KVState
 class SlidingKVState(KVState):
     """Last `window − 1` prompt K/V of a sliding-window layer, with their absolute start position."""
 
-    layer_types = ("sliding_attention",)
+    layer_types: tuple[str, ...] = ("sliding_attention",)
     supports_compression = False  # at most W − 1 tokens: nothing to gain
     supports_offload = False  # likewise
+    # plain tensors only (no compression)
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
@@ -40,11 +43,14 @@ class SlidingKVState(KVState):
 
     def _keep(self) -> int:
         """How many of the last committed K/V later tokens can read."""
+        assert self.window is not None  # set in __init__ (`ChunkedKVState` keeps by chunk instead)
         return self.window - 1
 
     def commit(self, branch_layer: AttentionBranchLayer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
+        assert k is not None and v is not None  # the branch ran the chunk
         if self.keys is not None:
+            assert self.values is not None  # committed with the keys
             k = torch.cat([self.keys, k], dim=-2)
             v = torch.cat([self.values, v], dim=-2)
         self.length += n
@@ -110,6 +116,7 @@ class ChunkedKVState(SlidingKVState):
 
     layer_types = ("chunked_attention",)
     window = None
+    chunk: int  # set in __init__
 
     def __init__(self, config, layer_idx: int, capacity: int):
         KVState.__init__(self, config, layer_idx, capacity)

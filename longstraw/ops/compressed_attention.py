@@ -152,6 +152,7 @@ def _gathered_block(q, prompt, own, idx, valid, n_prompt: int, scale: float):
         from_prompt = gather_latents(prompt, idx.clamp(max=n_prompt - 1))
         keys = from_prompt if keys is None else torch.where((idx < n_prompt)[..., None], from_prompt, keys)
     acc = acc_dtype(q)
+    assert keys is not None  # a selection picks from the prompt's entries or the own ones
     keys = keys.to(acc)
     scores = torch.einsum("bhnd,bnkd->bhnk", q.to(acc), keys) * scale
     out, lse = _safe_softmax_part(scores, valid[:, None], lambda p: torch.einsum("bhnk,bnkd->bhnd", p, keys))
@@ -162,6 +163,7 @@ def gathered_entry_part(q, prompt, own, selection: Selection, scale: float):
     """(out, lse) of q `[B, H, S, D]` over the entries `selection` picks from [prompt entries `[1|B, 1, n, D]` |
     own entries `[B, 1, k, D]`]. Queries run in blocks whose gathered keys fit a quarter of `TILE_ELEMENTS`;
     with grad each block is checkpointed (saves its query rows and indices, gathers again in backward)."""
+    assert selection.indices is not None and selection.valid is not None  # callers take the dense parts otherwise
     b, h, s, d = q.shape
     kk = selection.indices.shape[-1]
     rows = max(1, min(s, TILE_ELEMENTS // max(1, 4 * b * kk * max(d, h))))

@@ -118,7 +118,8 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     vals = q.new_empty((b, s, 0), dtype=torch.float32)
     idx = torch.empty((b, s, 0), dtype=torch.long, device=q.device)
     # key spans: the prompt's (all visible), then the own keys' (causal); `first`: index into [prompt | own]
-    spans = [(prompt_keys, m0, min(merge, p - m0), m0, None) for m0 in range(0, p, merge)]
+    spans: list[tuple[torch.Tensor, int, int, int, int | None]] = [
+        (prompt_keys, m0, min(merge, p - m0), m0, None) for m0 in range(0, p, merge)]
     spans += [(own_keys, m0, min(merge, t - m0), p + m0, own_start + m0) for m0 in range(0, t, merge)]
     for keys, m0, n, first, pos in spans:
         scores = []
@@ -171,6 +172,7 @@ def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int,
     if selection.indices is None:
         return latent_attention(query, own, prompt, rank, q_start=q_start, own_start=own_start, scale=scale,
                                 block=block)
+    assert selection.valid is not None  # set with the indices
     b, h, s, d = query.shape
     kk = selection.indices.shape[-1]
     # a block gathers rows × K latents three times (own, prompt, merged): a quarter tile each

@@ -185,13 +185,15 @@ class LazyTensors:
     def __init__(self, path: Path):
         from safetensors import safe_open
 
-        self._file = safe_open(str(path), framework="pt")
-        self._names = set(self._file.keys())
+        file = safe_open(str(path), framework="pt")
+        self._file: safe_open | None = file  # None once closed
+        self._names = set(file.keys())
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
     def __getitem__(self, name: str):
+        assert self._file is not None  # read inside the `with` only
         return self._file.get_tensor(name)
 
     def __enter__(self):

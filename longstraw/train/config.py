@@ -18,7 +18,7 @@ from ..tasks import REWARD_FUNCTIONS, TASKS
 
 def _f(default, help: str, **kw):
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
 
 

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, replace
 
 from ..tasks import TASKS, Example, load_jsonl
+from ..tasks.synthetic import SyntheticTask
 
 
 @dataclass
@@ -14,7 +15,7 @@ class Data:
     """A built-in task (examples made from (seed, index, length); evaluation draws its own indices) or JSONL
     rows, training and held-out (`eval_rows`) apart."""
 
-    task: object | None
+    task: SyntheticTask | None
     rows: list[Example] | None
     seed: int
     eval_rows: list[Example] | None = None
@@ -22,6 +23,7 @@ class Data:
     def example(self, index: int, length: int, sft: bool = False) -> Example:
         if self.rows is not None:
             return self.rows[index % len(self.rows)]
+        assert self.task is not None  # a built-in task where there are no rows
         ex = self.task.sft_example(self.seed, index, length) if sft else self.task.example(self.seed, index, length)
         return replace(ex, source=f"{type(self.task).__name__} example {index} (seed {self.seed}, length {length})")
 

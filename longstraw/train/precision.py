@@ -79,6 +79,7 @@ class MasterWeights:
 
 def _accumulate_into(master: torch.Tensor):
     def hook(p: torch.Tensor) -> None:
+        assert p.grad is not None  # a post-accumulate-grad hook: the gradient was just accumulated
         if master.grad is None:
             master.grad = p.grad.float()
         else:

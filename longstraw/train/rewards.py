@@ -43,6 +43,7 @@ def resolve_callable(spec: str, what: str = "reward function") -> Callable:
         if not path.is_file():
             raise ValueError(f"{what} {spec!r}: file {path} does not exist")
         module_spec = importlib.util.spec_from_file_location(f"longstraw_user_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None  # a .py file: a source loader
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:

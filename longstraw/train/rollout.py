@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,11 @@ from ..tasks import Example
 from .memory import MemoryMeter
 from .rewards import RewardSet
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ..distributed.ranks import Ranks
+
 
 @dataclass
 class Policy:
@@ -39,7 +45,7 @@ class Policy:
     and the tokens sampling may choose (None: all)."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     eos_token_id: int
     allowed_token_ids: list[int] | None = None
 
@@ -147,8 +153,9 @@ class TurnSampler:
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings
-        kw = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=self.generator,
-                  stop_token_ids=[] if s.ignore_eos else [self.eos_token_id], allowed_token_ids=self._allowed)
+        kw: dict[str, Any] = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=self.generator,
+                                  stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
+                                  allowed_token_ids=self._allowed)
         group = getattr(self.state, "group", None)
         if group is not None:  # context parallel: a collective, every rank the same tokens
             if prefix_ids is None:
@@ -189,7 +196,8 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
 
 
 def reference_logprobs(model, prompt: torch.Tensor, responses: list[Response], temperature: float,
-                       chunk_size: int, state_dtype: str | None = None, ranks=None) -> list[torch.Tensor | None]:
+                       chunk_size: int | None, state_dtype: str | None = None,
+                       ranks: Ranks | None = None) -> list[torch.Tensor | None]:
     """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled. On N ranks
     (a collective) only those of the responses this rank replays (`ranks.spread`); None for the others."""
     if not hasattr(model, "disable_adapter"):
@@ -225,7 +233,7 @@ class RolloutStage:
     beta: float = 0.0
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
-    ranks: object = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
+    ranks: Ranks | None = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
 
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
         keep_state = len(examples) == 1  # its state serves the update too (no second capture)
@@ -243,6 +251,7 @@ class RolloutStage:
     def _group(self, ex: Example, step: int, b: int, keep_state: bool, meter: MemoryMeter) -> tuple[Group, int]:
         prompt = self.policy.encode(ex.prompt)
         model = self.policy.model
+        state: PromptState | None  # None once released (a state only sampled from)
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
             state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode, state_dtype=self.state_dtype,

@@ -33,6 +33,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -82,12 +83,13 @@ def _tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
 def build_model_and_tokenizer(cfg: TrainConfig):
     """(model, tokenizer): a built-in tiny model with the task tokenizer, or a local folder; LoRA-wrapped
     with `lora: true`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
     from .devices import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    tok: PreTrainedTokenizerBase  # the task's word-level tokenizer, or the model folder's
     if cfg.model in TINY_CONFIGS:
         opts = cfg.task_options
         tok = build_tokenizer(num_keys=opts.get("num_keys", 64), num_values=opts.get("num_values", 16),
@@ -157,6 +159,9 @@ class Trainer:
     the config's `rollout_func` import path.
     """
 
+    #: keyword arguments of the command line's evaluation table (`before`, `counts`), set by `cli.run_training`
+    eval_summary: dict
+
     def __init__(self, cfg: TrainConfig, reward_funcs=None, rollout_func=None):
         self.cfg = cfg
         from .devices import resolve_device
@@ -178,7 +183,8 @@ class Trainer:
             from ..distributed.fsdp import shard
             from ..models import base_model, decoder_of
 
-            in_layers = [p for p in decoder_of(base_model(self.model)).layers.parameters() if p.requires_grad]
+            layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
+            in_layers = [p for p in layers.parameters() if p.requires_grad]
             shard(self.model, float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers))
         self.data = build_data(cfg, self.tok)
         self.rewards = reward_set(cfg, self.data, reward_funcs)

@@ -24,6 +24,7 @@ prompt's answer on its owner rank (replayed, context parallel).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -211,7 +212,8 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     for ex in examples:
         if ex.answer is None:
             raise ValueError(f"{ex.source or 'an example'}: the supervised warm-up needs an `answer`")
-    pairs = [(policy.encode(ex.prompt), torch.cat([policy.encode(ex.answer), eos])) for ex in examples]
+    # every answer is a str: checked above
+    pairs = [(policy.encode(ex.prompt), torch.cat([policy.encode(cast(str, ex.answer)), eos])) for ex in examples]
     n_tok = sum(a.numel() + len(ex.supervised) for (_, a), ex in zip(pairs, examples))
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
     parallel = ranks is not None and ranks.size > 1

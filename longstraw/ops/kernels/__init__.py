@@ -69,7 +69,8 @@ class _Plain:
 
 REFERENCE = _Plain("reference", _reference)
 BLOCKWISE = _Plain("blockwise", _blockwise)
-KERNELS = {k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)}
+KERNELS: dict[str, _Plain | FusedKernel] = {
+    k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)}
 #: fused kernels in order of preference per device type (first that applies wins)
 PREFERENCE = {"cpu": (SIMD_CPU, FLASH_CPU), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
 

@@ -132,6 +132,7 @@ def backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
                                        sub, dk, dvv, None if g_lse is None else g_lse[:, :, i0:i1])
                         for i0, i1, sub in tiles], 2)
     if need_kv:
+        assert dk is not None and dvv is not None  # allocated when need_kv
         dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)
     return dq, dk, dvv
 

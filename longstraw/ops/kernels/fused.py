@@ -193,7 +193,7 @@ def _unrepeat(dx, hkv):
 class FlashCPU(FusedKernel):
     name = "flash_cpu"
     device_type = "cpu"
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
     def available(self):
         return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
