@@ -34,10 +34,9 @@ from .archs import family
 from .errors import UnsupportedArchitectureError
 from .hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
 from .hf.parts import base_model, decoder_of, model_configs
-from .layers.compressed_attention import CompressedAttention, CompressedKVState
-from .layers.jamba import JambaMixer
-from .layers.latent_attention import LatentAttention
-from .support import LATENT_KINDS, check_capability, model_plan
+from .hf.stand_ins import install, is_stand_in
+from .layers import layer_kind
+from .support import check_capability, model_plan
 
 
 @contextmanager
@@ -199,20 +198,6 @@ class ChunkedFeedForward:
         return joined if isinstance(out, tuple) else joined[0]
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def _subclass(mixin: type, cls: type) -> type:
-    """`mixin` in front of `cls`, made once per pair and reachable by name from this module (pickling)."""
-    key = (mixin, cls)
-    if key not in _SUBCLASSES:
-        name = f"{mixin.__name__}_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-        sub = type(name, (mixin, cls), {"longstraw_base": cls, "__module__": __name__, "__qualname__": name})
-        globals()[name] = sub
-        _SUBCLASSES[key] = sub
-    return _SUBCLASSES[key]
-
-
 def is_prepared(model) -> bool:
     return getattr(base_model(model), "_longstraw_prepared", False)
 
@@ -244,20 +229,16 @@ def prepare(model):
     decoder = decoder_of(base)
     fam = family(cfg.model_type)
     for i, (kind, block) in enumerate(zip(model_plan(model), decoder.layers)):
-        block.__class__ = _subclass(CheckpointedLayer, type(block))
+        install(block, CheckpointedLayer)
         block.longstraw_index = i
         mlp = getattr(block, "mlp", None)
-        if isinstance(mlp, nn.Module) and not isinstance(mlp, ChunkedFeedForward):  # (a module shared by layers: once)
-            mlp.__class__ = _subclass(ChunkedFeedForward, type(mlp))
-        if kind in LATENT_KINDS:
-            attn = block.self_attn
-            attn.longstraw_rotary = fam.latent_rotary(attn)  # looked up in the module of its own class
-            attn.__class__ = _subclass(LatentAttention, type(attn))
-        if kind in CompressedKVState.layer_types:  # DeepSeek-V4 CSA / HCA
-            block.self_attn.__class__ = _subclass(CompressedAttention, type(block.self_attn))
-        mixer = getattr(block, "mamba", None)
-        if mixer is not None and type(mixer).__name__ == "JambaMambaMixer":  # its scan forgets the cached state
-            mixer.__class__ = _subclass(JambaMixer, type(mixer))
+        if isinstance(mlp, nn.Module):  # (a module shared by layers: once)
+            install(mlp, ChunkedFeedForward)
+        layer_kind(kind).install(block, fam)  # the kind's stand-ins (MLA, DeepSeek-V4 compressed attention)
+        for name, mixin in (fam.stand_ins if fam is not None else {}).items():  # the family's (Jamba's Mamba mixer)
+            module = getattr(block, name, None)
+            if isinstance(module, nn.Module):
+                install(module, mixin)
     base._longstraw_prepared = True
     return model
 
@@ -269,7 +250,7 @@ def unprepare(model):
         return model
     for module in base.modules():
         original = getattr(type(module), "longstraw_base", None)
-        if original is not None and type(module) in _SUBCLASSES.values():
+        if original is not None and is_stand_in(type(module)):
             module.__class__ = original
             for name in ("longstraw_index", "longstraw_rotary"):
                 module.__dict__.pop(name, None)

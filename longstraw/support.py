@@ -36,11 +36,6 @@ from .hf.parts import ModelParts, attention_module, base_model, decoder_of, mode
 from .layers import layer_kind, registered_layer_types
 from .observe import MAX_PROBE, PROBE_TOKENS, observe_attention
 
-#: layer kinds whose attention math goes through transformers' attention interface
-_INTERFACE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
-#: layer kinds that keep MLA latents (their attention module gets a stand-in, `longstraw.prepare`)
-LATENT_KINDS = ("latent_attention", "indexed_attention")
-
 
 def tested_families() -> list[str]:
     return sorted(FAMILIES) + sorted(f.wrapper[0] for f in FAMILIES.values() if f.wrapper)
@@ -211,8 +206,10 @@ def _check_kinds(cfg, plan: list[str]) -> None:
 
 def _check_layers(cfg, plan: list[str], blocks) -> None:
     _check_kinds(cfg, plan)
+    fam = family(cfg.model_type)
     for i, (kind, block) in enumerate(zip(plan, blocks)):
-        if kind in _INTERFACE_KINDS:
+        state = layer_kind(kind)
+        if state.uses_attention_interface:
             attn = attention_module(block)
             # ignored below: a class is hashable; mypy checks type[X] against `Hashable` as if it were an instance
             if attn is None or not _uses_attention_interface(type(attn)):  # type: ignore[arg-type]
@@ -220,9 +217,9 @@ def _check_layers(cfg, plan: list[str], blocks) -> None:
                 raise UnsupportedArchitectureError(
                     f"{cfg.model_type!r} layer {i} ({kind}): {what} does not run its attention through transformers' "
                     f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}")
-        if kind in LATENT_KINDS and ((fam := family(cfg.model_type)) is None or fam.latent_rotary is None):
-            raise UnsupportedArchitectureError(
-                f"{cfg.model_type!r} layer {i} is latent attention without a family spec; {_families_hint()}")
+        reason = state.check_layer(cfg, i, block, fam)
+        if reason is not None:
+            raise UnsupportedArchitectureError(f"{cfg.model_type!r} layer {i} ({kind}): {reason}; {_families_hint()}")
 
 
 def model_plan(model) -> list[str]:

@@ -43,7 +43,9 @@ class Family:
     `latent_rotary(module)`: for MLA families, the rotary functions of the attention and of the DSA
     indexer (None: no rotation). `attn_implementation`: what the tiny model is built with (families
     without an SDPA path use "eager"). `wrapper`: a multimodal model_type served through this text
-    model, with the fields that complete its tiny config.
+    model, with the fields that complete its tiny config. `stand_ins`: decoder-layer attribute → mixin installed in
+    front of that module's class where a layer has it (`longstraw.hf.stand_ins`), for a family whose own module
+    needs one inside longstraw (Jamba's Mamba mixer).
     """
 
     model_type: str
@@ -54,6 +56,7 @@ class Family:
     attn_implementation: str = "sdpa"
     moe: bool = False
     wrapper: tuple[str, dict] | None = None
+    stand_ins: dict[str, type] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -11,6 +11,7 @@ SSM state (`mamba_selective_scan` takes no initial state): inside transformers a
 the scan from zero. Inside longstraw `longstraw.layers.jamba.JambaMixer` continues it from the state.
 """
 
+from ..layers.jamba import JambaMixer
 from .base import Family, register
 
 #: a small Mamba-2 mixer: 4 heads of 16 (or 32), state 8, conv 4, SSD chunks of 8 (so the tests' prompts
@@ -43,5 +44,6 @@ register(
     Family("jamba", "Mamba-1 + full attention, MoE every other layer", moe=True,
            tiny=dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                      expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
-                     mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)),
+                     mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
+           stand_ins={"mamba": JambaMixer}),
 )

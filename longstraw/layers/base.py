@@ -52,6 +52,21 @@ class LayerState(ABC):
 
     #: transformers `config.layer_types` names this kind serves.
     layer_types: tuple[str, ...] = ()
+    #: whether the layer's attention math goes through transformers' attention interface (`ALL_ATTENTION_FUNCTIONS`),
+    #: where longstraw's attention takes its place; `longstraw.support` refuses a module of such a layer that does not
+    uses_attention_interface: bool = False
+
+    @classmethod
+    def check_layer(cls, config, index: int, block, family) -> str | None:
+        """Why decoder layer `index` (`block`, of a model of `config` and `family`, a `longstraw.archs.Family` or
+        None) cannot be served by this kind, or None: what the kind needs beyond its layer type."""
+        return None
+
+    @classmethod  # noqa: B027  (a no-op unless the kind has a stand-in)
+    def install(cls, block, family) -> None:
+        """Install what this kind needs in decoder layer `block` (stand-ins in front of its modules' classes,
+        `longstraw.hf.stand_ins`), once, at `longstraw.prepare`; `family`: the model's `longstraw.archs.Family` or
+        None."""
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int, capacity: int):
         """`capacity`: the number of prompt tokens the capture will commit (P − 1)."""

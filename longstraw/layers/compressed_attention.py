@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..hf.cache import active_cache
+from ..hf.stand_ins import install
 from ..ops.attention import split_attention
 from ..ops.compressed_attention import (
     apply_sinks,
@@ -127,7 +128,12 @@ class CompressedKVState(SlidingKVState):
     """Sliding-window keys plus the compressed streams of a DeepSeek-V4 CSA / HCA layer (module docstring)."""
 
     layer_types = (CSA, HCA)
+    uses_attention_interface = False  # its own attention over the compressed entries (`CompressedAttention`)
     window: int  # the sliding window (`SlidingKVState.__init__`)
+
+    @classmethod
+    def install(cls, block, family) -> None:
+        install(block.self_attn, CompressedAttention)
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)

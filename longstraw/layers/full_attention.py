@@ -75,6 +75,7 @@ class KVState(LayerState):
     """Prompt K/V of a full-attention layer: keys `[1, Hkv, P−1, D]`, values `[1, Hkv, P−1, Dv]`."""
 
     layer_types: tuple[str, ...] = ("full_attention",)
+    uses_attention_interface = True
     window: int | None = None
     chunk: int | None = None
 

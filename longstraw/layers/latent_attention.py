@@ -22,6 +22,7 @@ import inspect
 import torch
 
 from ..hf.cache import active_cache
+from ..hf.stand_ins import install
 from ..ops.latent_attention import (
     absorb_query,
     absorbed_weights,
@@ -219,6 +220,20 @@ class LatentState(LayerState):
     """Prompt latents of an MLA layer: `[1, 1, P−1, kv_lora_rank + qk_rope_head_dim]`."""
 
     layer_types = ("latent_attention",)
+
+    @classmethod
+    def check_layer(cls, config, index: int, block, family) -> str | None:
+        if family is None or family.latent_rotary is None:  # the rotary functions are the family's (`longstraw.archs`)
+            return "latent attention without a family spec"
+        return None
+
+    @classmethod
+    def install(cls, block, family) -> None:
+        """`LatentAttention` in front of the attention module's class, with the family's rotary functions, looked up
+        in the module of the attention's own class."""
+        attn = block.self_attn
+        attn.longstraw_rotary = family.latent_rotary(attn)
+        install(attn, LatentAttention)
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
