@@ -46,7 +46,7 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
     of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
     """
-    cp = g = None
+    g = None  # with `group`: its `Group`, and `cp` imported
     if group is not None:  # torch.distributed only when a group is given
         from .distributed import context_parallel as cp
 
@@ -54,12 +54,12 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
         g = cp.agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, state_device)
     validated = validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress)
     parts, prompt, compressed = validated
-    if cp is not None:
+    if g is not None:
         cp.check_served(g, parts, prompt, prompt_grad, compressed, state_device)
     prepare(model)
     if verify or (verify is None and untested_because(model, parts) is not None):
         ensure_verified(model)
-    if cp is None:
+    if g is None:
         return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device,
                              progress, validated=validated)
     if chunk_size is None:

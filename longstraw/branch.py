@@ -35,6 +35,7 @@ from .layers import AttentionBranchLayer
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sampling_fields
 
 if TYPE_CHECKING:
+    from .hf.cache import BranchCache
     from .state import PromptState
 
 
@@ -51,7 +52,7 @@ class Branch:
         self.group = getattr(state, "group", None)
         self._parts = state._parts
         self.chunk_size = chunk_size or state.chunk_size
-        self._cache = state._cache(1)
+        self._cache: BranchCache | None = state._cache(1)
         for layer in self._cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
             if isinstance(layer, AttentionBranchLayer):
                 layer.trim = True

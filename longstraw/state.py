@@ -136,6 +136,7 @@ class PromptState:
             s, e = bounds[c]
             branches = [layer.reverse_branch(c, s) for layer in layers]
             cache = BranchCache(branches, block=self.block)
+            assert self._prompt is not None  # exact mode: the captured tokens (`capture_local`)
             with torch.enable_grad():
                 run_decoder(parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
             outputs, grads = [], []

@@ -189,11 +189,11 @@ class Group:
             dist.recv(header, src=self._global(src), group=self.group)
         except RuntimeError as err:
             self._fail(name, err)
-        header = header.tolist()
-        self._check_tags(name, [header[0]], ranks=[src])
+        fields: list[int] = header.tolist()
+        self._check_tags(name, [fields[0]], ranks=[src])
         specs = []
-        for i in range(header[1]):
-            code, ndim, *dims = header[2 + 8 * i: 10 + 8 * i]
+        for i in range(fields[1]):
+            code, ndim, *dims = fields[2 + 8 * i: 10 + 8 * i]
             specs.append((tuple(dims[:ndim]), _DTYPES[code]))
         buf = torch.empty(self._size(specs), dtype=torch.uint8, device=self.device)
         try:

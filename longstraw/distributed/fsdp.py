@@ -30,11 +30,16 @@ forward and backward all-gathers and reduce-scatters over the group.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
 
 from ..models import base_model, decoder_of
+
+if TYPE_CHECKING:  # torch.distributed is imported where it is used
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm", "full_tensors", "gradient_sync", "is_sharded", "load_full_tensors",
            "local_optimizer_state", "replicated_parameters", "shard", "sharded_layers", "sharded_optimizer_state"]
@@ -56,7 +61,7 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
     if sharded_layers(model):
         raise ValueError("the model's decoder layers are already sharded (longstraw.distributed.shard was called)")
     prepare(model)  # longstraw's stand-in classes first; fully_shard then subclasses them
-    for layer in decoder_of(base_model(model)).layers:
+    for layer in cast(nn.ModuleList, decoder_of(base_model(model)).layers):
         policy = MixedPrecisionPolicy()
         if float32_masters:
             dtypes = {p.dtype for p in layer.parameters()}
@@ -64,10 +69,10 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
                 raise ValueError(f"float32_masters: a decoder layer holds parameters of several dtypes {dtypes}")
             policy = MixedPrecisionPolicy(param_dtype=dtypes.pop(), reduce_dtype=torch.float32)
             layer.float()
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        sharded = fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         # summed over the ranks' branches, not averaged: a plain SUM reduction (gloo has no PREMUL_SUM, which a
         # divide factor of 1 would otherwise select; torch 2.11-2.13 FSDP2)
-        layer.set_gradient_divide_factor(1.0)
+        sharded.set_gradient_divide_factor(1.0)  # (`sharded` is `layer`, its class now an FSDPModule)
         force_sum = getattr(layer, "set_force_sum_reduction_for_comms", None)
         if force_sum is not None:
             force_sum(True)
@@ -78,13 +83,13 @@ def sharded_layers(model) -> list[nn.Module]:
     """The decoder layers `shard` sharded (FSDP2 modules), in order; empty if none."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in decoder_of(base_model(model)).layers if isinstance(m, FSDPModule)]
+    return [m for m in cast(nn.ModuleList, decoder_of(base_model(model)).layers) if isinstance(m, FSDPModule)]
 
 
 def gradient_sync(model, enabled: bool) -> None:
     """Whether the next backwards reduce-scatter the sharded layers' gradients (`set_requires_gradient_sync`)."""
     for layer in sharded_layers(model):
-        layer.set_requires_gradient_sync(enabled, recurse=False)
+        cast("FSDPModule", layer).set_requires_gradient_sync(enabled, recurse=False)
 
 
 def replicated_parameters(model) -> list[torch.Tensor]:
@@ -96,7 +101,7 @@ def replicated_parameters(model) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- training helpers
-def is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def fold(acc, part):
+def fold(acc, part) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets from each one's (out, lse); float32. Either side may see no
     key (lse −inf); `acc` None: `part` alone."""
     o_b, l_b = part[0].float(), part[1].float()

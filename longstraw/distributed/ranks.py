@@ -66,8 +66,8 @@ class Ranks:
     def __init__(self, group=None, owned: bool = False):
         self.group = None if group is None else Group(group)
         self.pg = group
-        self.rank = 0 if group is None else self.group.rank
-        self.size = 1 if group is None else self.group.size
+        self.rank = 0 if self.group is None else self.group.rank
+        self.size = 1 if self.group is None else self.group.size
         self.owned = owned  # this object started the process group (and ends it in `close`)
 
     def __repr__(self) -> str:
@@ -98,6 +98,7 @@ class Ranks:
         """`values` summed over the ranks (float64, in rank order on every rank)."""
         if self.size == 1:
             return list(values)
+        assert self.group is not None  # size > 1: a group
         rows = self.group.all_gather(name, [torch.tensor(values, dtype=torch.float64)])
         total = rows[0][0].clone()
         for row in rows[1:]:
@@ -108,10 +109,11 @@ class Ranks:
         """Rank 0's `obj` (pickled) on every rank."""
         if self.size == 1:
             return obj
+        assert self.group is not None  # size > 1: a group
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.main else None
-        n = self.group.broadcast(f"{name}: size", [torch.tensor([0 if data is None else data.numel()])], src=0)
-        n = int(n[0][0])
-        buf = data if self.main else torch.empty(n, dtype=torch.uint8)
+        size = self.group.broadcast(f"{name}: size", [torch.tensor([0 if data is None else data.numel()])], src=0)
+        n = int(size[0][0])
+        buf = data if data is not None else torch.empty(n, dtype=torch.uint8)  # data: rank 0's, None elsewhere
         (buf,) = self.group.broadcast(name, [buf], src=0)
         return pickle.load(io.BytesIO(buf.numpy().tobytes()))
 
@@ -145,6 +147,7 @@ class Ranks:
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             err = e
         if self.size > 1:
+            assert self.group is not None  # size > 1: a group
             rows = self.group.all_gather_ints(f"{name}: status", [int(err is not None)])
             failed = [r for r, row in enumerate(rows) if row[0]]
             if failed and err is None:
@@ -159,6 +162,7 @@ class Ranks:
         the same parameters."""
         if self.size == 1:
             return
+        assert self.group is not None  # size > 1: a group
         self.group.agree(name, {"parameters": len(params), "elements": sum(p.numel() for p in params)})
         for p in params:
             if p.grad is None:
@@ -167,6 +171,7 @@ class Ranks:
         size = 0
         for p in params:
             g = p.grad
+            assert g is not None  # set above
             if not buckets or g.dtype != buckets[-1][0].dtype or g.device != buckets[-1][0].device \
                     or size + g.numel() * g.element_size() > BUCKET_BYTES:
                 buckets.append([])
@@ -201,6 +206,7 @@ class Ranks:
             return
         with torch.no_grad():
             sums = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
+        assert self.group is not None  # size > 1: a group
         rows = self.group.all_gather(name, [sums.cpu()])
         for r, (row,) in enumerate(rows):
             if not torch.equal(row, rows[0][0]):

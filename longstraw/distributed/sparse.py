@@ -152,13 +152,14 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
     if latents is None or latents.shape[-2] == 0 or s == 0:  # nothing to attend to (a rank short of rows)
         return dq, (torch.zeros(latents.shape, dtype=torch.float32, device=q.device)
                     if need_keys and latents is not None else None)
+    dlat = None
     if isinstance(latents, QuantizedTokens):  # a constant (detached mode only)
         if need_keys:
             raise ValueError("an 8-bit prompt state gets no gradient (exact mode needs the model's dtype)")
         lat = latents
     else:
         lat = latents.detach().float().requires_grad_(need_keys)
-    dlat = torch.zeros_like(lat) if need_keys else None
+        dlat = torch.zeros_like(lat) if need_keys else None
     rows = _row_block(b, s, idx.shape[-1], d, h)
     for a in range(0, s, rows):
         z = slice(a, a + rows)
@@ -173,7 +174,7 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
             g = (p * (dv - delta[:, :, z, None].float())).sum()
             grads = torch.autograd.grad(g, [qq, lat] if need_keys else [qq])
         dq[:, :, z] = grads[0]
-        if need_keys:
+        if dlat is not None:  # need_keys
             dlat += grads[1]
     return dq, dlat
 
@@ -231,6 +232,7 @@ def slice_partials(g: Group, name: str, query, selection: Selection, scale: floa
     """(out, lse) float32 of this rank's latent query rows `[B, H, S, D]` over the selected keys in every slice, folded
     in slice order (positions at or after `limits[i]` belong to rank i's own keys and are left out)."""
     rmax = max(lengths)
+    assert selection.indices is not None and selection.valid is not None  # a sparse selection (`select`)
 
     def compute(i, tensors):
         qi, idx, valid = tensors
@@ -253,6 +255,7 @@ def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Sel
     `lse` is the merged attention's over all keys, `delta` = rowsum(dout · out) (`sparse_partial_grad`)."""
     rmax = max(lengths)
     total = None
+    assert selection.indices is not None and selection.valid is not None  # a sparse selection (`select`)
 
     def compute(i, tensors):  # called for i = 0, 1, ... in rank order
         nonlocal total

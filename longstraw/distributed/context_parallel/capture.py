@@ -5,10 +5,13 @@ serves so far) and `capture` (each rank's slice through the decoder, the slices'
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
-from ...layers import layer_kind
+from ...layers import LayerState, layer_kind
 from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...layers.sliding_window import SlidingKVState
 from ...models import ModelParts, base_model
@@ -32,6 +35,7 @@ def agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify,
     of hashes): a mismatch is refused on every rank with the same `MismatchError`. Invalid arguments pass here alike on
     every rank and are refused by the validation that follows."""
     g = Group(group)
+    raw: torch.Tensor | str
     try:
         raw = torch.as_tensor(prompt_ids).detach()
         length = raw.numel()
@@ -83,13 +87,15 @@ def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk
     s, e = bounds[g.rank]
     if compressed is not None:
         quant.check_device(compressed, device)
-    layers, branches = [], []
+    layers: list[LayerState] = []
+    branches: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = []
     for i, layer in enumerate(layer_states(parts.config, captured, parts.plan)):
         if type(layer) in SLICED:
             layers.append(SLICED[type(layer)](parts.config, i, s, e))
             layers[-1].state_dtype = compressed
             branches.append(capture_branch(layers[-1], g, bounds, i, chunk_size))
         elif type(layer) is SlidingKVState:
+            assert layer.window is not None  # a sliding window's: set in SlidingKVState.__init__
             layers.append(layer)
             branches.append(SlidingCaptureBranchLayer(g, bounds, i, layer.window))
         else:  # RecurrentState: the first rank starts from nothing, the others from what the relay brings
@@ -99,13 +105,15 @@ def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk
     # recurrent layers read nothing of the other ranks but the relayed state: they run chunk_size positions at a
     # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
     # their feed-forward modules)
-    cache.layer_chunks = (chunk_size, {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
-    cache.ffn_chunk = chunk_size  # and every layer's feed-forward module (position-wise)
+    # (the ignores: `BranchCache.__init__`, longstraw/hf/cache.py, sets both to None without an annotation)
+    cache.layer_chunks = (chunk_size,  # type: ignore[assignment]
+                          {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
+    cache.ffn_chunk = chunk_size  # type: ignore[assignment]  # and every layer's feed-forward module (position-wise)
     hooks = []
     for i, layer in enumerate(layers):
         if isinstance(layer, RecurrentState):
             relay = RecurrentRelay(g, cache, i, layer, device)
-            block = parts.decoder.layers[i]
+            block = cast(torch.nn.ModuleList, parts.decoder.layers)[i]
             hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
     try:
         with torch.no_grad():
@@ -118,9 +126,12 @@ def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk
             if isinstance(layer, SliceKVState):
                 layer.commit(branch, e - s)
             elif isinstance(layer, SlidingKVState):  # the prompt's final window, on every rank
+                assert isinstance(branch, SlidingCaptureBranchLayer) and layer.window is not None  # built above
                 k, v, _ = window_before(branch.tails, bounds, captured, layer.window - 1)
                 layer.keys, layer.values, layer.length = k.clone(), v.clone(), captured
             else:  # the linear-attention state at the end of the prompt, from the last rank to every rank
+                # the served kinds' last (`check_served`); the relay's branch on ranks > 0
+                assert isinstance(layer, RecurrentState) and isinstance(branch, RecurrentBranchLayer)
                 mine = RecurrentRelay.pack(branch, layer.number_of_states)
                 final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
                 conv, rec = RecurrentRelay.unpack(final, layer.number_of_states)

@@ -28,8 +28,9 @@ class SliceKVState(LayerState):
     def __init__(self, config, layer_idx: int, start: int, end: int):
         super().__init__(config, layer_idx, end - start)
         self.start, self.end = start, end
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        #: plain tensors, or 8-bit `QuantizedTokens` with `capture(state_dtype=...)`
+        self.keys: torch.Tensor | QuantizedTokens | None = None
+        self.values: torch.Tensor | QuantizedTokens | None = None
 
     def branch(self, batch: int = 1):
         raise RuntimeError("a context-parallel state is read through ContextParallelState.replay (a collective)")
@@ -42,14 +43,14 @@ class SliceKVState(LayerState):
         self.keys, self.values = self._store(k), self._store(v)
         self.length = self.end
 
-    def _store(self, x: torch.Tensor):
+    def _store(self, x: torch.Tensor) -> torch.Tensor | QuantizedTokens:
         """The slice's copy of `x`: in the model's dtype, or in 8 bits with `capture(state_dtype=...)` (blocks of
         `QUANT_BLOCK` positions counted from position 0: the slices start on block boundaries, so the blocks and
         their scales are those of one process)."""
         if self.state_dtype is not None:
-            stored = QuantizedTokens(x, x.shape[-2], self.state_dtype)
-            stored.append(x)
-            return stored
+            quantized = QuantizedTokens(x, x.shape[-2], self.state_dtype)
+            quantized.append(x)
+            return quantized
         stored = base.empty_state(x, tuple(x.shape))
         stored.copy_(x)
         return stored
@@ -65,6 +66,8 @@ class SliceKVState(LayerState):
 
     def require_grad(self) -> None:
         """Exact mode: the slice's K/V become leaves; every rank's replays accumulate their gradient here."""
+        # committed at capture; exact mode refuses a quantized state
+        assert isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor)
         self.keys.requires_grad_(True)
         self.values.requires_grad_(True)
 
@@ -100,6 +103,9 @@ class CaptureBranchLayer(AttentionBranchLayer):
     Both shares run in the same steps, so every rank computes at every step.
     Rank r then does r/2 + (N − 1 − r)/2 = (N − 1)/2 cross blocks of n² plus its causal n²/2: N/2 · n² each, the
     single process's (N·n)²/2 split evenly."""
+
+    #: positions per exchange step (not chunked local attention: `attend` replaces the split attention)
+    chunk: int
 
     def __init__(self, group: Group, bounds, layer_idx: int, chunk: int):
         start = bounds[group.rank][0]
@@ -242,11 +248,11 @@ class CaptureBranchLayer(AttentionBranchLayer):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _gather_kv(g: Group, name: str, k, v, lo: int, hi: int, c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's K/V rows [lo, hi) of its slice, padded to `c` rows: `[(k_j, v_j)]` in rank order. Where `v` is `k`
+def _gather_kv(g: Group, name: str, k, v, lo: int, hi: int, c: int) -> list[list[torch.Tensor]]:
+    """Every rank's K/V rows [lo, hi) of its slice, padded to `c` rows: `[[k_j, v_j]]` in rank order. Where `v` is `k`
     (an MLA layer's latents) the rows travel once."""
     if v is k:
-        return [(kj, kj) for (kj,) in g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c)])]
+        return [[kj, kj] for (kj,) in g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c)])]
     return g.all_gather(name, [_pad_rows(k[:, :, lo:hi], c), _pad_rows(v[:, :, lo:hi], c)])
 
 
@@ -286,6 +292,7 @@ class ReplayAttention(torch.autograd.Function):
         acc = None
         for o, l in got:  # slice order: the same fold whatever rank computed it
             acc = _fold(acc, (o[:, :, :r], l[:, :, :r]))
+        assert acc is not None  # one partial per rank
         out_p, lse_p = acc
         out_o, lse_o = part_forward(q, own_k, own_v, own)
         out, lse = fold_sinks(*_fold((out_p, lse_p), (out_o, lse_o)), sinks)

@@ -35,6 +35,7 @@ class SliceLatentState(SliceKVState):
         return self.keys.tensors() if isinstance(self.keys, QuantizedTokens) else [self.keys]
 
     def require_grad(self) -> None:
+        assert isinstance(self.keys, torch.Tensor)  # committed at capture; exact mode refuses a quantized state
         self.keys.requires_grad_(True)
 
 

@@ -38,7 +38,8 @@ class RecurrentRelay:
     @staticmethod
     def unpack(tensors: list[torch.Tensor], number: int) -> tuple[dict, dict]:
         flags, rest = tensors[0].tolist(), list(tensors[1:])
-        conv, rec = {}, {}
+        conv: dict[int, torch.Tensor] = {}
+        rec: dict[int, torch.Tensor] = {}
         for i in range(number):
             for which, states in ((0, conv), (1, rec)):
                 if flags[2 * i + which]:

@@ -79,10 +79,11 @@ class SlidingCaptureAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, own: Part, layer: SlidingCaptureBranchLayer):
         g = layer.group
+        assert own.window is not None  # a sliding window's part
         keep = own.window - 1
         pk, pv, start = window_before(layer.tails, layer.bounds, layer.bounds[g.rank][0], keep)
         prompt = None if pk is None else prompt_part(own, start)
-        acc = None if pk is None else part_forward(q, pk, pv, prompt)
+        acc = None if prompt is None else part_forward(q, pk, pv, prompt)
         out, lse = _fold(acc, part_forward(q, k, v, own))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if pk is None else (pk, pv)))

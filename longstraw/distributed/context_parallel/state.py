@@ -3,7 +3,10 @@ and exact-mode reverse pass."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
 from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
@@ -11,7 +14,7 @@ from ...layers.sliding_window import SlidingKVState
 from ...sampler import sample, sampling_fields
 from ...state import PromptState, as_ids, check_length, run_decoder
 from ..collectives import Group
-from .full_attention import ReplayInfo, SliceKVState
+from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
 from .kinds import capture_branch, replay_branch, sample_branch
 from .linear_attention import RecurrentRelayExact, present_states
 from .slices import rank_sum
@@ -110,11 +113,13 @@ class ContextParallelState(PromptState):
         s, e = self.slice
         g = self.group
         device = self.last_token.device
-        branches, hooks = [], []
+        branches: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = []
+        hooks = []
         for i, layer in enumerate(layers):
             if isinstance(layer, RecurrentState):
                 branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
             elif isinstance(layer, SlidingKVState):
+                assert layer.window is not None  # a sliding window (chunked attention is not served)
                 branches.append(SlidingCaptureBranchLayer(g, self.bounds, i, layer.window))
             else:
                 branches.append(capture_branch(layer, g, self.bounds, i, self.chunk_size))
@@ -124,6 +129,7 @@ class ContextParallelState(PromptState):
         windows = {}
         for i, layer in enumerate(layers):
             if isinstance(layer, SlidingKVState) and layer.keys is not None:
+                assert layer.values is not None  # stored with the keys
                 mine = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (layer.keys, layer.values)]
                 got = g.all_gather(f"reverse pass layer {i}: final window gradient", mine)
                 windows[i] = rank_sum(got)
@@ -135,8 +141,9 @@ class ContextParallelState(PromptState):
                         for states, i2 in final]
                 got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
                 relay = RecurrentRelayExact(g, cache, i, layer, device, rank_sum(got))
-                block = self._parts.decoder.layers[i]
+                block = cast(torch.nn.ModuleList, self._parts.decoder.layers)[i]
                 hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
+        assert self._prompt is not None  # exact mode: the captured tokens (`capture`)
         try:
             with torch.enable_grad():
                 hidden = run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
@@ -148,6 +155,9 @@ class ContextParallelState(PromptState):
         outputs, grads = ([hidden], [torch.zeros_like(hidden)]) if hidden.requires_grad else ([], [])
         for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
             if i in windows:  # this slice's rows of the prompt's final window
+                assert isinstance(layer, SlidingKVState) and layer.keys is not None  # (as `windows` was built)
+                assert isinstance(branch, SlidingCaptureBranchLayer)  # built above for each sliding layer
+                assert branch.keys is not None and branch.values is not None  # the slice ran through the layer
                 dk_w, dv_w = windows[i]
                 w_start = self.prompt_length - 1 - layer.keys.shape[-2]
                 a, b = max(s, w_start), e
@@ -158,9 +168,13 @@ class ContextParallelState(PromptState):
                 continue
             if not isinstance(layer, SliceKVState):  # linear attention: its gradient travels through the relay
                 continue
+            assert isinstance(branch, CaptureBranchLayer)  # built above by `capture_branch`
+            # committed at capture; exact mode refuses a quantized state
+            assert isinstance(layer.keys, torch.Tensor) and isinstance(layer.values, torch.Tensor)
             pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
                 (branch.keys, layer.keys), (branch.values, layer.values))  # MLA: one leaf, read as keys and values
             for own, leaf in pairs:
+                assert own is not None  # the slice ran through the layer
                 if own.requires_grad and leaf.grad is not None:
                     outputs.append(own)
                     grads.append(leaf.grad.to(own.dtype))
