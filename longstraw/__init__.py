@@ -25,5 +25,14 @@ from .support import tested_families
 __version__ = "0.1.0"
 _install_moved()  # the old paths of the modules moved into longstraw.train (one release, with a warning)
 
-__all__ = ["CheckReport", "PromptState", "Replay", "UnsupportedArchitectureError", "capture", "check", "prepare",
-           "tested_families", "unprepare"]
+__all__ = [
+    "CheckReport",
+    "PromptState",
+    "Replay",
+    "UnsupportedArchitectureError",
+    "capture",
+    "check",
+    "prepare",
+    "tested_families",
+    "unprepare",
+]

@@ -18,11 +18,28 @@ import warnings
 #: old module name → new module name (moved in 0.1.0 → removed in the next release); a moved package's submodules
 #: follow it (`longstraw.kernels.native` → `longstraw.ops.kernels.native`)
 MOVED = {
-    **{f"longstraw.{m}": f"longstraw.train.{m}" for m in (
-        "config", "data", "rewards", "rollout", "update", "precision", "trainer", "checkpoint", "export", "devices",
-        "metrics", "memory", "plots")},
-    **{f"longstraw.{m}": f"longstraw.ops.{m}" for m in (
-        "attention", "logprobs", "quant", "latent_attention", "compressed_attention", "kernels")},
+    **{
+        f"longstraw.{m}": f"longstraw.train.{m}"
+        for m in (
+            "config",
+            "data",
+            "rewards",
+            "rollout",
+            "update",
+            "precision",
+            "trainer",
+            "checkpoint",
+            "export",
+            "devices",
+            "metrics",
+            "memory",
+            "plots",
+        )
+    },
+    **{
+        f"longstraw.{m}": f"longstraw.ops.{m}"
+        for m in ("attention", "logprobs", "quant", "latent_attention", "compressed_attention", "kernels")
+    },
     "longstraw.hf_attention": "longstraw.hf.cache",
     "longstraw.parallel": "longstraw.distributed.ranks",
 }
@@ -32,7 +49,7 @@ def new_name(name: str) -> str | None:
     """The module an old name now is, or None for a name that did not move."""
     for old, new in MOVED.items():
         if name == old or name.startswith(old + "."):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return None
 
 
@@ -44,8 +61,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new = new_name(spec.name)
-        warnings.warn(f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning, stacklevel=2
+        )
         return importlib.import_module(new)
 
     def exec_module(self, module):

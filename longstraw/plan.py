@@ -128,8 +128,14 @@ def _dims(cfg) -> dict:
     topk = _get(cfg, "num_experts_per_tok", 0)
     shared = _get(cfg, "shared_expert_intermediate_size", 0) or moe_i * _get(cfg, "n_shared_experts", 0)
     routed = moe_i * topk + shared
-    return dict(h=h, q=heads * head_dim, kv=kv * head_dim, i=max(dense_i, routed), vocab=cfg.vocab_size,
-                layers=cfg.num_hidden_layers)
+    return dict(
+        h=h,
+        q=heads * head_dim,
+        kv=kv * head_dim,
+        i=max(dense_i, routed),
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+    )
 
 
 def _params(cfg, lora_rank: int) -> tuple[int, int]:
@@ -172,15 +178,22 @@ class Plan:
 
     def __str__(self) -> str:
         gib = 2**30
-        rows = [("weights", self.weights), ("trainable + optimizer", self.optimizer),
-                ("durable state", self.durable_state), ("exact-mode state gradient", self.state_grad),
-                ("capture transient (one chunk)", self.capture_transient), ("sampler", self.sampler),
-                ("one replay graph", self.replay_graph), ("step (state + largest transient)", self.step),
-                ("predicted peak", self.peak)]
+        rows = [
+            ("weights", self.weights),
+            ("trainable + optimizer", self.optimizer),
+            ("durable state", self.durable_state),
+            ("exact-mode state gradient", self.state_grad),
+            ("capture transient (one chunk)", self.capture_transient),
+            ("sampler", self.sampler),
+            ("one replay graph", self.replay_graph),
+            ("step (state + largest transient)", self.step),
+            ("predicted peak", self.peak),
+        ]
         lines = [f"{name:>34}: {b / gib:10.3f} GiB" for name, b in rows]
         if self.fits is not None:
-            lines.append(f"{'verdict':>34}: {'fits' if self.fits else 'does NOT fit'} in "
-                         f"{self.config['device_memory_gib']} GiB")
+            lines.append(
+                f"{'verdict':>34}: {'fits' if self.fits else 'does NOT fit'} in {self.config['device_memory_gib']} GiB"
+            )
         lines += [f"  - {s}" for s in self.suggestions]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -201,8 +214,9 @@ def _per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
     layer's live activations, the MLP's gate / up, a recurrent layer's chunked recurrence)."""
     d = _dims(cfg)
     # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
-    own_per_token = sum(state_bytes(k, cfg, i, 1, elem) if k in _ATTENTION + _GROWING else 0
-                        for i, k in enumerate(kinds))
+    own_per_token = sum(
+        state_bytes(k, cfg, i, 1, elem) if k in _ATTENTION + _GROWING else 0 for i, k in enumerate(kinds)
+    )
     # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
     # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
     act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"])
@@ -217,8 +231,9 @@ def _per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
         # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
         # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
         # live in transformers 5.24's torch path
-        recurrence = 2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim +
-                                                                         cfg.linear_value_head_dim))
+        recurrence = (
+            2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
+        )
     return own_per_token, act, ffn, recurrence
 
 
@@ -273,8 +288,9 @@ def plan(pc: PlanConfig) -> Plan:
         c = local
     # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
     # `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
-    blockwise = any(k in ("sliding_attention", "chunked_attention", "indexed_attention") for k in kinds) or \
-        getattr(cfg, "attn_logit_softcapping", None)
+    blockwise = any(k in ("sliding_attention", "chunked_attention", "indexed_attention") for k in kinds) or getattr(
+        cfg, "attn_logit_softcapping", None
+    )
     attn_tile = 4 * 4 * TILE_ELEMENTS if blockwise else 0
     if pc.context_parallel > 1:
         # the exchange's float32 accumulators, partials and gathered chunks over the whole slice, and the slice's K/V
@@ -301,18 +317,35 @@ def plan(pc: PlanConfig) -> Plan:
     if pc.prompt_grad == "exact":
         # measured (bench/results/plan_accuracy.md): exact steps came out between 31 % above (DSA) and 64 % below
         # (hybrid) this prediction; count the reverse pass twice before claiming a fit
-        notes.append("exact mode: the reverse pass's memory is predicted only roughly (MLA / DSA steps measured up to "
-                     "31 % above the prediction); the verdict counts it twice")
+        notes.append(
+            "exact mode: the reverse pass's memory is predicted only roughly (MLA / DSA steps measured up to "
+            "31 % above the prediction); the verdict counts it twice"
+        )
         peak += reverse_graph
     note = position_note(cfg, pc.prompt_length)
     if note is not None:
         notes.append(note)
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
     suggestions = _suggest(pc, fits, state, capture_transient, replay_graph, chunk_size)
-    settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {"model": str(getattr(cfg, "model_type", pc.model)),
-                                                                  "chunk_size": chunk_size}
-    return Plan(settings, weights, optimizer, state,
-                state_grad, capture_transient, sampler, replay_graph, step, peak, fits, suggestions, notes)
+    settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {
+        "model": str(getattr(cfg, "model_type", pc.model)),
+        "chunk_size": chunk_size,
+    }
+    return Plan(
+        settings,
+        weights,
+        optimizer,
+        state,
+        state_grad,
+        capture_transient,
+        sampler,
+        replay_graph,
+        step,
+        peak,
+        fits,
+        suggestions,
+        notes,
+    )
 
 
 def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph, chunk_size: int) -> list[str]:
@@ -320,14 +353,18 @@ def _suggest(pc: PlanConfig, fits, state, capture_transient, replay_graph, chunk
         return []
     out = []
     if pc.state_dtype is None and pc.prompt_grad == "detached":
-        out.append(f"state_dtype='fp8': durable state {state / 2**30:.1f} → ~{state / 4 / 2**30:.1f} GiB (fp32) "
-                   "or half of that from bf16")
+        out.append(
+            f"state_dtype='fp8': durable state {state / 2**30:.1f} → ~{state / 4 / 2**30:.1f} GiB (fp32) "
+            "or half of that from bf16"
+        )
     if not pc.state_offload:
         out.append("state_offload (state_device='cpu'): the durable state leaves the device")
     if pc.context_parallel > 1:
-        out.append(f"context_parallel={pc.context_parallel * 2}: the growing state and the capture transient (an "
-                   "attention layer's whole slice; with several ranks chunk_size bounds only the feed-forward and "
-                   "recurrent parts) per rank halve")
+        out.append(
+            f"context_parallel={pc.context_parallel * 2}: the growing state and the capture transient (an "
+            "attention layer's whole slice; with several ranks chunk_size bounds only the feed-forward and "
+            "recurrent parts) per rank halve"
+        )
     else:
         out.append(f"context_parallel={pc.context_parallel * 2}: the growing state per rank halves")
     if capture_transient > replay_graph and chunk_size > 512 and pc.context_parallel == 1:

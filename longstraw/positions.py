@@ -46,12 +46,16 @@ def position_note(cfg, prompt_length: int) -> str | None:
         return None
     times = prompt_length / c.native
     if c.covered is not None and prompt_length <= c.covered and c.factor > 1.0:
-        return (f"P = {prompt_length:,} is {times:.1f}× the model's pretrained {c.native:,} positions, served by its "
-                f"RoPE scaling ({c.rope_type}, factor {c.factor:g}, covering {c.covered:,})")
+        return (
+            f"P = {prompt_length:,} is {times:.1f}× the model's pretrained {c.native:,} positions, served by its "
+            f"RoPE scaling ({c.rope_type}, factor {c.factor:g}, covering {c.covered:,})"
+        )
     need = 2 ** max(1, (prompt_length - 1) // c.native).bit_length()
-    return (f"P = {prompt_length:,} is {times:.1f}× the {c.covered or c.native:,} positions the model's settings cover "
-            f"(max_position_embeddings {c.native:,}, rope type {c.rope_type}): it would read positions it never "
-            "learned. "
-            f"Set RoPE scaling, e.g. model_overrides: {{rope_parameters: {{rope_type: yarn, factor: {need}, "
-            f"original_max_position_embeddings: {c.native}, rope_theta: ...}}, max_position_embeddings: "
-            f"{need * c.native}}}")
+    return (
+        f"P = {prompt_length:,} is {times:.1f}× the {c.covered or c.native:,} positions the model's settings cover "
+        f"(max_position_embeddings {c.native:,}, rope type {c.rope_type}): it would read positions it never "
+        "learned. "
+        f"Set RoPE scaling, e.g. model_overrides: {{rope_parameters: {{rope_type: yarn, factor: {need}, "
+        f"original_max_position_embeddings: {c.native}, rope_theta: ...}}, max_position_embeddings: "
+        f"{need * c.native}}}"
+    )

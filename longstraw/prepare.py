@@ -103,8 +103,13 @@ class CheckpointedLayer:
             finally:
                 cache.layers[i] = after
 
-        return checkpoint(partial(nn.Module.__call__, self), *args, use_reentrant=False,
-                          context_fn=lambda: (nullcontext(), recompute()), **kwargs)
+        return checkpoint(
+            partial(nn.Module.__call__, self),
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (nullcontext(), recompute()),
+            **kwargs,
+        )
 
 
 #: the per-position keyword arguments of a decoder layer that `_forward_in_chunks` slices
@@ -145,8 +150,14 @@ def _forward_in_chunks(forward, size: int, cache, args, kwargs):
     if others or len(args) > 1:
         return None
     try:
-        pieces = [(a, min(a + size, t), {k: _positions(v, a, min(a + size, t), t) if k in _PER_POSITION else v
-                                         for k, v in rest.items()}) for a in range(0, t, size)]
+        pieces = [
+            (
+                a,
+                min(a + size, t),
+                {k: _positions(v, a, min(a + size, t), t) if k in _PER_POSITION else v for k, v in rest.items()},
+            )
+            for a in range(0, t, size)
+        ]
     except _NotPerPosition:
         return None
     start, outs, out = cache.past_length, [], None
@@ -178,18 +189,28 @@ class ChunkedFeedForward:
         cache = active_cache()
         size = getattr(cache, "ffn_chunk", None) if cache is not None else None
         x = args[0] if len(args) == 1 and not kwargs else None
-        if size is None or not type(self).longstraw_chunkable or not isinstance(x, torch.Tensor) or x.dim() != 3 \
-                or x.shape[1] <= size:
+        if (
+            size is None
+            or not type(self).longstraw_chunkable
+            or not isinstance(x, torch.Tensor)
+            or x.dim() != 3
+            or x.shape[1] <= size
+        ):
             return super().forward(*args, **kwargs)
         outs = []
         for a in range(0, x.shape[1], size):
-            piece = x[:, a:a + size]
+            piece = x[:, a : a + size]
             out = super().forward(piece)
             parts = out if isinstance(out, tuple) else (out,)
             rows = piece.shape[0] * piece.shape[1]
-            dims = [1 if k == 0 and isinstance(t, torch.Tensor) and t.shape == piece.shape else
-                    0 if k > 0 and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
-                    else None for k, t in enumerate(parts)]
+            dims = [
+                1
+                if k == 0 and isinstance(t, torch.Tensor) and t.shape == piece.shape
+                else 0
+                if k > 0 and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+                else None
+                for k, t in enumerate(parts)
+            ]
             if None in dims:
                 type(self).longstraw_chunkable = False
                 return super().forward(*args, **kwargs)
@@ -215,8 +236,10 @@ def prepare(model):
     configs = model_configs(base)
     before = [c._attn_implementation_internal for c in configs]
     if ATTN_IMPLEMENTATION in before:
-        raise UnsupportedArchitectureError("the model's attention implementation is 'longstraw' outside a longstraw "
-                                           "forward; load it with its own implementation (sdpa or eager)")
+        raise UnsupportedArchitectureError(
+            "the model's attention implementation is 'longstraw' outside a longstraw "
+            "forward; load it with its own implementation (sdpa or eager)"
+        )
     try:
         base.set_attn_implementation(ATTN_IMPLEMENTATION)
         refused = [type(c).__name__ for c in configs if c._attn_implementation != ATTN_IMPLEMENTATION]
@@ -225,7 +248,8 @@ def prepare(model):
             c._attn_implementation_internal = name
     if refused:
         raise UnsupportedArchitectureError(
-            f"transformers did not switch {', '.join(refused)} to longstraw's attention implementation")
+            f"transformers did not switch {', '.join(refused)} to longstraw's attention implementation"
+        )
     decoder = decoder_of(base)
     fam = family(cfg.model_type)
     for i, (kind, block) in enumerate(zip(model_plan(model), decoder.layers)):

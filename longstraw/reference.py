@@ -42,7 +42,6 @@ def _cache_config(model):
     keys."""
     import copy
 
-
     cfg = base_model(model).config
     text = cfg.get_text_config(decoder=True)
     types = model_layer_types(model)
@@ -53,8 +52,13 @@ def _cache_config(model):
     return cfg
 
 
-def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, prefill_chunk: int | None = None,
-                             stepwise_response: bool = False) -> torch.Tensor:
+def cache_reference_logprobs(
+    model,
+    prompt: torch.Tensor,
+    response: torch.Tensor,
+    prefill_chunk: int | None = None,
+    stepwise_response: bool = False,
+) -> torch.Tensor:
     """The detached-mode reference: the model's own cache over `prompt[:-1]` under `no_grad` (in one forward, or in
     forwards of `prefill_chunk` tokens), then `[prompt[-1]] + response[:-1]` with grad (in one forward, or one token
     per forward with `stepwise_response`). log-probs `[R]`. The options change only the order of the same arithmetic:
@@ -75,19 +79,33 @@ def cache_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor
         with torch.no_grad():
             if stepwise and (prefill_chunk or 0) < p - 1:
                 for i in range(p - 1):
-                    model(input_ids=prompt[None, i : i + 1], position_ids=torch.tensor([[i]]), cache=cache,
-                          use_cache=True)
+                    model(
+                        input_ids=prompt[None, i : i + 1], position_ids=torch.tensor([[i]]), cache=cache, use_cache=True
+                    )
             else:
                 step = prefill_chunk or p - 1
                 for i in range(0, p - 1, step):
                     j = min(i + step, p - 1)
-                    model(input_ids=prompt[None, i:j], position_ids=torch.arange(i, j, device=prompt.device)[None],
-                          cache=cache, use_cache=True)
+                    model(
+                        input_ids=prompt[None, i:j],
+                        position_ids=torch.arange(i, j, device=prompt.device)[None],
+                        cache=cache,
+                        use_cache=True,
+                    )
     inputs = torch.cat([prompt[-1:], response[:-1]])
     positions = torch.arange(p - 1, p - 1 + inputs.numel(), device=inputs.device)
     if stepwise or stepwise_response:
-        logits = torch.cat([model(input_ids=inputs[None, i : i + 1], position_ids=positions[None, i : i + 1],
-                                  cache=cache, use_cache=True).logits[0] for i in range(inputs.numel())])
+        logits = torch.cat(
+            [
+                model(
+                    input_ids=inputs[None, i : i + 1],
+                    position_ids=positions[None, i : i + 1],
+                    cache=cache,
+                    use_cache=True,
+                ).logits[0]
+                for i in range(inputs.numel())
+            ]
+        )
     else:
         logits = model(input_ids=inputs[None], position_ids=positions[None], cache=cache, use_cache=True).logits[0]
     return _response_logprobs(logits, response)

@@ -68,9 +68,19 @@ def check_sampling(num, max_new_tokens, temperature, top_p, top_k, vocab) -> Non
 
 
 @torch.no_grad()
-def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-           top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,
-           allowed_token_ids=None, prefix_ids=None) -> Samples:
+def sample(
+    state: PromptState,
+    num: int,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids=(),
+    generator: torch.Generator | None = None,
+    allowed_token_ids=None,
+    prefix_ids=None,
+) -> Samples:
     """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc).
 
     `allowed_token_ids`: restrict the choice (sampling or greedy) to these tokens; the returned
@@ -95,8 +105,19 @@ def sample(state: PromptState, num: int, max_new_tokens: int, *, temperature: fl
         run_decoder(parts, read.expand(num, -1), torch.arange(start, start + read.numel(), device=device), cache)
         step_input = prefix[-1:].expand(num)[:, None]
         start += prefix.numel()
-    return decode(parts, cache, step_input, start, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                  stop_token_ids=stop_token_ids, generator=generator, banned=banned)
+    return decode(
+        parts,
+        cache,
+        step_input,
+        start,
+        max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+        banned=banned,
+    )
 
 
 def banned_tokens(allowed_token_ids, vocab: int, device) -> torch.Tensor | None:
@@ -113,25 +134,43 @@ def banned_tokens(allowed_token_ids, vocab: int, device) -> torch.Tensor | None:
 
 def check_generator(generator: torch.Generator | None, device) -> None:
     if generator is not None and generator.device.type != torch.device(device).type:
-        raise ValueError(f"the sampling generator lives on {generator.device}, the model on {device}: "
-                         f"create it with torch.Generator(device={str(device)!r})")
+        raise ValueError(
+            f"the sampling generator lives on {generator.device}, the model on {device}: "
+            f"create it with torch.Generator(device={str(device)!r})"
+        )
 
 
-def sampling_fields(max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids,
-                    generator: torch.Generator | None) -> dict:
+def sampling_fields(
+    max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator: torch.Generator | None
+) -> dict:
     """What every rank of a collective decode must agree on (`Group.agree` fields): the options and the generator's
     state (the global one when `generator` is None)."""
-    return {"max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
-            "temperature": repr(temperature), "top_p": repr(top_p), "top_k": repr(top_k),
-            "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
-            "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
-            "generator state": generator.get_state() if generator is not None else torch.get_rng_state()}
+    return {
+        "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
+        "temperature": repr(temperature),
+        "top_p": repr(top_p),
+        "top_k": repr(top_k),
+        "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
+        "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
+        "generator state": generator.get_state() if generator is not None else torch.get_rng_state(),
+    }
 
 
 @torch.no_grad()
-def decode(parts, cache, step_input: torch.Tensor, start: int, max_new_tokens: int, *, temperature: float = 1.0,
-           top_p: float = 1.0, top_k: int = 0, stop_token_ids=(), generator: torch.Generator | None = None,
-           banned: torch.Tensor | None = None) -> Samples:
+def decode(
+    parts,
+    cache,
+    step_input: torch.Tensor,
+    start: int,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids=(),
+    generator: torch.Generator | None = None,
+    banned: torch.Tensor | None = None,
+) -> Samples:
     """The decoding loop over a branch cache of B rows: `step_input` `[B, 1]` is each row's last token, not yet run,
     at position `start`; each step runs it, chooses the next token and appends it. Rows leave the cache's batch when
     they stop (`cache.batch_select_indices`). What the rows keep of their own afterwards is the cache's."""

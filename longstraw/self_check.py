@@ -100,28 +100,37 @@ class CheckReport:
     seconds: float = 0.0
 
     def __str__(self) -> str:
-        head = (f"longstraw self-check of {self.model_type} ({self.dtype}, P={self.prompt_length}, "
-                f"chunk={self.chunk_size}, R={self.response_length}): {'ok' if self.ok else 'FAILED'}")
+        head = (
+            f"longstraw self-check of {self.model_type} ({self.dtype}, P={self.prompt_length}, "
+            f"chunk={self.chunk_size}, R={self.response_length}): {'ok' if self.ok else 'FAILED'}"
+        )
         lines = [head]
         if self.error is not None:
             lines.append(f"  error: {self.error}")
         else:
             if self.half is not None:
                 h = self.half
-                lines.append(f"  against a float32 copy, response log-probs mean / p90 / max abs error: longstraw "
-                             f"{h['longstraw'][0]:.2e} / {h['longstraw'][1]:.2e} / {h['longstraw'][2]:.2e}, "
-                             f"transformers {h['transformers'][0]:.2e} / {h['transformers'][1]:.2e} / "
-                             f"{h['transformers'][2]:.2e} (bound {HALF_FACTOR:g}× transformers' + {h['eps']:.1e})")
+                lines.append(
+                    f"  against a float32 copy, response log-probs mean / p90 / max abs error: longstraw "
+                    f"{h['longstraw'][0]:.2e} / {h['longstraw'][1]:.2e} / {h['longstraw'][2]:.2e}, "
+                    f"transformers {h['transformers'][0]:.2e} / {h['transformers'][1]:.2e} / "
+                    f"{h['transformers'][2]:.2e} (bound {HALF_FACTOR:g}× transformers' + {h['eps']:.1e})"
+                )
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient (worst layer or mixer input) against the float32 copy: "
-                                 f"relative error {self.grad_error:.2e}, transformers {h['transformers_grad']:.2e} "
-                                 f"(tolerance {self.tolerance[1]:.2e})")
+                    lines.append(
+                        f"  detached gradient (worst layer or mixer input) against the float32 copy: "
+                        f"relative error {self.grad_error:.2e}, transformers {h['transformers_grad']:.2e} "
+                        f"(tolerance {self.tolerance[1]:.2e})"
+                    )
             else:
-                lines.append(f"  response log-probs: max abs error {self.logprob_error:.2e} "
-                             f"(tolerance {self.tolerance[0]:.0e})")
+                lines.append(
+                    f"  response log-probs: max abs error {self.logprob_error:.2e} (tolerance {self.tolerance[0]:.0e})"
+                )
                 if self.grad_error is not None:
-                    lines.append(f"  detached gradient (worst layer or mixer input): relative error "
-                                 f"{self.grad_error:.2e} (tolerance {self.tolerance[1]:.1e})")
+                    lines.append(
+                        f"  detached gradient (worst layer or mixer input): relative error "
+                        f"{self.grad_error:.2e} (tolerance {self.tolerance[1]:.1e})"
+                    )
             for kind, err in sorted(self.layer_errors.items()):
                 lines.append(f"  {kind} layers: worst relative output error {err:.2e}")
             if self.first_bad_layer is not None:
@@ -189,8 +198,15 @@ def _layer_outputs(decoder, positions: slice | None):
     return outputs, [layer.register_forward_hook(hook) for layer in decoder.layers]
 
 
-def check(model, *, prompt_length: int | None = None, chunk_size: int | None = None, response_length: int = 5,
-          gradients: bool = True, seed: int = 0) -> CheckReport:
+def check(
+    model,
+    *,
+    prompt_length: int | None = None,
+    chunk_size: int | None = None,
+    response_length: int = 5,
+    gradients: bool = True,
+    seed: int = 0,
+) -> CheckReport:
     """Self-check of `model` (see the module docstring). Raises `UnsupportedArchitectureError` only for a model
     whose layers longstraw cannot represent at all; a numeric disagreement is reported, not raised."""
     start = time.perf_counter()
@@ -203,9 +219,16 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
     param = next(parts.model.parameters())
     half = param.dtype in (torch.bfloat16, torch.float16)
     r = max(response_length, HALF_RESPONSE) if half else response_length
-    report = CheckReport(ok=False, model_type=cfg.model_type, dtype=str(param.dtype).replace("torch.", ""),
-                         tolerance=(FULL_TOLERANCE, GRAD_TOLERANCE), prompt_length=p, chunk_size=chunk,
-                         response_length=r, covers_windows=p > _reach(cfg, plan) + 1)
+    report = CheckReport(
+        ok=False,
+        model_type=cfg.model_type,
+        dtype=str(param.dtype).replace("torch.", ""),
+        tolerance=(FULL_TOLERANCE, GRAD_TOLERANCE),
+        prompt_length=p,
+        chunk_size=chunk,
+        response_length=r,
+        covers_windows=p > _reach(cfg, plan) + 1,
+    )
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (p,), generator=gen).to(param.device)
     response = torch.randint(0, cfg.vocab_size, (r,), generator=gen).to(param.device)
@@ -215,13 +238,15 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
         ref, ref_out, ref_grads = _reference(model, parts.decoder, prompt, response, weights, gradients)
         if half:  # the exact function the half-precision model approximates: its own weights, in float32
             model32 = _float32_copy(model)
-            ref32, ref32_out, ref32_grads = _reference(model32, model_parts(model32).decoder, prompt, response,
-                                                       weights, gradients)
+            ref32, ref32_out, ref32_grads = _reference(
+                model32, model_parts(model32).decoder, prompt, response, weights, gradients
+            )
             del model32
         try:
             state = capture_local(model, prompt, chunk_size=chunk)
-            got, got_out, got_grads = _graded(lambda: state.replay(response).logprobs, parts.decoder, 0, r,
-                                              slice(0, r), weights, gradients)
+            got, got_out, got_grads = _graded(
+                lambda: state.replay(response).logprobs, parts.decoder, 0, r, slice(0, r), weights, gradients
+            )
             state.release()
             if half:
                 eps = torch.finfo(param.dtype).eps
@@ -245,8 +270,9 @@ def check(model, *, prompt_length: int | None = None, chunk_size: int | None = N
                     _grad_detail(report, got_grads, ref_grads, GRAD_TOLERANCE)
         except (NotImplementedError, RuntimeError, ValueError) as err:
             report.error = f"{type(err).__name__}: {err}"
-    report.ok = (report.error is None and lp_ok
-                 and (report.grad_error is None or report.grad_error <= report.tolerance[1]))
+    report.ok = (
+        report.error is None and lp_ok and (report.grad_error is None or report.grad_error <= report.tolerance[1])
+    )
     report.seconds = time.perf_counter() - start
     return report
 
@@ -306,8 +332,7 @@ def _graded_once(logprobs, decoder, start, length, positions, weights):
     finally:
         for h in out_handles + in_handles:
             h.remove()
-    return lp.detach(), outputs, [(i, torch.zeros_like(x) if g is None else g)
-                                  for (i, x), g in zip(inputs, grads)]
+    return lp.detach(), outputs, [(i, torch.zeros_like(x) if g is None else g) for (i, x), g in zip(inputs, grads)]
 
 
 def _layer_inputs(decoder, start: int, length: int):
@@ -325,13 +350,15 @@ def _layer_inputs(decoder, start: int, length: int):
             if not torch.is_tensor(h) or h.dim() < 2 or h.shape[1] < start + length:
                 if not required:
                     return None
-                raise ValueError(f"self-check: decoder layer {index}'s input is not [batch, sequence, ...] of at "
-                                 f"least {start + length} positions")
-            x = h[:, start:start + length]
+                raise ValueError(
+                    f"self-check: decoder layer {index}'s input is not [batch, sequence, ...] of at "
+                    f"least {start + length} positions"
+                )
+            x = h[:, start : start + length]
             if not x.requires_grad:
                 x = x.detach().requires_grad_()
             inputs.append((index, x))
-            pieces = [h[:, :start].detach(), x, h[:, start + length:].detach()]
+            pieces = [h[:, :start].detach(), x, h[:, start + length :].detach()]
             new = torch.cat([t for t in pieces if t.shape[1]], 1) if x.shape[1] != h.shape[1] else x
             if positional:
                 return (new, *args[1:]), kwargs
@@ -342,8 +369,9 @@ def _layer_inputs(decoder, start: int, length: int):
     handles = []
     for i, layer in enumerate(decoder.layers):
         handles.append(layer.register_forward_pre_hook(hook_for(i, True), with_kwargs=True))
-        for mixer in {id(m): m for m in (attention_module(layer), getattr(layer, "linear_attn", None))
-                      if m is not None}.values():
+        for mixer in {
+            id(m): m for m in (attention_module(layer), getattr(layer, "linear_attn", None)) if m is not None
+        }.values():
             handles.append(mixer.register_forward_pre_hook(hook_for(i, False), with_kwargs=True))
     return inputs, handles
 
@@ -385,8 +413,9 @@ def _layer_detail(report: CheckReport, plan, ref_out, got_out, tol: list[float])
         report.worst_kind = worst_kind
 
 
-def _grad_detail(report: CheckReport, got: list[tuple[int, torch.Tensor]], ref: list[tuple[int, torch.Tensor]],
-                 tol: float | None) -> float:
+def _grad_detail(
+    report: CheckReport, got: list[tuple[int, torch.Tensor]], ref: list[tuple[int, torch.Tensor]], tol: float | None
+) -> float:
     """The worst relative error (float64) of the (layer index, input gradient) pairs `got` against `ref`, one per
     layer and mixer input; with `tol`, records it as the report's `grad_error` and names the deepest layer over `tol`
     (a wrong backward in layer k corrupts the gradient of every layer input up to k, and none after it)."""
@@ -425,5 +454,6 @@ def ensure_verified(model) -> CheckReport:
     if not report.ok:
         raise UnsupportedArchitectureError(
             f"{report.model_type}: longstraw does not reproduce this model (worst layer kind: {report.worst_kind}).\n"
-            f"{report}")
+            f"{report}"
+        )
     return report

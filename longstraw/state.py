@@ -69,8 +69,16 @@ class PromptState:
     Free it with `release()` or by using the state as a context manager.
     """
 
-    def __init__(self, parts: ModelParts, layers: list[LayerState], last_token: torch.Tensor, prompt_length: int,
-                 chunk_size: int, prompt_grad: str, block: int):
+    def __init__(
+        self,
+        parts: ModelParts,
+        layers: list[LayerState],
+        last_token: torch.Tensor,
+        prompt_length: int,
+        chunk_size: int,
+        prompt_grad: str,
+        block: int,
+    ):
         self._parts = parts
         self.layers: list[LayerState] | None = layers
         self.last_token = last_token
@@ -170,8 +178,14 @@ class PromptState:
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
         hidden = run_decoder(parts, inputs[None], positions, self._replay_cache(), checkpoint_layers=checkpoint_layers)
-        logprobs, entropy = chunked_logprobs(hidden[0], parts.lm_head, response, temperature=temperature,
-                                             softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+        logprobs, entropy = chunked_logprobs(
+            hidden[0],
+            parts.lm_head,
+            response,
+            temperature=temperature,
+            softcap=parts.final_logit_softcapping,
+            scale=parts.logit_scale,
+        )
         return Replay(logprobs=logprobs, entropy=entropy)
 
     def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
@@ -194,11 +208,29 @@ class PromptState:
         self._live()
         return Branch(self, chunk_size)
 
-    def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
+    def sample(
+        self,
+        num: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=(),
+        generator: torch.Generator | None = None,
+        allowed_token_ids=None,
+    ):
         """Decode `num` responses together from this one state (`longstraw.sampler.sample`)."""
-        return sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                      stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
+        return sample(
+            self,
+            num,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+            allowed_token_ids=allowed_token_ids,
+        )
 
 
 def check_length(cfg, total: int) -> None:
@@ -218,22 +250,34 @@ def validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, sta
     check_capture_options(prompt_grad, chunk_size, block_size)
     compressed = quant.state_dtype(state_dtype)
     if compressed is not None and prompt_grad == "exact":
-        raise ValueError("state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
-                         "the model's dtype; use prompt_grad='detached' or state_dtype=None")
+        raise ValueError(
+            "state_dtype (a quantized prompt state) is a constant: prompt_grad='exact' needs the state in "
+            "the model's dtype; use prompt_grad='detached' or state_dtype=None"
+        )
     parts = model_parts(model)
     prompt = as_ids(prompt_ids, "prompt_ids", parts.config.vocab_size, model_device(parts.model))
     check_length(parts.config, prompt.numel())
     return parts, prompt, compressed
 
 
-def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad: str = "detached",
-                  block_size: int = DEFAULT_BLOCK, state_dtype=None, state_device=None, progress=None, *,
-                  validated=None) -> PromptState:
+def capture_local(
+    model,
+    prompt_ids,
+    chunk_size: int | None = None,
+    prompt_grad: str = "detached",
+    block_size: int = DEFAULT_BLOCK,
+    state_dtype=None,
+    state_device=None,
+    progress=None,
+    *,
+    validated=None,
+) -> PromptState:
     """`longstraw.capture` in this process, without the self-check (which `longstraw.api.capture` runs first where it
     applies): the same arguments (but `group` and `verify`), the same state. `validated`: what `validate_capture`
     returned for these arguments, when the caller has checked them already."""
-    parts, prompt, compressed = validated or validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size,
-                                                              state_dtype, progress)
+    parts, prompt, compressed = validated or validate_capture(
+        model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress
+    )
     device = prompt.device
     prepare(model)
     if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
@@ -249,8 +293,9 @@ def capture_local(model, prompt_ids, chunk_size: int | None = None, prompt_grad:
     if state_device is not None:
         where = torch.device(state_device)
         if where.type != "cpu" and where != device:
-            raise ValueError(f"state_device must be 'cpu' (host memory) or the model's device {device}; "
-                             f"got {state_device!r}")
+            raise ValueError(
+                f"state_device must be 'cpu' (host memory) or the model's device {device}; got {state_device!r}"
+            )
         offload = where.type == "cpu" and device.type != "cpu"
     if offload:
         if prompt_grad == "exact":
@@ -302,7 +347,6 @@ def check_capture_options(prompt_grad, chunk_size, block_size) -> None:
         raise ValueError(f"chunk_size must be a positive int or None (chosen for the model); got {chunk_size!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
-
 
 
 def first_trainable_layer(parts: ModelParts) -> int:

@@ -71,15 +71,21 @@ def _observed_types(cfg: PreTrainedConfig, types: list[str], observed: dict) -> 
         if call.mask in ("chunk", "other"):
             raise UnsupportedArchitectureError(
                 f"{where}: its attention mask is a {call.mask} pattern (span {call.mask_span}) that the config's layer "
-                "plan does not describe")
+                "plan does not describe"
+            )
         arg = call.sliding_window
         shown = call.mask_span if call.mask == "window" else None
-        if arg is not None and call.mask is not None and shown != arg and (call.mask != "causal" or
-                                                                           _probe_covers(cfg, arg)):
+        if (
+            arg is not None
+            and call.mask is not None
+            and shown != arg
+            and (call.mask != "causal" or _probe_covers(cfg, arg))
+        ):
             raise UnsupportedArchitectureError(
                 f"{where}: its attention module passes sliding_window={arg} but its mask shows "
                 f"{'no window' if shown is None else f'a window of {shown}'}; which one the model applies depends on "
-                "its attention implementation")
+                "its attention implementation"
+            )
         window = arg if arg is not None else shown
         if window is None:
             out[i] = "full_attention"  # e.g. a `sliding_window` field the architecture never reads
@@ -87,7 +93,8 @@ def _observed_types(cfg: PreTrainedConfig, types: list[str], observed: dict) -> 
         if not declared or int(declared) != window:
             raise UnsupportedArchitectureError(
                 f"{where}: the layer attends within a window of {window} but the config's sliding_window is "
-                f"{declared!r}; longstraw keeps one window per model")
+                f"{declared!r}; longstraw keeps one window per model"
+            )
         out[i] = "sliding_attention"
     return out
 
@@ -121,7 +128,8 @@ def layer_plan(cfg: PreTrainedConfig, observed: dict | None = None) -> list[str]
         # an MLA model of a family longstraw has no spec for: its layers would be read as plain K/V
         raise UnsupportedArchitectureError(
             f"{cfg.model_type!r} uses multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) but longstraw has "
-            f"no family spec for it (its rotary function and latent layout); {_families_hint()}")
+            f"no family spec for it (its rotary function and latent layout); {_families_hint()}"
+        )
     return plan
 
 
@@ -155,8 +163,13 @@ def _own_cache_classes(module_name: str) -> tuple[str, ...]:
     mod = sys.modules.get(module_name)
     if mod is None:
         return ()
-    return tuple(sorted(name for name, obj in vars(mod).items()
-                        if isinstance(obj, type) and issubclass(obj, Cache) and obj.__module__ == module_name))
+    return tuple(
+        sorted(
+            name
+            for name, obj in vars(mod).items()
+            if isinstance(obj, type) and issubclass(obj, Cache) and obj.__module__ == module_name
+        )
+    )
 
 
 def check_capability(model) -> PreTrainedConfig:
@@ -165,17 +178,20 @@ def check_capability(model) -> PreTrainedConfig:
     base = base_model(model)
     if not isinstance(base, transformers.PreTrainedModel):
         raise UnsupportedArchitectureError(
-            f"{type(base).__name__} is not a transformers PreTrainedModel; longstraw runs transformers causal LMs")
+            f"{type(base).__name__} is not a transformers PreTrainedModel; longstraw runs transformers causal LMs"
+        )
     cls = type(base)
     if cls.__module__.startswith("transformers_modules"):
         raise UnsupportedArchitectureError(
             f"{cls.__name__} is remote code (trust_remote_code); longstraw runs transformers' own model classes, "
-            f"whose cache and attention interfaces it plugs into; {_families_hint()}")
+            f"whose cache and attention interfaces it plugs into; {_families_hint()}"
+        )
     own = _own_cache_classes(cls.__module__)
     if own:
         raise UnsupportedArchitectureError(
             f"{cls.__name__} keeps its state in a cache class of its own ({', '.join(own)}), outside the transformers "
-            f"Cache layers longstraw replaces; {_families_hint()}")
+            f"Cache layers longstraw replaces; {_families_hint()}"
+        )
     cfg = text_config(model)
     try:
         decoder = decoder_of(base)
@@ -184,14 +200,16 @@ def check_capability(model) -> PreTrainedConfig:
     blocks = getattr(decoder, "layers", None)
     if blocks is None or len(blocks) != cfg.num_hidden_layers:
         raise UnsupportedArchitectureError(
-            f"{cls.__name__}: expected {cfg.num_hidden_layers} decoder layers in `{type(decoder).__name__}.layers`")
+            f"{cls.__name__}: expected {cfg.num_hidden_layers} decoder layers in `{type(decoder).__name__}.layers`"
+        )
     _check_kinds(cfg, layer_plan(cfg))  # layer types the config names, before running the model
     _check_layers(cfg, model_plan(model), blocks)  # each layer as its attention calls say it runs
     shared = getattr(cfg, "num_kv_shared_layers", 0) or 0
     if shared:
         raise UnsupportedArchitectureError(
             f"{cfg.model_type!r} shares K/V across its last {shared} layers (num_kv_shared_layers), which longstraw "
-            "does not represent yet")
+            "does not represent yet"
+        )
     return cfg
 
 
@@ -201,7 +219,8 @@ def _check_kinds(cfg, plan: list[str]) -> None:
         if kind not in known:
             raise UnsupportedArchitectureError(
                 f"{cfg.model_type!r} layer {i} is of type {kind!r}, which longstraw has no durable state for "
-                f"(layer kinds: {', '.join(sorted(known))}); {_families_hint()}")
+                f"(layer kinds: {', '.join(sorted(known))}); {_families_hint()}"
+            )
 
 
 def _check_layers(cfg, plan: list[str], blocks) -> None:
@@ -216,7 +235,8 @@ def _check_layers(cfg, plan: list[str], blocks) -> None:
                 what = type(block).__name__ if attn is None else type(attn).__name__
                 raise UnsupportedArchitectureError(
                     f"{cfg.model_type!r} layer {i} ({kind}): {what} does not run its attention through transformers' "
-                    f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}")
+                    f"attention interface, so longstraw cannot read the prompt state there; {_families_hint()}"
+                )
         reason = state.check_layer(cfg, i, block, fam)
         if reason is not None:
             raise UnsupportedArchitectureError(f"{cfg.model_type!r} layer {i} ({kind}): {reason}; {_families_hint()}")
@@ -241,8 +261,9 @@ def untested_because(model, parts: ModelParts | None = None) -> str | None:
     cfg = parts.config
     if family(cfg.model_type) is None:
         return f"{cfg.model_type!r} is not a tested family"
-    implementations = sorted({c._attn_implementation for c in parts.configs if c._attn_implementation} or
-                             {cfg._attn_implementation})
+    implementations = sorted(
+        {c._attn_implementation for c in parts.configs if c._attn_implementation} or {cfg._attn_implementation}
+    )
     other = [name for name in implementations if name not in STANDARD_ATTENTION]
     if other:
         return f"attention implementation {other[0]!r} (tested: {', '.join(STANDARD_ATTENTION)})"
@@ -257,9 +278,16 @@ def model_parts(model) -> ModelParts:
     base = base_model(model)
     scale, softcap = head_transform(cfg)
 
-    return ModelParts(model=base, decoder=decoder_of(base), lm_head=base.get_output_embeddings(), config=cfg,
-                      final_logit_softcapping=softcap, logit_scale=scale, configs=model_configs(base),
-                      plan=model_plan(model))
+    return ModelParts(
+        model=base,
+        decoder=decoder_of(base),
+        lm_head=base.get_output_embeddings(),
+        config=cfg,
+        final_logit_softcapping=softcap,
+        logit_scale=scale,
+        configs=model_configs(base),
+        plan=model_plan(model),
+    )
 
 
 def layer_states(cfg: PreTrainedConfig, capacity: int, plan: Sequence[str] | None = None) -> list:

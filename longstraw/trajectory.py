@@ -61,8 +61,14 @@ def segments(mask: torch.Tensor) -> list[Segment]:
     return [Segment(a, b, bool(m[a] > 0)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callable[[slice, Replay], torch.Tensor],
-                    temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
+def replay_segments(
+    state: PromptState,
+    response_ids,
+    mask,
+    segment_loss: Callable[[slice, Replay], torch.Tensor],
+    temperature: float = 1.0,
+    checkpoint_layers: bool = False,
+) -> Replay:
     """Replay a trajectory one policy segment at a time (see the module doc); back-propagates each segment's loss.
 
     `segment_loss(sl, replay)` gets the slice `sl` of the trajectory the segment covers and its log-probs and
@@ -70,8 +76,10 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
     backward). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
     """
     if getattr(state, "group", None) is not None:
-        raise NotImplementedError("segmented replay runs in one process: a context-parallel prompt state (group=...) "
-                                  "replays trajectories whole; set segment_replay: false")
+        raise NotImplementedError(
+            "segmented replay runs in one process: a context-parallel prompt state (group=...) "
+            "replays trajectories whole; set segment_replay: false"
+        )
     parts = state._parts
     device = state.last_token.device
     response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
@@ -95,8 +103,9 @@ def replay_segments(state: PromptState, response_ids, mask, segment_loss: Callab
         if not seg.policy:
             _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
             continue
-        _run_policy(parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers,
-                    logprobs, entropy)
+        _run_policy(
+            parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers, logprobs, entropy
+        )
         if i < last_policy:
             detach_own(cache)
     return Replay(logprobs=logprobs, entropy=entropy)
@@ -110,16 +119,33 @@ def _run_environment(parts, cache, inputs, start: int, seg: Segment, chunk: int)
             run_decoder(parts, inputs[None, s:e], torch.arange(start + s, start + e, device=inputs.device), cache)
 
 
-def _run_policy(parts, cache, inputs, response, start: int, seg: Segment, segment_loss, temperature: float,
-                checkpoint_layers: bool, logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+def _run_policy(
+    parts,
+    cache,
+    inputs,
+    response,
+    start: int,
+    seg: Segment,
+    segment_loss,
+    temperature: float,
+    checkpoint_layers: bool,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+) -> None:
     """A policy segment with autograd: its log-probs and entropies (written, detached, into `logprobs` / `entropy`)
     go to `segment_loss`, whose result is back-propagated before the graph is dropped."""
     sl = slice(seg.start, seg.end)
     positions = torch.arange(start + seg.start, start + seg.end, device=inputs.device)
     with torch.enable_grad():
         hidden = run_decoder(parts, inputs[None, sl], positions, cache, checkpoint_layers=checkpoint_layers)
-        lp, ent = chunked_logprobs(hidden[0], parts.lm_head, response[sl], temperature=temperature,
-                                   softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+        lp, ent = chunked_logprobs(
+            hidden[0],
+            parts.lm_head,
+            response[sl],
+            temperature=temperature,
+            softcap=parts.final_logit_softcapping,
+            scale=parts.logit_scale,
+        )
         loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
         if loss is not None and loss.requires_grad:
             loss.backward()
@@ -130,8 +156,10 @@ def _run_policy(parts, cache, inputs, response, start: int, seg: Segment, segmen
 
 
 #: per branch-layer class, the own tensors that grow along the trajectory: (attribute, token dimension)
-_APPENDED = ((LatentBranchLayer, (("keys", -2), ("index_keys", 1))),
-             (AttentionBranchLayer, (("keys", -2), ("values", -2))))
+_APPENDED = (
+    (LatentBranchLayer, (("keys", -2), ("index_keys", 1))),
+    (AttentionBranchLayer, (("keys", -2), ("values", -2))),
+)
 
 
 class _Carry:
@@ -155,12 +183,14 @@ class _Carry:
                     break
         self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
         for i, layer in enumerate(cache.layers):
-            served = (isinstance(layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer,
-                                         MixerlessBranchLayer)) and not isinstance(layer, CompressedBranchLayer))
+            served = isinstance(
+                layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer)
+            ) and not isinstance(layer, CompressedBranchLayer)
             if not served:
                 raise NotImplementedError(
                     f"segmented replay with prompt_grad='exact' does not serve layer {i} ({type(layer).__name__}) "
-                    "yet: use prompt_grad='detached' or replay the trajectory whole (segment_replay: false)")
+                    "yet: use prompt_grad='detached' or replay the trajectory whole (segment_replay: false)"
+                )
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         self.initial = {i: snapshot(cache.layers[i]) for i in self.recurrent}
         self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
@@ -233,8 +263,9 @@ class _Carry:
         return out
 
 
-def _replay_exact(state: PromptState, response, mask, segment_loss, temperature: float,
-                  checkpoint_layers: bool = False) -> Replay:
+def _replay_exact(
+    state: PromptState, response, mask, segment_loss, temperature: float, checkpoint_layers: bool = False
+) -> Replay:
     """Exact mode: the gradient of every policy segment's loss through the whole trajectory and the prompt, as one
     full-sequence backward would send it. A first pass in order runs each segment (policy segments with autograd,
     their loss back-propagated at once into the parameters and into the carry of what they read); a reverse pass
@@ -259,8 +290,19 @@ def _replay_exact(state: PromptState, response, mask, segment_loss, temperature:
     for j, seg in enumerate(segs[: last_policy + 1]):
         carry.enter(cache, j, seg.start)
         if seg.policy:
-            _run_policy(parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers,
-                        logprobs, entropy)
+            _run_policy(
+                parts,
+                cache,
+                inputs,
+                response,
+                start,
+                seg,
+                segment_loss,
+                temperature,
+                checkpoint_layers,
+                logprobs,
+                entropy,
+            )
         else:
             _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
         carry.leave(cache, j, seg.start, seg.end, first_pass=True)

@@ -91,3 +91,16 @@ def test_the_package_passes_the_linter():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "longstraw", "--output-format", "concise"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_the_package_is_formatted():
+    """`ruff format --check longstraw`: the package is as the formatter writes it (pyproject.toml `[tool.ruff]`)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    out = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "longstraw"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -76,8 +76,15 @@ def call_tool(tools: dict, call: ToolCall) -> tuple[str, bool]:
         return f"error: {call.name}: {e}", True
     except Exception as e:  # noqa: BLE001 - the tool's failure is the policy's observation
         return f"error: {call.name} raised {type(e).__name__}: {e}", True
-    text = "" if out is None else out if isinstance(out, str) else json.dumps(out) if isinstance(out, (dict, list)) \
+    text = (
+        ""
+        if out is None
+        else out
+        if isinstance(out, str)
+        else json.dumps(out)
+        if isinstance(out, (dict, list))
         else str(out)
+    )
     if not text.strip():
         return f"({call.name} returned nothing)", False
     return text, False
@@ -90,8 +97,12 @@ def tool_message_ids(tokenizer, name: str, content: str) -> list[int]:
         calls = [{"type": "function", "function": {"name": name or "tool", "arguments": {}}}]
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
         prefix = tokenizer.apply_chat_template(head, tokenize=True, return_dict=False)
-        full = tokenizer.apply_chat_template(head + [{"role": "tool", "name": name, "content": content}],
-                                             tokenize=True, add_generation_prompt=True, return_dict=False)
+        full = tokenizer.apply_chat_template(
+            head + [{"role": "tool", "name": name, "content": content}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
         eos = tokenizer.eos_token_id
         ends = [i for i, t in enumerate(prefix) if t == eos]
         if ends:

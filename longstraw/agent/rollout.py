@@ -62,8 +62,12 @@ class AgentSettings:
 class EnvironmentRollout:
     """The multi-turn rollout hook of an environment factory (see the module doc). `parse`: text → tool calls."""
 
-    def __init__(self, factory: Callable[[], Any], settings: AgentSettings | None = None,
-                 parse: Callable[[str], list[ToolCall]] = parse_tool_calls):
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        settings: AgentSettings | None = None,
+        parse: Callable[[str], list[ToolCall]] = parse_tool_calls,
+    ):
         if not callable(factory):
             raise TypeError(f"environment factory must be callable; got {type(factory).__name__}")
         self.factory, self.settings, self.parse = factory, settings or AgentSettings(), parse
@@ -100,9 +104,15 @@ class EnvironmentRollout:
                 if room < 1 or branch.length >= limit:
                     stopped, truncated = "budget", True
                     break
-                out = branch.sample(room, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    stop_token_ids=[] if s.ignore_eos else [eos], generator=sampler.generator,
-                                    allowed_token_ids=sampler._allowed)
+                out = branch.sample(
+                    room,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    stop_token_ids=[] if s.ignore_eos else [eos],
+                    generator=sampler.generator,
+                    allowed_token_ids=sampler._allowed,
+                )
                 turn, lp = out.tokens[0], out.logprobs[0]
                 pieces.append((turn, lp, True))
                 added += turn.numel()
@@ -113,8 +123,9 @@ class EnvironmentRollout:
                     break
                 if turns == self.settings.max_turns:
                     break
-                obs, failed, done = sampler.on_main("agent: tool calls",
-                                                    partial(self._call_tools, env, tools, tok, requested))
+                obs, failed, done = sampler.on_main(
+                    "agent: tool calls", partial(self._call_tools, env, tools, tok, requested)
+                )
                 calls += len(requested)
                 failures += failed
                 if done:  # the environment ended the trajectory (a final answer tool)
@@ -130,12 +141,18 @@ class EnvironmentRollout:
         tokens = torch.cat([p[0] for p in pieces])
         mask = torch.cat([torch.full((p[0].numel(),), float(p[2])) for p in pieces])
         old = torch.cat([p[1] for p in pieces])
+
         def env_reward():
             reward = getattr(env, "get_reward", None)
             return None if reward is None else float(reward())
 
-        extra = dict(turns=turns, tool_calls=calls, tool_failures=failures, stopped=stopped,
-                     environment_reward=sampler.on_main("agent: environment reward", env_reward))
+        extra = dict(
+            turns=turns,
+            tool_calls=calls,
+            tool_failures=failures,
+            stopped=stopped,
+            environment_reward=sampler.on_main("agent: environment reward", env_reward),
+        )
         return Response(tokens, old, mask, truncated, extra=extra)
 
     def _call_tools(self, env, tools, tok, requested: list[ToolCall]) -> tuple[list[int], int, bool]:

@@ -10,10 +10,32 @@ def _dsa_rotary(module):
 
 
 register(
-    Family("glm4_moe", "full attention, partial rotary, QK-norm, MoE", moe=True,
-           tiny=dict(num_hidden_layers=3, first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1,
-                     use_qk_norm=True, partial_rotary_factor=0.5)),
-    Family("glm_moe_dsa", "MLA with DSA and shared-index layers, MoE", latent_rotary=_dsa_rotary,
-           tiny=dict(MLA, **DSA, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
-                     indexer_types=["full", "shared", "full"], n_group=1, topk_group=1)),
+    Family(
+        "glm4_moe",
+        "full attention, partial rotary, QK-norm, MoE",
+        moe=True,
+        tiny=dict(
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        ),
+    ),
+    Family(
+        "glm_moe_dsa",
+        "MLA with DSA and shared-index layers, MoE",
+        latent_rotary=_dsa_rotary,
+        tiny=dict(
+            MLA,
+            **DSA,
+            num_hidden_layers=3,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            indexer_types=["full", "shared", "full"],
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
 )

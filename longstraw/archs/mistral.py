@@ -5,8 +5,11 @@ from .base import Family, register
 
 register(
     Family("mistral", "dense, sliding-window attention on every layer (`sliding_window`)", tiny=dict(sliding_window=5)),
-    Family("ministral", "dense, sliding-window and full attention (`layer_types`)",
-           tiny=dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
+    Family(
+        "ministral",
+        "dense, sliding-window and full attention (`layer_types`)",
+        tiny=dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+    ),
     Family("ministral3", "dense, sliding-window attention, YaRN RoPE", tiny=dict(sliding_window=5)),
     Family("mixtral", "sliding-window attention, MoE", moe=True, tiny=dict(sliding_window=5)),
 )

@@ -3,7 +3,8 @@
 from .base import Family, register
 
 register(
-    Family("phi3", "dense, fused QKV, sliding-window attention",
-           tiny=dict(sliding_window=5, partial_rotary_factor=0.5)),
+    Family(
+        "phi3", "dense, fused QKV, sliding-window attention", tiny=dict(sliding_window=5, partial_rotary_factor=0.5)
+    ),
     Family("phimoe", "sliding-window attention, MoE", moe=True, tiny=dict(sliding_window=5)),
 )

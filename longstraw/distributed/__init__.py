@@ -152,5 +152,14 @@ from .collectives import CollectiveError, Group, MismatchError
 from .context_parallel import ContextParallelState, slice_bounds
 from .fsdp import gradient_sync, replicated_parameters, shard, sharded_layers
 
-__all__ = ["CollectiveError", "ContextParallelState", "Group", "MismatchError", "gradient_sync",
-           "replicated_parameters", "shard", "sharded_layers", "slice_bounds"]
+__all__ = [
+    "CollectiveError",
+    "ContextParallelState",
+    "Group",
+    "MismatchError",
+    "gradient_sync",
+    "replicated_parameters",
+    "shard",
+    "sharded_layers",
+    "slice_bounds",
+]

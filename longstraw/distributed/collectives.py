@@ -28,8 +28,18 @@ _NAMES: dict[int, str] = {}
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool, torch.int8, torch.float8_e4m3fn]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.int8,
+    torch.float8_e4m3fn,
+]
 
 
 class CollectiveError(RuntimeError):
@@ -68,8 +78,10 @@ class Group:
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("group=...: torch.distributed is not initialized (call "
-                               "torch.distributed.init_process_group or launch with torchrun)")
+            raise RuntimeError(
+                "group=...: torch.distributed is not initialized (call "
+                "torch.distributed.init_process_group or launch with torchrun)"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -80,17 +92,20 @@ class Group:
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
     def _fail(self, name: str, err: BaseException):
-        raise CollectiveError(f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} "
-                              f"({type(err).__name__}: {err})") from err
+        raise CollectiveError(
+            f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} ({type(err).__name__}: {err})"
+        ) from err
 
     def _check_tags(self, name: str, tags: list[int], ranks=None) -> None:
         mine = _tag(name)
         for r, t in zip(ranks or range(len(tags)), tags):
             if t != mine:
                 other = _NAMES.get(t, f"an unknown collective (tag {t:#x})")
-                raise CollectiveError(f"longstraw collective {name!r} on rank {self.rank} of {self.size}: rank {r} is "
-                                      f"in {other!r} instead; ranks are out of step (every rank must make the same "
-                                      "longstraw calls in the same order)")
+                raise CollectiveError(
+                    f"longstraw collective {name!r} on rank {self.rank} of {self.size}: rank {r} is "
+                    f"in {other!r} instead; ranks are out of step (every rank must make the same "
+                    "longstraw calls in the same order)"
+                )
 
     # ------------------------------------------------------------------ packing
     def _pack(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -117,7 +132,7 @@ class Group:
         out, off = [], _ALIGN
         for shape, dtype in specs:
             b = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            out.append(buf[off:off + b].clone().view(dtype).reshape(shape).to(device))
+            out.append(buf[off : off + b].clone().view(dtype).reshape(shape).to(device))
             off += b + (-b % _ALIGN)
         return tag, out
 
@@ -176,8 +191,9 @@ class Group:
             header += [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (6 - t.dim())]
         header += [0] * (self._HEADER - len(header))
         try:
-            dist.send(torch.tensor(header, dtype=torch.int64, device=self.device), dst=self._global(dst),
-                      group=self.group)
+            dist.send(
+                torch.tensor(header, dtype=torch.int64, device=self.device), dst=self._global(dst), group=self.group
+            )
             dist.send(self._pack(name, tensors), dst=self._global(dst), group=self.group)
         except RuntimeError as err:
             self._fail(name, err)
@@ -193,7 +209,7 @@ class Group:
         self._check_tags(name, [fields[0]], ranks=[src])
         specs = []
         for i in range(fields[1]):
-            code, ndim, *dims = fields[2 + 8 * i: 10 + 8 * i]
+            code, ndim, *dims = fields[2 + 8 * i : 10 + 8 * i]
             specs.append((tuple(dims[:ndim]), _DTYPES[code]))
         buf = torch.empty(self._size(specs), dtype=torch.uint8, device=self.device)
         try:
@@ -220,16 +236,19 @@ class Group:
         names = list(fields)
         mine = [v if isinstance(v, int) and not isinstance(v, bool) else digest(v) for v in fields.values()]
         rows = self.all_gather_ints(f"{what}: argument check", mine + [int(v) for v in free])
-        free_rows = [row[len(names):] for row in rows]
-        rows = [row[:len(names)] for row in rows]
+        free_rows = [row[len(names) :] for row in rows]
+        rows = [row[: len(names)] for row in rows]
         differ = [i for i in range(len(names)) if len({row[i] for row in rows}) > 1]
         if differ:
             shown = []
             for i in differ:
                 raw = isinstance(fields[names[i]], int) and not isinstance(fields[names[i]], bool)
-                vals = ", ".join(f"rank {r}: {row[i] if raw else f'#{row[i] & 0xffffffff:08x}'}"
-                                 for r, row in enumerate(rows))
+                vals = ", ".join(
+                    f"rank {r}: {row[i] if raw else f'#{row[i] & 0xFFFFFFFF:08x}'}" for r, row in enumerate(rows)
+                )
                 shown.append(f"{names[i]} ({vals})")
-            raise MismatchError(f"{what}: the {self.size} ranks of the group were called with different arguments: "
-                                f"{'; '.join(shown)}. Every rank must pass the same values to this collective call")
+            raise MismatchError(
+                f"{what}: the {self.size} ranks of the group were called with different arguments: "
+                f"{'; '.join(shown)}. Every rank must pass the same values to this collective call"
+            )
         return free_rows

@@ -41,8 +41,18 @@ if TYPE_CHECKING:  # torch.distributed is imported where it is used
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm", "full_tensors", "gradient_sync", "is_sharded", "load_full_tensors",
-           "local_optimizer_state", "replicated_parameters", "shard", "sharded_layers", "sharded_optimizer_state"]
+__all__ = [
+    "clip_grad_norm",
+    "full_tensors",
+    "gradient_sync",
+    "is_sharded",
+    "load_full_tensors",
+    "local_optimizer_state",
+    "replicated_parameters",
+    "shard",
+    "sharded_layers",
+    "sharded_optimizer_state",
+]
 
 
 def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters: bool = False):
@@ -159,8 +169,11 @@ def load_full_tensors(named: list[tuple[str, torch.Tensor]], values: dict[str, t
             if tuple(v.shape) != tuple(t.shape):
                 raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, the model's is {tuple(t.shape)}")
             if is_sharded(t):
-                t.to_local().copy_(distribute_tensor(v.to(t.device, t.dtype), t.device_mesh, t.placements,
-                                                     src_data_rank=None).to_local())
+                t.to_local().copy_(
+                    distribute_tensor(
+                        v.to(t.device, t.dtype), t.device_mesh, t.placements, src_data_rank=None
+                    ).to_local()
+                )
             else:
                 t.copy_(v)
 
@@ -180,10 +193,14 @@ def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) 
     out = {"param_groups": state_dict["param_groups"], "state": {}}
     for idx, st in state_dict["state"].items():
         p = params[int(idx)]
-        out["state"][idx] = {k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                                   shape=p.shape, stride=p.stride())
-                             if is_sharded(p) and torch.is_tensor(v) and v.dim() > 0 else v
-                             for k, v in st.items()}
+        out["state"][idx] = {
+            k: DTensor.from_local(
+                v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            if is_sharded(p) and torch.is_tensor(v) and v.dim() > 0
+            else v
+            for k, v in st.items()
+        }
     return out
 
 

@@ -91,8 +91,9 @@ class Ranks:
 
     # ------------------------------------------------------------------ collectives
     def _fail(self, name: str, err: BaseException):
-        raise CollectiveError(f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} "
-                              f"({type(err).__name__}: {err})") from err
+        raise CollectiveError(
+            f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} ({type(err).__name__}: {err})"
+        ) from err
 
     def sum_floats(self, name: str, values: list[float]) -> list[float]:
         """`values` summed over the ranks (float64, in rank order on every rank)."""
@@ -172,8 +173,12 @@ class Ranks:
         for p in params:
             g = p.grad
             assert g is not None  # set above
-            if not buckets or g.dtype != buckets[-1][0].dtype or g.device != buckets[-1][0].device \
-                    or size + g.numel() * g.element_size() > BUCKET_BYTES:
+            if (
+                not buckets
+                or g.dtype != buckets[-1][0].dtype
+                or g.device != buckets[-1][0].device
+                or size + g.numel() * g.element_size() > BUCKET_BYTES
+            ):
                 buckets.append([])
                 size = 0
             buckets[-1].append(g)
@@ -186,7 +191,7 @@ class Ranks:
                 self._fail(f"{name} (bucket {k + 1} of {len(buckets)})", err)
             off = 0
             for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
+                g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
 
     def broadcast_params(self, named: list[tuple[str, torch.Tensor]], name: str) -> None:
@@ -211,8 +216,10 @@ class Ranks:
         for r, (row,) in enumerate(rows):
             if not torch.equal(row, rows[0][0]):
                 k = int((row != rows[0][0]).any(dim=1).nonzero()[0])
-                raise RuntimeError(f"{name} {where}: the weights of rank {r} differ from rank 0's (first: "
-                                   f"{named[k][0]}); the ranks of a run must stay in step")
+                raise RuntimeError(
+                    f"{name} {where}: the weights of rank {r} differ from rank 0's (first: "
+                    f"{named[k][0]}); the ranks of a run must stay in step"
+                )
 
     def close(self) -> None:
         """End the process group if this object started it."""
@@ -235,13 +242,16 @@ def setup_ranks(timeout_s: float, device: torch.device) -> Ranks:
         return Ranks()
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise ValueError(f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set: launch with torchrun or "
-                         "`longstraw train CONFIG --nproc N`")
+        raise ValueError(
+            f"WORLD_SIZE={env_world_size()} but {', '.join(missing)} not set: launch with torchrun or "
+            "`longstraw train CONFIG --nproc N`"
+        )
     watch_launcher(int(os.environ["RANK"]), env_world_size())
     if device.type == "cuda":
         if device.index is not None:
-            raise ValueError(f"device {device}: on several processes each rank takes cuda:LOCAL_RANK; use device: cuda "
-                             "or auto")
+            raise ValueError(
+                f"device {device}: on several processes each rank takes cuda:LOCAL_RANK; use device: cuda or auto"
+            )
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     else:
@@ -267,9 +277,13 @@ def watch_launcher(rank: int, size: int) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        print(f"longstraw: error: rank {rank} of {size}: its launcher (torchrun agent, pid {parent}) died; this rank "
-              "stops, so that the other ranks fail instead of waiting for it. The last checkpoint is intact: run the "
-              "same command again to resume.", file=sys.stderr, flush=True)
+        print(
+            f"longstraw: error: rank {rank} of {size}: its launcher (torchrun agent, pid {parent}) died; this rank "
+            "stops, so that the other ranks fail instead of waiting for it. The last checkpoint is intact: run the "
+            "same command again to resume.",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(3)  # at once: no atexit, no process-group teardown with ranks that may be gone
 
     threading.Thread(target=watch, name="longstraw launcher watch", daemon=True).start()
@@ -299,13 +313,15 @@ def torch_collective_failure(err: BaseException) -> str | None:
     elif dtensor:
         what += f" (DTensor.{dtensor[0]} of a sharded parameter)"
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace("\\", "/") + "/"  # longstraw/
-    ours = [(path[len(package):], name, line) for path, name, line in frames if path.startswith(package)]
+    ours = [(path[len(package) :], name, line) for path, name, line in frames if path.startswith(package)]
     where = (" in " + ", ".join(f"{path}:{line} ({name})" for path, name, line in ours[-2:])) if ours else ""
     steps = [name for path, name, _ in ours if path == "train/trainer.py"]
     during = f" during Trainer.{steps[-1]}" if steps else ""
     first = text.splitlines()[0] if text else ""
-    return (f"{what} failed on rank {os.environ.get('RANK', '?')} of {env_world_size()}{where}{during} "
-            f"({type(err).__name__}: {first[:400]})")
+    return (
+        f"{what} failed on rank {os.environ.get('RANK', '?')} of {env_world_size()}{where}{during} "
+        f"({type(err).__name__}: {first[:400]})"
+    )
 
 
 def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
@@ -320,15 +336,24 @@ def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
         raise ValueError("--nproc inside a multi-process launch (WORLD_SIZE is set): use one or the other")
     if cpu:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"longstraw-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"longstraw-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
     try:
         elastic_launch(config, sys.executable)("-m", "longstraw", *argv)
     except ChildFailedError as err:
         rank, first = err.get_first_failure()
-        print(f"longstraw: rank {rank} of {nproc} failed first (exit code {first.exitcode}; its error is above); the "
-              "launcher stopped the other ranks. The last checkpoint is intact: run the same command again to resume.",
-              file=sys.stderr)
+        print(
+            f"longstraw: rank {rank} of {nproc} failed first (exit code {first.exitcode}; its error is above); the "
+            "launcher stopped the other ranks. The last checkpoint is intact: run the same command again to resume.",
+            file=sys.stderr,
+        )
         return 1
     return 0
-

@@ -52,7 +52,7 @@ def local_topk(q, weights, scale: float, keys, key_start: int, q_pos: torch.Tens
     tile = max(1, min(block, TILE_ELEMENTS // max(1, b * s * q.shape[2])))
     for a in range(0, n, tile):
         m = min(tile, n - a)
-        sc = index_scores(q, weights, keys[:, a:a + m], scale)
+        sc = index_scores(q, weights, keys[:, a : a + m], scale)
         kpos = torch.arange(key_start + a, key_start + a + m, device=q.device)
         sc = sc.masked_fill(kpos[None, None, :] > q_pos[None, :, None], NEG_INF)
         # kept candidates (earlier positions) first: the stable sort keeps ties in position order
@@ -141,8 +141,9 @@ def sparse_partial(q, latents, start: int, idx, valid, scale: float, limit: int 
     return out, lse
 
 
-def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, lse, delta, need_keys: bool,
-                        limit: int | None = None):
+def sparse_partial_grad(
+    q, latents, start: int, idx, valid, scale: float, dout, lse, delta, need_keys: bool, limit: int | None = None
+):
     """(dq `[B, H, S, D]` float32, d latents or None) of the part `sparse_partial` computes, given the merged
     attention's incoming gradient `dout`, its log-sum-exp over all parts `lse` and Δ = rowsum(dout · out) `delta`:
     the gradient of Σ_k exp(s_k − lse) · (dout · v_k − Δ), which is the part's share of the softmax backward
@@ -150,8 +151,11 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
     b, h, s, d = q.shape
     dq = torch.zeros((b, h, s, d), dtype=torch.float32, device=q.device)
     if latents is None or latents.shape[-2] == 0 or s == 0:  # nothing to attend to (a rank short of rows)
-        return dq, (torch.zeros(latents.shape, dtype=torch.float32, device=q.device)
-                    if need_keys and latents is not None else None)
+        return dq, (
+            torch.zeros(latents.shape, dtype=torch.float32, device=q.device)
+            if need_keys and latents is not None
+            else None
+        )
     dlat = None
     if isinstance(latents, QuantizedTokens):  # a constant (detached mode only)
         if need_keys:
@@ -182,8 +186,9 @@ def sparse_partial_grad(q, latents, start: int, idx, valid, scale: float, dout, 
 # ----------------------------------------------------------------------------------------------- exchanges
 
 
-def rows_to_slices(g: Group, name: str, mine: list[tuple[torch.Tensor, int]], lengths: list[int], compute,
-                   replicated: bool = False) -> list[list[torch.Tensor]]:
+def rows_to_slices(
+    g: Group, name: str, mine: list[tuple[torch.Tensor, int]], lengths: list[int], compute, replicated: bool = False
+) -> list[list[torch.Tensor]]:
     """Run `compute(rank i, [its tensors, cut to its rows]) -> [tensors with rows padded to max(lengths)]` on every
     rank for every rank's rows and return what each slice computed for this rank's rows, in slice order.
 
@@ -202,8 +207,24 @@ def rows_to_slices(g: Group, name: str, mine: list[tuple[torch.Tensor, int]], le
     return g.all_to_all(f"{name}: results", send)
 
 
-def select(g: Group, name: str, q, weights, scale: float, own_keys, own_start: int, q_pos, topk: int, block: int, *,
-           slice_keys, slice_bounds: tuple[int, int], lengths: list[int], limits: list[int], replicated: bool = False):
+def select(
+    g: Group,
+    name: str,
+    q,
+    weights,
+    scale: float,
+    own_keys,
+    own_start: int,
+    q_pos,
+    topk: int,
+    block: int,
+    *,
+    slice_keys,
+    slice_bounds: tuple[int, int],
+    lengths: list[int],
+    limits: list[int],
+    replicated: bool = False,
+):
     """`as_selection` of this rank's rows: every slice's local top-k of the rows it lies before (`limits[i]`: the first
     position rank i's rows take from their own keys, not from the slices), merged in slice order with the top-k of
     the rows' own keys (`own_keys` at positions own_start..). q `[B, S, Hi, Di]`, weights `[B, S, Hi]`, q_pos `[S]`."""
@@ -213,8 +234,11 @@ def select(g: Group, name: str, q, weights, scale: float, own_keys, own_start: i
     def compute(i, tensors):
         qi, wi, pi = tensors
         if slice_keys is None or e0 > limits[i]:
-            vals, pos = _fill(qi.new_full((*qi.shape[:2], 0), NEG_INF, dtype=torch.float32),
-                              torch.empty((*qi.shape[:2], 0), dtype=torch.long, device=qi.device), topk)
+            vals, pos = _fill(
+                qi.new_full((*qi.shape[:2], 0), NEG_INF, dtype=torch.float32),
+                torch.empty((*qi.shape[:2], 0), dtype=torch.long, device=qi.device),
+                topk,
+            )
         else:
             vals, pos = local_topk(qi, wi, scale, slice_keys, s0, pi, topk, block)
         return [pad_rows(vals, rmax, 1), pad_rows(pos, rmax, 1)]
@@ -227,8 +251,19 @@ def select(g: Group, name: str, q, weights, scale: float, own_keys, own_start: i
     return as_selection(pos, own_start)
 
 
-def slice_partials(g: Group, name: str, query, selection: Selection, scale: float, *, slice_latents, slice_start: int,
-                   lengths: list[int], limits: list[int], replicated: bool = False):
+def slice_partials(
+    g: Group,
+    name: str,
+    query,
+    selection: Selection,
+    scale: float,
+    *,
+    slice_latents,
+    slice_start: int,
+    lengths: list[int],
+    limits: list[int],
+    replicated: bool = False,
+):
     """(out, lse) float32 of this rank's latent query rows `[B, H, S, D]` over the selected keys in every slice, folded
     in slice order (positions at or after `limits[i]` belong to rank i's own keys and are left out)."""
     rmax = max(lengths)
@@ -239,8 +274,9 @@ def slice_partials(g: Group, name: str, query, selection: Selection, scale: floa
         o, l = sparse_partial(qi, slice_latents, slice_start, idx, valid, scale, limit=limits[i])
         return [pad_rows(o, rmax, 2), pad_rows(l, rmax, 2)]
 
-    got = rows_to_slices(g, name, [(query, 2), (selection.indices, 1), (selection.valid, 1)], lengths, compute,
-                         replicated)
+    got = rows_to_slices(
+        g, name, [(query, 2), (selection.indices, 1), (selection.valid, 1)], lengths, compute, replicated
+    )
     s = query.shape[2]
     acc = None
     for o, l in got:  # slice order
@@ -248,8 +284,22 @@ def slice_partials(g: Group, name: str, query, selection: Selection, scale: floa
     return acc
 
 
-def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Selection, scale: float, *, slice_latents,
-                        slice_start: int, lengths: list[int], limits: list[int], need_keys: bool):
+def slice_partials_grad(
+    g: Group,
+    name: str,
+    q,
+    dout,
+    lse,
+    delta,
+    selection: Selection,
+    scale: float,
+    *,
+    slice_latents,
+    slice_start: int,
+    lengths: list[int],
+    limits: list[int],
+    need_keys: bool,
+):
     """The backward of `slice_partials`: (dq `[B, H, S, D]` float32 of this rank's rows, summed over the slices in
     slice order; the gradient of this rank's `slice_latents` from every rank's rows, summed in rank order, or None).
     `lse` is the merged attention's over all keys, `delta` = rowsum(dout · out) (`sparse_partial_grad`)."""
@@ -260,14 +310,20 @@ def slice_partials_grad(g: Group, name: str, q, dout, lse, delta, selection: Sel
     def compute(i, tensors):  # called for i = 0, 1, ... in rank order
         nonlocal total
         qi, gi, li, di, ii, vi = tensors
-        dqi, dlat = sparse_partial_grad(qi, slice_latents, slice_start, ii, vi, scale, gi, li, di, need_keys,
-                                        limit=limits[i])
+        dqi, dlat = sparse_partial_grad(
+            qi, slice_latents, slice_start, ii, vi, scale, gi, li, di, need_keys, limit=limits[i]
+        )
         if dlat is not None:
             total = dlat if total is None else total + dlat
         return [pad_rows(dqi, rmax, 2)]
 
-    back = rows_to_slices(g, name, [(q, 2), (dout, 2), (lse, 2), (delta, 2), (selection.indices, 1),
-                                    (selection.valid, 1)], lengths, compute)
+    back = rows_to_slices(
+        g,
+        name,
+        [(q, 2), (dout, 2), (lse, 2), (delta, 2), (selection.indices, 1), (selection.valid, 1)],
+        lengths,
+        compute,
+    )
     r = q.shape[2]
     dq = None
     for (dqj,) in back:  # slice order
@@ -285,14 +341,24 @@ class SparseReplayAttention(torch.autograd.Function):
         g, lengths, layer = info.group, info.lengths, info.layer
         name = f"replay forward layer {layer.layer_idx} (sparse)"
         limits = [selection.prompt_length] * g.size
-        acc = slice_partials(g, name, q, selection, scale, slice_latents=slice_latents, slice_start=layer.start,
-                             lengths=lengths, limits=limits)
+        acc = slice_partials(
+            g,
+            name,
+            q,
+            selection,
+            scale,
+            slice_latents=slice_latents,
+            slice_start=layer.start,
+            lengths=lengths,
+            limits=limits,
+        )
         o_own = sparse_partial(q, own, selection.prompt_length, selection.indices, selection.valid, scale)
         out, lse = fold(acc, o_own)
         quantized = isinstance(slice_latents, QuantizedTokens)  # a constant, kept on ctx (not a tensor to save)
         ctx.slice_latents = slice_latents if quantized else None
-        ctx.save_for_backward(q, own, None if quantized else slice_latents, selection.indices, selection.valid, out,
-                              lse)
+        ctx.save_for_backward(
+            q, own, None if quantized else slice_latents, selection.indices, selection.valid, out, lse
+        )
         ctx.scale, ctx.info, ctx.own_start = scale, info, selection.prompt_length
         return out.to(q.dtype)
 
@@ -304,16 +370,34 @@ class SparseReplayAttention(torch.autograd.Function):
         g, lengths, layer = ctx.info.group, ctx.info.lengths, ctx.info.layer
         scale, own_start = ctx.scale, ctx.own_start
         delta = (dout.float() * out).sum(-1)
-        dq, d_own = sparse_partial_grad(q, own, own_start, idx, valid, scale, dout, lse, delta,
-                                        need_keys=ctx.needs_input_grad[1])
+        dq, d_own = sparse_partial_grad(
+            q, own, own_start, idx, valid, scale, dout, lse, delta, need_keys=ctx.needs_input_grad[1]
+        )
         need_slice = ctx.needs_input_grad[2]  # exact mode: the slice's latents collect every branch's gradient
         dq_s, d_slice = slice_partials_grad(
-            g, f"replay backward layer {layer.layer_idx} (sparse)", q, dout, lse, delta,
-            Selection(idx, valid, own_start), scale, slice_latents=slice_latents, slice_start=layer.start,
-            lengths=lengths, limits=[own_start] * g.size, need_keys=need_slice)
+            g,
+            f"replay backward layer {layer.layer_idx} (sparse)",
+            q,
+            dout,
+            lse,
+            delta,
+            Selection(idx, valid, own_start),
+            scale,
+            slice_latents=slice_latents,
+            slice_start=layer.start,
+            lengths=lengths,
+            limits=[own_start] * g.size,
+            need_keys=need_slice,
+        )
         dq = dq + dq_s
-        return (dq.to(q.dtype), None if d_own is None else d_own.to(own.dtype),
-                None if d_slice is None else d_slice.to(slice_latents.dtype), None, None, None)
+        return (
+            dq.to(q.dtype),
+            None if d_own is None else d_own.to(own.dtype),
+            None if d_slice is None else d_slice.to(slice_latents.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 class SparseCaptureAttention(torch.autograd.Function):
@@ -339,12 +423,33 @@ class SparseCaptureAttention(torch.autograd.Function):
         for step, lo, hi, counts in layer.steps():
             z = slice(lo, hi)
             sel = Selection(idx[:, z], valid[:, z], own_start)
-            dq_o, d_o = sparse_partial_grad(q[:, :, z], own, own_start, sel.indices, sel.valid, scale, dout[:, :, z],
-                                            lse[:, :, z], delta[:, :, z], need_keys=True)
+            dq_o, d_o = sparse_partial_grad(
+                q[:, :, z],
+                own,
+                own_start,
+                sel.indices,
+                sel.valid,
+                scale,
+                dout[:, :, z],
+                lse[:, :, z],
+                delta[:, :, z],
+                need_keys=True,
+            )
             dq_s, d_s = slice_partials_grad(
-                layer.group, f"reverse pass layer {layer.layer_idx}: sparse attention, step {step}", q[:, :, z],
-                dout[:, :, z], lse[:, :, z], delta[:, :, z], sel, scale, slice_latents=own, slice_start=own_start,
-                lengths=counts, limits=limits, need_keys=True)
+                layer.group,
+                f"reverse pass layer {layer.layer_idx}: sparse attention, step {step}",
+                q[:, :, z],
+                dout[:, :, z],
+                lse[:, :, z],
+                delta[:, :, z],
+                sel,
+                scale,
+                slice_latents=own,
+                slice_start=own_start,
+                lengths=counts,
+                limits=limits,
+                need_keys=True,
+            )
             dq[:, :, z] = dq_o + dq_s
             d_own += d_o + d_s
         return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None

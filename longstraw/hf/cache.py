@@ -172,10 +172,30 @@ def running(cache: BranchCache, configs=()):
 
 #: keyword arguments transformers 5.24 models pass to the attention function that longstraw either
 #: implements (scaling, sliding_window, softcap, s_aux) or that do not change the math
-_PASSIVE = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "is_causal", "cache",
-                      "past_key_values", "position_embeddings", "layer_idx", "attention_mask", "head_mask",
-                      "query_length", "target_dtype", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                      "max_length_k", "use_top_left_mask", "return_dict", "output_hidden_states"})
+_PASSIVE = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "use_cache",
+        "is_causal",
+        "cache",
+        "past_key_values",
+        "position_embeddings",
+        "layer_idx",
+        "attention_mask",
+        "head_mask",
+        "query_length",
+        "target_dtype",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "use_top_left_mask",
+        "return_dict",
+        "output_hidden_states",
+    }
+)
 
 
 class UnsupportedAttentionError(NotImplementedError):
@@ -190,15 +210,21 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
     not known to leave the math unchanged."""
     cache = _ACTIVE.get()
     if cache is None:
-        raise RuntimeError("the 'longstraw' attention implementation only runs inside longstraw.capture / "
-                           "PromptState.replay / PromptState.sample")
+        raise RuntimeError(
+            "the 'longstraw' attention implementation only runs inside longstraw.capture / "
+            "PromptState.replay / PromptState.sample"
+        )
     scaling, dropout = kwargs.pop("scaling", None), kwargs.pop("dropout", 0.0)
-    sliding_window, softcap, sinks = kwargs.pop("sliding_window", None), kwargs.pop("softcap", None), kwargs.pop(
-        "s_aux", None)
+    sliding_window, softcap, sinks = (
+        kwargs.pop("sliding_window", None),
+        kwargs.pop("softcap", None),
+        kwargs.pop("s_aux", None),
+    )
     unknown = sorted(k for k, v in kwargs.items() if k not in _PASSIVE and v is not None)
     if unknown:
         raise UnsupportedAttentionError(
-            f"{type(module).__name__} passes attention arguments longstraw does not implement: {unknown}")
+            f"{type(module).__name__} passes attention arguments longstraw does not implement: {unknown}"
+        )
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
     layer_idx = module.layer_idx if module.layer_idx >= 0 else cache.last_updated  # Zamba2: see BranchCache.update
@@ -212,9 +238,19 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
     attend = getattr(layer, "attend", None)
     if attend is not None:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
-        out = attend(module, query, key, value, q_start=own_start + key.shape[-2] - query.shape[-2],
-                     own_start=own_start, scale=scaling, window=layer.window, softcap=softcap, sinks=sinks,
-                     block=cache.block)
+        out = attend(
+            module,
+            query,
+            key,
+            value,
+            q_start=own_start + key.shape[-2] - query.shape[-2],
+            own_start=own_start,
+            scale=scaling,
+            window=layer.window,
+            softcap=softcap,
+            sinks=sinks,
+            block=cache.block,
+        )
         return out.transpose(1, 2).contiguous(), None
     out = split_attention(
         query,

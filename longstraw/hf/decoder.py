@@ -8,8 +8,13 @@ from .cache import BranchCache, running
 from .parts import ModelParts
 
 
-def run_decoder(parts: ModelParts, input_ids: torch.Tensor, positions: torch.Tensor, cache: BranchCache,
-                checkpoint_layers: bool = False):
+def run_decoder(
+    parts: ModelParts,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: BranchCache,
+    checkpoint_layers: bool = False,
+):
     """Hidden states `[B, T, hidden]` of the unmodified decoder (of a prepared model) over `input_ids` `[B, T]`
     (positions `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder
     layer in backward instead of keeping its graph (`longstraw.prepare.CheckpointedLayer`), which also

@@ -90,9 +90,13 @@ def model_device(model) -> torch.device:
     if not devices:
         raise ValueError("the model has no parameters")
     if any(d.type == "meta" for d in devices):
-        raise ValueError("the model has parameters on the meta device (not loaded): load its weights first, "
-                         "e.g. from_pretrained(...) without device_map='meta' / init_empty_weights")
+        raise ValueError(
+            "the model has parameters on the meta device (not loaded): load its weights first, "
+            "e.g. from_pretrained(...) without device_map='meta' / init_empty_weights"
+        )
     if len(devices) > 1:
-        raise ValueError(f"the model's parameters are spread over {sorted(map(str, devices))}: longstraw runs a model "
-                         f"on one device per process; move it with model.to(device)")
+        raise ValueError(
+            f"the model's parameters are spread over {sorted(map(str, devices))}: longstraw runs a model "
+            f"on one device per process; move it with model.to(device)"
+        )
     return devices.pop()

@@ -149,6 +149,5 @@ def layer_kind(layer_type: str) -> type[LayerState]:
         return _KINDS[layer_type]
     except KeyError:
         raise NotImplementedError(
-            f"longstraw has no durable state for layer type {layer_type!r}; supported layer types: "
-            f"{sorted(_KINDS)}"
+            f"longstraw has no durable state for layer type {layer_type!r}; supported layer types: {sorted(_KINDS)}"
         ) from None

@@ -89,8 +89,9 @@ class Stream:
         if prior_kv is not None:
             assert prior_gate is not None  # kept with prior_kv
             prior_kv, prior_gate = prior_kv.expand(b, -1, -1), prior_gate.expand(b, -1, -1)
-        pooled, (p_kv, p_gate) = pool_windows(kv[:, :usable], gate[:, :usable], module.position_bias, prior_kv,
-                                              prior_gate, module.head_dim, overlap)
+        pooled, (p_kv, p_gate) = pool_windows(
+            kv[:, :usable], gate[:, :usable], module.position_bias, prior_kv, prior_gate, module.head_dim, overlap
+        )
         entries = module.kv_norm(pooled)
         first = self.count + self.own_count
         positions = (torch.arange(entries.shape[1], device=entries.device) + first) * self.rate
@@ -106,8 +107,14 @@ class Stream:
         def rows(t):
             return t if t is None or t.shape[0] == 1 else t[indices]
 
-        return replace(self, tail_kv=rows(self.tail_kv), tail_gate=rows(self.tail_gate), prior_kv=rows(self.prior_kv),
-                       prior_gate=rows(self.prior_gate), own=None if self.own is None else self.own[indices])
+        return replace(
+            self,
+            tail_kv=rows(self.tail_kv),
+            tail_gate=rows(self.tail_gate),
+            prior_kv=rows(self.prior_kv),
+            prior_gate=rows(self.prior_gate),
+            own=None if self.own is None else self.own[indices],
+        )
 
 
 class CompressedBranchLayer(AttentionBranchLayer):
@@ -154,8 +161,16 @@ class CompressedKVState(SlidingKVState):
 
     def _streams(self) -> dict[str, Stream]:
         n = self.count
-        return {name: Stream(self.rate, n, None if (e := self.entries[name]) is None else e[:, :, :n],
-                             *self.tails[name], *self.priors[name]) for name in self.names}
+        return {
+            name: Stream(
+                self.rate,
+                n,
+                None if (e := self.entries[name]) is None else e[:, :, :n],
+                *self.tails[name],
+                *self.priors[name],
+            )
+            for name in self.names
+        }
 
     def branch(self, batch: int = 1) -> CompressedBranchLayer:
         return CompressedBranchLayer(self.keys, self.length, self.start, self.window, self._streams())
@@ -169,8 +184,9 @@ class CompressedKVState(SlidingKVState):
             if st.own is not None:
                 entries = self.entries[name]
                 if entries is None:
-                    entries = self.entries[name] = base.empty_state(st.own, (1, 1, self.capacity // self.rate,
-                                                                             st.own.shape[-1]))
+                    entries = self.entries[name] = base.empty_state(
+                        st.own, (1, 1, self.capacity // self.rate, st.own.shape[-1])
+                    )
                 entries[:, :, before : before + st.own_count] = st.own
             # clones: slices would keep the chunk's projections alive
             self.tails[name] = (st.tail_kv.clone(), st.tail_gate.clone())
@@ -219,8 +235,12 @@ class CompressedKVState(SlidingKVState):
         k, _, k_start = self.boundaries[chunk]
         tails, priors = self.stream_boundaries[chunk]
         n = start // self.rate
-        streams = {name: Stream(self.rate, n, None if (e := self.entries[name]) is None else e[:, :, :n],
-                                *tails[name], *priors[name]) for name in self.names}
+        streams = {
+            name: Stream(
+                self.rate, n, None if (e := self.entries[name]) is None else e[:, :, :n], *tails[name], *priors[name]
+            )
+            for name in self.names
+        }
         return CompressedBranchLayer(k, start, k_start, self.window, streams)
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
@@ -229,8 +249,9 @@ class CompressedKVState(SlidingKVState):
         entries = self.entries["compressor"]
         if st.own is not None and entries is not None and entries.grad is not None:
             out.append((st.own, entries.grad[:, :, st.count : st.count + st.own_count]))
-        tails, priors = self.stream_boundaries[chunk + 1] if chunk + 1 < len(self.stream_boundaries) else (
-            self.tails, self.priors)
+        tails, priors = (
+            self.stream_boundaries[chunk + 1] if chunk + 1 < len(self.stream_boundaries) else (self.tails, self.priors)
+        )
         mine = (st.tail_kv, st.tail_gate, st.prior_kv, st.prior_gate)
         for t, leaf in zip(mine, (*tails["compressor"], *priors["compressor"])):
             if t is not None and leaf is not None and leaf.grad is not None:
@@ -283,20 +304,31 @@ class CompressedAttention:
         own_k, _ = layer.update(kv, kv)
         own_start = layer.prompt_length + layer.own_length - own_k.shape[-2]
         q_start = own_start + own_k.shape[-2] - s
-        sliding = split_attention(q, own_k, own_k, layer.prompt_k, layer.prompt_k, q_start=q_start,
-                                  own_start=own_start, prompt_start=layer.prompt_start, scale=m.scaling,
-                                  window=layer.window, block=cache.block, with_lse=True)
+        sliding = split_attention(
+            q,
+            own_k,
+            own_k,
+            layer.prompt_k,
+            layer.prompt_k,
+            q_start=q_start,
+            own_start=own_start,
+            prompt_start=layer.prompt_start,
+            scale=m.scaling,
+            window=layer.window,
+            block=cache.block,
+            with_lse=True,
+        )
 
         comp = m.compressor
         overlap = hasattr(comp, "indexer")  # CSA pools overlapping windows (and has an indexer); HCA does not
-        st = layer.streams["compressor"].push(comp, comp.kv_proj(hidden_states), comp.gate_proj(hidden_states),
-                                              overlap)
+        st = layer.streams["compressor"].push(comp, comp.kv_proj(hidden_states), comp.gate_proj(hidden_states), overlap)
         layer.streams["compressor"] = st
         parts = []
         selection = None
         if "indexer" in layer.streams:
-            selection = self._select(comp.indexer, hidden_states, q_residual, position_embeddings, layer, q_start,
-                                     cache.block)
+            selection = self._select(
+                comp.indexer, hidden_states, q_residual, position_embeddings, layer, q_start, cache.block
+            )
         if selection is not None and selection.indices is not None:
             parts.append(gathered_entry_part(q, st.prompt, st.own, selection, m.scaling))
         else:
@@ -315,8 +347,9 @@ class CompressedAttention:
         """CSA selection with the indexer's own projections (its choice is discrete: no gradient, as in
         transformers)."""
         b, s, _ = hidden_states.shape
-        st = layer.streams["indexer"].push(indexer, indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states),
-                                           True)
+        st = layer.streams["indexer"].push(
+            indexer, indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states), True
+        )
         layer.streams["indexer"] = st
         positions = torch.arange(q_start, q_start + s, device=hidden_states.device)[None].expand(b, -1)
         cos, sin = indexer.rotary_emb(hidden_states, position_ids=positions, layer_type="compress")
@@ -325,9 +358,18 @@ class CompressedAttention:
         weights = indexer.scorer.weights_proj(hidden_states).float() * indexer.scorer.weights_scaling
         prompt = None if st.prompt is None or not st.count else st.prompt[:, 0]
         own = st.own[:, 0] if st.own is not None else hidden_states.new_zeros((b, 0, indexer.head_dim))
-        return select_topk(q, weights, indexer.scorer.softmax_scale, prompt, own, indexer.index_topk,
-                           q_start=q_start, own_start=st.count, block=block,
-                           own_positions=st.own_positions(hidden_states.device))
+        return select_topk(
+            q,
+            weights,
+            indexer.scorer.softmax_scale,
+            prompt,
+            own,
+            indexer.index_topk,
+            q_start=q_start,
+            own_start=st.count,
+            block=block,
+            own_positions=st.own_positions(hidden_states.device),
+        )
 
 
 @torch.no_grad()

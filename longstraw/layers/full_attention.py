@@ -26,8 +26,15 @@ class AttentionBranchLayer(PromptBranchLayer):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, prompt_k, prompt_v, prompt_length: int, prompt_start: int = 0, window: int | None = None,
-                 chunk: int | None = None):
+    def __init__(
+        self,
+        prompt_k,
+        prompt_v,
+        prompt_length: int,
+        prompt_start: int = 0,
+        window: int | None = None,
+        chunk: int | None = None,
+    ):
         super().__init__()
         #: chunked local attention: the attention chunk size (keys of the query's own chunk only)
         self.chunk = chunk
@@ -122,8 +129,9 @@ class KVState(LayerState):
             return
         if self.keys is None and self.state_device is not None:  # host memory, pinned for a GPU model
             self.keys = host_or_device((*k.shape[:2], self.capacity, k.shape[3]), k.dtype, self.state_device, k.device)
-            self.values = host_or_device((*v.shape[:2], self.capacity, v.shape[3]), v.dtype, self.state_device,
-                                         v.device)
+            self.values = host_or_device(
+                (*v.shape[:2], self.capacity, v.shape[3]), v.dtype, self.state_device, v.device
+            )
         if self.keys is None:
             self.keys = base.empty_state(k, (*k.shape[:2], self.capacity, k.shape[3]))
             self.values = base.empty_state(v, (*v.shape[:2], self.capacity, v.shape[3]))

@@ -74,4 +74,5 @@ class HybridState(LayerState):
 
     def chunk_outputs(self, chunk, start, end, branch_layer):
         return self.kv.chunk_outputs(chunk, start, end, branch_layer) + self.ssm.chunk_outputs(
-            chunk, start, end, branch_layer)
+            chunk, start, end, branch_layer
+        )

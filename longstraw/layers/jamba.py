@@ -64,12 +64,14 @@ class JambaMixer:
         x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         x = fns.causal_conv1d_fn(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation)
         x = fns.apply_mask_to_padding_states(x[:, :, -seq_len:].transpose(1, 2), attention_mask)
-        time_step, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
-                                      dim=-1)
+        time_step, B, C = torch.split(
+            self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
+        )
         time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
         time_step = self.dt_proj.weight @ time_step.transpose(1, 2)
         dt_bias = self.dt_proj.bias.float() if self.dt_proj.bias is not None else None
-        y, final = selective_scan(x.transpose(1, 2), time_step, A, B.transpose(1, 2), C.transpose(1, 2),
-                                  self.D.float(), gate, dt_bias, state)
+        y, final = selective_scan(
+            x.transpose(1, 2), time_step, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), gate, dt_bias, state
+        )
         cache.update_recurrent_state(final, self.layer_idx)
         return self.out_proj(y.transpose(1, 2).to(dtype))

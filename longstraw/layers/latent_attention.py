@@ -98,7 +98,6 @@ class LatentBranchLayer(LatentOwn, PromptBranchLayer):
         raise RuntimeError("latent-attention layers run through longstraw's LatentAttention, not cache.update")
 
 
-
 class LatentAttention:
     """Mixin that `longstraw.prepare` puts in front of a transformers MLA attention class (a subclass is made
     per class, so parameters, adapters and the state dict stay those of the module).
@@ -161,23 +160,44 @@ class LatentAttention:
         indexer = getattr(m, "indexer", None)
         selection = prev_topk_indices
         if indexer is not None:
-            selection = self._select(indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start,
-                                     cache.block, index_rotary)
+            selection = self._select(
+                indexer,
+                hidden_states,
+                q_resid,
+                position_embeddings,
+                layer,
+                q_start,
+                own_start,
+                cache.block,
+                index_rotary,
+            )
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
         attend = getattr(layer, "attend", None)
         attend_sparse = getattr(layer, "attend_sparse", None)
         if selection is not None and attend_sparse is not None:
             # context parallel DSA: the selected keys live on several ranks (`longstraw.distributed.sparse`)
-            out = attend_sparse(query, own, selection, q_start=q_start, own_start=own_start, scale=m.scaling,
-                                block=cache.block)[..., :r]
+            out = attend_sparse(
+                query, own, selection, q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block
+            )[..., :r]
         elif selection is not None and attend is not None:
             raise NotImplementedError(f"{type(layer).__name__} serves dense latent attention only, not DSA")
         elif selection is None and attend is not None:
             # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
             # attention with the latents as the one key head and as the values, as `latent_attention` runs it
-            out = attend(m, query, own, own, q_start=q_start, own_start=own_start, scale=m.scaling, window=None,
-                         softcap=None, sinks=None, block=cache.block)[..., :r]
+            out = attend(
+                m,
+                query,
+                own,
+                own,
+                q_start=q_start,
+                own_start=own_start,
+                scale=m.scaling,
+                window=None,
+                softcap=None,
+                sinks=None,
+                block=cache.block,
+            )[..., :r]
         elif selection is None:
             out = latent_attention(query, own, layer.prompt, r, **kw)
         else:
@@ -186,17 +206,33 @@ class LatentAttention:
         return (out, None, selection) if _returns_selection(self.longstraw_base) else (out, None)
 
     @torch.no_grad()
-    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block,
-                rotary):
+    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block, rotary):
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
         q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
         own_keys = layer.append_index(k)
         select_sparse = getattr(layer, "select_sparse", None)
         if select_sparse is not None:  # context parallel: the prompt's indexer keys live on several ranks
-            return select_sparse(q, weights, indexer.softmax_scale, own_keys, indexer.index_topk, q_start=q_start,
-                                 own_start=own_start, block=block)
-        return select_topk(q, weights, indexer.softmax_scale, layer.prompt_index, own_keys, indexer.index_topk,
-                           q_start=q_start, own_start=own_start, block=block)
+            return select_sparse(
+                q,
+                weights,
+                indexer.softmax_scale,
+                own_keys,
+                indexer.index_topk,
+                q_start=q_start,
+                own_start=own_start,
+                block=block,
+            )
+        return select_topk(
+            q,
+            weights,
+            indexer.softmax_scale,
+            layer.prompt_index,
+            own_keys,
+            indexer.index_topk,
+            q_start=q_start,
+            own_start=own_start,
+            block=block,
+        )
 
 
 def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary):
@@ -211,8 +247,11 @@ def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
     if rotary is not None:
         q_rot, k_rot = rotary(q_rot, k_rot, position_embeddings, unsqueeze_dim=2)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
-    return (torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2),
-            weights * indexer.n_heads ** -0.5)
+    return (
+        torch.cat([q_rot, q_pass], dim=-1),
+        torch.cat([k_rot, k_pass], dim=-1).squeeze(2),
+        weights * indexer.n_heads**-0.5,
+    )
 
 
 @register_layer_kind

@@ -49,8 +49,9 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
     def update_conv_state(self, conv_states, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs):
         """Return [previous window | new inputs] for the causal conv; keep the last K inputs (rebinding)."""
         if not self.is_conv_states_initialized[state_idx]:
-            RecurrentBranchLayer.lazy_initialization(self, conv_states=conv_states, state_idx=state_idx,
-                                                     conv_kernel_size=conv_kernel_size)
+            RecurrentBranchLayer.lazy_initialization(
+                self, conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size
+            )
         prev = self.conv_states[state_idx] if self.has_previous_state[state_idx] else None
         full = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
         kernel = self.conv_kernel_size[state_idx]
@@ -58,7 +59,7 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
         k = kernel - self.conv_trim
         # a copy, not a view: a view would keep the whole chunk's conv inputs alive with the state (exact mode's
         # boundary states: one chunk's worth per chunk, O(P))
-        window = full[..., full.shape[-1] - min(k, full.shape[-1]):].clone()
+        window = full[..., full.shape[-1] - min(k, full.shape[-1]) :].clone()
         if window.shape[-1] < k:
             window = F.pad(window, (k - window.shape[-1], 0))
         self.conv_states[state_idx] = window

@@ -109,10 +109,12 @@ def _linear(config, layer_idx, tokens, elem, state_dtype):
         return _mamba2(config, elem)
     if config.model_type == "kimi_linear":  # Kimi delta attention: conv over q, k, v + a d × d state per head
         d = config.linear_num_heads * config.linear_head_dim
-        return elem * (3 * d * config.linear_conv_kernel_dim + config.linear_num_heads * config.linear_head_dim ** 2)
+        return elem * (3 * d * config.linear_conv_kernel_dim + config.linear_num_heads * config.linear_head_dim**2)
     # gated DeltaNet (Qwen3-Next, Qwen3.5): conv window over [q | k | v], recurrent state per value head
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
+    conv_dim = (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    )
     rec = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
     return elem * (conv_dim * config.linear_conv_kernel_dim + rec)
 
@@ -121,8 +123,11 @@ def _linear(config, layer_idx, tokens, elem, state_dtype):
 def _compressed(config, layer_idx, tokens, elem, state_dtype):
     """DeepSeek-V4: window keys (K = V, once) + per compressed stream (CSA: entries and indexer keys; HCA: entries)
     the entries written so far, the raw tail's kv + gate, and CSA's overlap kv + gate of the last window."""
-    kind = "compressed_sparse_attention" if layer_idx is not None and config.layer_types[layer_idx] == \
-        "compressed_sparse_attention" else "heavily_compressed_attention"
+    kind = (
+        "compressed_sparse_attention"
+        if layer_idx is not None and config.layer_types[layer_idx] == "compressed_sparse_attention"
+        else "heavily_compressed_attention"
+    )
     m, d = config.compress_rates[kind], config.head_dim
     total = elem * d * min(tokens, config.sliding_window - 1)
     sparse = kind == "compressed_sparse_attention"

@@ -20,6 +20,16 @@ def make_loss(loss_type: str = DEFAULT_LOSS_TYPE, **kwargs) -> GRPOLoss:
 
 
 __all__ = [
-    "BNPOLoss", "DAPOLoss", "DEFAULT_LOSS_TYPE", "DrGRPOLoss", "GRPOLoss", "LOSS_TYPES", "Normalizer",
-    "SCALE_REWARDS", "TokenStats", "combine_rewards", "group_advantages", "make_loss",
+    "BNPOLoss",
+    "DAPOLoss",
+    "DEFAULT_LOSS_TYPE",
+    "DrGRPOLoss",
+    "GRPOLoss",
+    "LOSS_TYPES",
+    "Normalizer",
+    "SCALE_REWARDS",
+    "TokenStats",
+    "combine_rewards",
+    "group_advantages",
+    "make_loss",
 ]

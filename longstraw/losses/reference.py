@@ -40,9 +40,22 @@ def _token_weights(loss_type: str, mask: torch.Tensor, max_completion_length, gr
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def batched_loss(loss_type: str, logps, old_logps, advantages, mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
-                 ref_logps=None, importance_sampling_level="token", use_bias_correction_kl=True,
-                 max_completion_length=None, group_ids=None):
+def batched_loss(
+    loss_type: str,
+    logps,
+    old_logps,
+    advantages,
+    mask,
+    *,
+    epsilon=0.2,
+    epsilon_high=None,
+    beta=0.0,
+    ref_logps=None,
+    importance_sampling_level="token",
+    use_bias_correction_kl=True,
+    max_completion_length=None,
+    group_ids=None,
+):
     """The batch loss (a scalar). logps, old_logps, ref_logps, mask: `[N, L]` (mask 1 on tokens in the loss,
     0 on padding and on masked tokens); advantages `[N]`. Values at masked positions must be finite."""
     eps_high = epsilon if epsilon_high is None else epsilon_high

@@ -82,8 +82,9 @@ class SplitAttention(torch.autograd.Function):
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
             lse = torch.logaddexp(lse_p, lse_o)
         stored = isinstance(prompt_k, torch.Tensor)  # else a compressed state: a constant, kept by reference
-        ctx.save_for_backward(q, own_k, own_v, prompt_k if stored else None, prompt_v if stored else None, out, lse_o,
-                              lse_p)
+        ctx.save_for_backward(
+            q, own_k, own_v, prompt_k if stored else None, prompt_v if stored else None, out, lse_o, lse_p
+        )
         ctx.compressed = None if stored else (prompt_k, prompt_v)
         ctx.parts = (own, prompt)
         return out, lse
@@ -112,13 +113,22 @@ class SplitAttention(torch.autograd.Function):
         need_prompt = need[3] or need[4]
         b = q.shape[0]
         if b > 1 and prompt_k.shape[0] == 1:
-            dq_p, dkp, dvp = part_backward(fold_batch(g_p), fold_batch(q), prompt_k, prompt_v, fold_batch(out),
-                                           fold_batch(lse_p), prompt,
-                                           need_kv=need_prompt, g_lse=None if gl_p is None else fold_batch(gl_p))
+            dq_p, dkp, dvp = part_backward(
+                fold_batch(g_p),
+                fold_batch(q),
+                prompt_k,
+                prompt_v,
+                fold_batch(out),
+                fold_batch(lse_p),
+                prompt,
+                need_kv=need_prompt,
+                g_lse=None if gl_p is None else fold_batch(gl_p),
+            )
             dq_p = unfold_batch(dq_p, b)
         else:
-            dq_p, dkp, dvp = part_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt,
-                                           g_lse=gl_p)
+            dq_p, dkp, dvp = part_backward(
+                g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt, g_lse=gl_p
+            )
         return dq_o + dq_p, dk, dv, dkp, dvp, None, None
 
 

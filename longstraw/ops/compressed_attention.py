@@ -40,8 +40,10 @@ from .latent_attention import Selection, gather_latents
 def check_rate(layer_type: str, rate) -> int:
     """The compression rate of `layer_type` if the kernels handle it (a positive int), else a clear error."""
     if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-        raise ValueError(f"DeepSeek-V4 compress_rates[{layer_type!r}] = {rate!r}: longstraw's compressed attention "
-                         "pools windows of a positive integer number of tokens")
+        raise ValueError(
+            f"DeepSeek-V4 compress_rates[{layer_type!r}] = {rate!r}: longstraw's compressed attention "
+            "pools windows of a positive integer number of tokens"
+        )
     return rate
 
 
@@ -104,8 +106,17 @@ class _EntryPart(torch.autograd.Function):
             dout = torch.zeros_like(out)
         b = q.shape[0]
         f = fold_batch if ctx.fold else (lambda x: x)
-        dq, dk, dv = part_backward(f(dout), f(q), entries, entries, f(out), f(lse), ctx.part,
-                                   need_kv=ctx.needs_input_grad[1], g_lse=None if dlse is None else f(dlse))
+        dq, dk, dv = part_backward(
+            f(dout),
+            f(q),
+            entries,
+            entries,
+            f(out),
+            f(lse),
+            ctx.part,
+            need_kv=ctx.needs_input_grad[1],
+            g_lse=None if dlse is None else f(dlse),
+        )
         if ctx.fold:
             dq = unfold_batch(dq, b)
         return dq, (None if dk is None else dk + dv), None
@@ -170,8 +181,15 @@ def gathered_entry_part(q, prompt, own, selection: Selection, scale: float):
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, prompt, own))
     outs, lses = [], []
     for r0 in range(0, s, rows):
-        args = (q[:, :, r0 : r0 + rows], prompt, own, selection.indices[:, r0 : r0 + rows],
-                selection.valid[:, r0 : r0 + rows], selection.prompt_length, scale)
+        args = (
+            q[:, :, r0 : r0 + rows],
+            prompt,
+            own,
+            selection.indices[:, r0 : r0 + rows],
+            selection.valid[:, r0 : r0 + rows],
+            selection.prompt_length,
+            scale,
+        )
         o, l = checkpoint(_gathered_block, *args, use_reentrant=False) if grad else _gathered_block(*args)
         outs.append(o)
         lses.append(l)
@@ -218,8 +236,7 @@ def reference_pool(kv, gate, position_bias, head_dim: int, overlap: bool):
     return torch.stack(out, dim=1) if out else kv.new_zeros((kv.shape[0], 0, head_dim))
 
 
-def reference_compressed_attention(q, keys, entries, positions, scale: float, window: int, sinks=None,
-                                   allowed=None):
+def reference_compressed_attention(q, keys, entries, positions, scale: float, window: int, sinks=None, allowed=None):
     """Plain attention of q `[B, H, S, D]` (queries at the last S positions of `keys` `[B, 1, T, D]`, K = V)
     over its sliding window and the `entries` `[B, 1, n, D]` visible from `positions` `[n]` (and `allowed`
     `[B, S, n]` if given), with sinks `[H]`: every score materialised, one softmax."""
@@ -231,8 +248,10 @@ def reference_compressed_attention(q, keys, entries, positions, scale: float, wi
     kp = torch.arange(t, device=q.device)[None, :]
     vis_w = (kp <= qp) & (kp > qp - window)
     vis_e = positions[None, :] <= qp
-    vis = torch.cat([vis_w.expand(q.shape[0], s, t), vis_e.expand(q.shape[0], s, -1) if allowed is None
-                     else vis_e & allowed], dim=-1)
+    vis = torch.cat(
+        [vis_w.expand(q.shape[0], s, t), vis_e.expand(q.shape[0], s, -1) if allowed is None else vis_e & allowed],
+        dim=-1,
+    )
     scores = scores.masked_fill(~vis[:, None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(acc).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)

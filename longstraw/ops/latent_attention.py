@@ -64,8 +64,9 @@ def latent_attention(query, own, prompt, rank: int, *, q_start: int, own_start: 
     The latents serve as keys and as values whole (the output's last dr columns are dropped): keys and
     values of one width let the fused CPU attention kernel run (`longstraw.ops.attention`), for dr / r more
     value work, and the dropped columns get zero gradient."""
-    out = split_attention(query, own, own, prompt, prompt, q_start=q_start, own_start=own_start, prompt_start=0,
-                          scale=scale, block=block)
+    out = split_attention(
+        query, own, own, prompt, prompt, q_start=q_start, own_start=own_start, prompt_start=0, scale=scale, block=block
+    )
     return out[..., :rank]
 
 
@@ -96,8 +97,19 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     return torch.matmul(weights.float().unsqueeze(-2), s).squeeze(-2)
 
 
-def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q_start: int, own_start: int,
-                block: int, own_positions: torch.Tensor | None = None) -> Selection:
+def select_topk(
+    q,
+    weights,
+    scale: float,
+    prompt_keys,
+    own_keys,
+    topk: int,
+    *,
+    q_start: int,
+    own_start: int,
+    block: int,
+    own_positions: torch.Tensor | None = None,
+) -> Selection:
     """Each query's `topk` best keys over [prompt keys `[1, P, Di]` | own keys `[B, T, Di]`] (own key j is
     visible to query i when `own_start + j ≤ q_start + i`, or with `own_positions` `[T]` when
     `own_positions[j] ≤ q_start + i`: DeepSeek-V4's compressed entries become visible when their window closes).
@@ -119,7 +131,8 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
     idx = torch.empty((b, s, 0), dtype=torch.long, device=q.device)
     # key spans: the prompt's (all visible), then the own keys' (causal); `first`: index into [prompt | own]
     spans: list[tuple[torch.Tensor, int, int, int, int | None]] = [
-        (prompt_keys, m0, min(merge, p - m0), m0, None) for m0 in range(0, p, merge)]
+        (prompt_keys, m0, min(merge, p - m0), m0, None) for m0 in range(0, p, merge)
+    ]
     spans += [(own_keys, m0, min(merge, t - m0), p + m0, own_start + m0) for m0 in range(0, t, merge)]
     for keys, m0, n, first, pos in spans:
         scores = []
@@ -127,8 +140,11 @@ def select_topk(q, weights, scale: float, prompt_keys, own_keys, topk: int, *, q
             scores.append(index_scores(q, weights, keys[:, s0 : min(s0 + tile, m0 + n)], scale))
         sc = torch.cat([vals] + scores, dim=-1)
         if pos is not None:
-            kpos = (torch.arange(pos, pos + n, device=q.device) if own_positions is None
-                    else own_positions[pos - own_start : pos - own_start + n])
+            kpos = (
+                torch.arange(pos, pos + n, device=q.device)
+                if own_positions is None
+                else own_positions[pos - own_start : pos - own_start + n]
+            )
             sc[..., vals.shape[-1] :].masked_fill_(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         kept = vals.shape[-1]
         vals, pick = sc.topk(min(k, sc.shape[-1]), dim=-1)
@@ -161,8 +177,9 @@ def _sparse_block(query, prompt, own, idx, valid, prompt_length: int, rank: int,
     return torch.einsum("bhnk,bnkr->bhnr", probs, _acc(keys[..., :rank])).to(query.dtype)
 
 
-def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int, *, q_start: int, own_start: int,
-                            scale: float, block: int):
+def sparse_latent_attention(
+    query, own, prompt, selection: Selection, rank: int, *, q_start: int, own_start: int, scale: float, block: int
+):
     """MLA of latent queries `[B, H, S, r + dr]` over the keys `selection` picked from [prompt latents
     `[1|B, 1, P, r + dr]` | own latents `[B, 1, T, r + dr]`]: out `[B, H, S, r]`.
 
@@ -170,19 +187,27 @@ def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int,
     (saves its query rows and indices, recomputes the gather in backward). Where `selection.indices` is
     None (top-k covers every key) this is ordinary dense latent attention."""
     if selection.indices is None:
-        return latent_attention(query, own, prompt, rank, q_start=q_start, own_start=own_start, scale=scale,
-                                block=block)
+        return latent_attention(
+            query, own, prompt, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+        )
     assert selection.valid is not None  # set with the indices
     b, h, s, d = query.shape
     kk = selection.indices.shape[-1]
     # a block gathers rows × K latents three times (own, prompt, merged): a quarter tile each
     rows = max(1, min(s, TILE_ELEMENTS // max(1, 4 * b * kk * max(d, h))))
     outs = []
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, own, prompt))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, own, prompt))
     for r0 in range(0, s, rows):
-        args = (query[:, :, r0 : r0 + rows], prompt, own, selection.indices[:, r0 : r0 + rows],
-                selection.valid[:, r0 : r0 + rows], selection.prompt_length, rank, scale)
+        args = (
+            query[:, :, r0 : r0 + rows],
+            prompt,
+            own,
+            selection.indices[:, r0 : r0 + rows],
+            selection.valid[:, r0 : r0 + rows],
+            selection.prompt_length,
+            rank,
+            scale,
+        )
         outs.append(checkpoint(_sparse_block, *args, use_reentrant=False) if grad else _sparse_block(*args))
     return torch.cat(outs, dim=2)
 
@@ -190,8 +215,20 @@ def sparse_latent_attention(query, own, prompt, selection: Selection, rank: int,
 # ------------------------------------------------------------------------------------------- references
 
 
-def reference_latent_attention(q_nope, q_rot, latents, kv_b_proj, heads: int, nope_dim: int, v_dim: int, rank: int,
-                               *, q_start: int, scale: float, allowed: torch.Tensor | None = None):
+def reference_latent_attention(
+    q_nope,
+    q_rot,
+    latents,
+    kv_b_proj,
+    heads: int,
+    nope_dim: int,
+    v_dim: int,
+    rank: int,
+    *,
+    q_start: int,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+):
     """Plain MLA as transformers computes it: expand every latent `[B, 1, T, r + dr]` (keys from position 0) to
     per-head K/V with `kv_b_proj`, full scores, causal mask (and `allowed` `[B, S, T]` if given), softmax.
     Returns `[B, S, H·dv]` (before `o_proj`)."""

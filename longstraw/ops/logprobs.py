@@ -74,8 +74,14 @@ class ChunkedLogprobs(torch.autograd.Function):
             l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
             s = torch.zeros(n, **f)  # Σ e^{z−m} z, for the entropy
             for v0 in range(0, v_total, vocab_chunk):
-                z, _ = _logits(h, weight[v0 : v0 + vocab_chunk], None if bias is None else bias[v0 : v0 + vocab_chunk],
-                               temperature, softcap, scale)
+                z, _ = _logits(
+                    h,
+                    weight[v0 : v0 + vocab_chunk],
+                    None if bias is None else bias[v0 : v0 + vocab_chunk],
+                    temperature,
+                    softcap,
+                    scale,
+                )
                 m_new = torch.maximum(m, z.amax(-1))
                 alpha = torch.exp(m - m_new)
                 e = torch.exp(z - m_new[:, None])
@@ -138,7 +144,12 @@ class ChunkedLogprobs(torch.autograd.Function):
             None if dh is None else dh.to(hidden.dtype),
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
-            None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -178,15 +189,35 @@ def chunked_logprobs(
     if token_chunk < 1 or vocab_chunk < 1:
         raise ValueError("token_chunk and vocab_chunk must be >= 1")
     if type(lm_head) is torch.nn.Linear:
-        return ChunkedLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, float(temperature), softcap,
-                                     int(token_chunk), int(vocab_chunk), scale)
-    parts = [checkpoint(_module_chunk, lm_head, hidden[t0 : t0 + token_chunk], targets[t0 : t0 + token_chunk],
-                        temperature, softcap, scale, use_reentrant=False)
-             for t0 in range(0, hidden.shape[0], token_chunk)]
+        return ChunkedLogprobs.apply(
+            hidden,
+            lm_head.weight,
+            lm_head.bias,
+            targets,
+            float(temperature),
+            softcap,
+            int(token_chunk),
+            int(vocab_chunk),
+            scale,
+        )
+    parts = [
+        checkpoint(
+            _module_chunk,
+            lm_head,
+            hidden[t0 : t0 + token_chunk],
+            targets[t0 : t0 + token_chunk],
+            temperature,
+            softcap,
+            scale,
+            use_reentrant=False,
+        )
+        for t0 in range(0, hidden.shape[0], token_chunk)
+    ]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def reference_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, softcap: float | None = None,
-                       scale: float | None = None):
+def reference_logprobs(
+    hidden, lm_head, targets, *, temperature: float = 1.0, softcap: float | None = None, scale: float | None = None
+):
     """Plain version: the whole `[T, V]` log-softmax at once. Returns (logp, entropy)."""
     return _module_chunk(lm_head, hidden, targets, temperature, softcap, scale)

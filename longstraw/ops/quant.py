@@ -20,8 +20,11 @@ from __future__ import annotations
 import torch
 
 #: names accepted for `capture(..., state_dtype=...)`
-STATE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-                                        "int8": torch.int8}
+STATE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 #: tokens per scale
 QUANT_BLOCK = 64
 _MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -83,8 +86,9 @@ class QuantizedTokens:
         self.qdtype = dtype
         full = capacity - capacity % block
         self.values = host_or_device((one, h, full, d), dtype, like.device if device is None else device, like.device)
-        self.scales = host_or_device((one, h, full // block), torch.float32, like.device if device is None else device,
-                                     like.device)
+        self.scales = host_or_device(
+            (one, h, full // block), torch.float32, like.device if device is None else device, like.device
+        )
         self.quantized = 0  # tokens in `values`
         self.tail = like[:, :, :0].clone()  # the unfinished block, in the model's dtype
 
@@ -98,8 +102,11 @@ class QuantizedTokens:
 
     @property
     def nbytes(self) -> int:
-        return (self.values.numel() * self.values.element_size() + self.scales.numel() * 4
-                + self.tail.numel() * self.tail.element_size())
+        return (
+            self.values.numel() * self.values.element_size()
+            + self.scales.numel() * 4
+            + self.tail.numel() * self.tail.element_size()
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.values, self.scales, self.tail]
@@ -143,8 +150,11 @@ class QuantizedTokens:
         """Head 0's rows `idx` (any shape, positions < `length`) dequantized: `[*idx.shape, D]` (MLA latents)."""
         dtype = dtype or self.dtype
         q = idx.clamp(max=max(self.quantized - 1, 0))
-        out = (self.values[0, 0][q].to(torch.float32) * self.scales[0, 0][q // self.block][..., None]).to(dtype) \
-            if self.quantized else torch.zeros((*idx.shape, self.values.shape[-1]), dtype=dtype, device=self.device)
+        out = (
+            (self.values[0, 0][q].to(torch.float32) * self.scales[0, 0][q // self.block][..., None]).to(dtype)
+            if self.quantized
+            else torch.zeros((*idx.shape, self.values.shape[-1]), dtype=dtype, device=self.device)
+        )
         if self.tail.shape[2]:
             t = (idx - self.quantized).clamp(min=0, max=self.tail.shape[2] - 1)
             out = torch.where((idx >= self.quantized)[..., None], self.tail[0, 0][t].to(dtype), out)

@@ -94,11 +94,13 @@ INSTRUCTIONS = (
     "open <number>  - read a section\n"
     "answer <code>  - give your final answer\n\n"
     "The document's sections:\n{titles}\n\n"
-    "Question: what is the access code for the {archive} archive? Use the tools, then answer with the code.")
+    "Question: what is the access code for the {archive} archive? Use the tools, then answer with the code."
+)
 
 
-def make_row(tokenizer, paras: list[tuple[str, str]], num_sections: int, section_tokens: int,
-             rng: random.Random) -> dict:
+def make_row(
+    tokenizer, paras: list[tuple[str, str]], num_sections: int, section_tokens: int, rng: random.Random
+) -> dict:
     """One row: `num_sections` sections of about `section_tokens` tokens, the code in one of them."""
     archive = rng.choice(ARCHIVES)
     code = f"{rng.randrange(1000, 10000)}"
@@ -131,12 +133,25 @@ def make_row(tokenizer, paras: list[tuple[str, str]], num_sections: int, section
         {"role": "tool", "content": f"[section 2] The access code for the {other} archive is {shown}."},
         {"role": "assistant", "content": f"answer {shown}"},
     ]
-    return {"messages": [*example, {"role": "user", "content": content}], "answer": code, "archive": archive,
-            "sections": sections, "titles": titles, "section": where + 1}
+    return {
+        "messages": [*example, {"role": "user", "content": content}],
+        "answer": code,
+        "archive": archive,
+        "sections": sections,
+        "titles": titles,
+        "section": where + 1,
+    }
 
 
-def write_archive_task(tokenizer, out: str | Path, train_rows: int, eval_rows: int, num_sections: int = 8,
-                       section_tokens: int = 400, seed: int = 0) -> dict[str, Path]:
+def write_archive_task(
+    tokenizer,
+    out: str | Path,
+    train_rows: int,
+    eval_rows: int,
+    num_sections: int = 8,
+    section_tokens: int = 400,
+    seed: int = 0,
+) -> dict[str, Path]:
     """Writes `train.jsonl` and `eval.jsonl` (held-out rows, another seed) into `out`; returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +160,9 @@ def write_archive_task(tokenizer, out: str | Path, train_rows: int, eval_rows: i
     for name, rows, s in (("train", train_rows, seed), ("eval", eval_rows, 10_000 + seed)):
         rng = random.Random(s)
         paths[name] = out / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps(make_row(tokenizer, paras, num_sections, section_tokens, rng))
-                                       + "\n" for _ in range(rows)))
+        paths[name].write_text(
+            "".join(
+                json.dumps(make_row(tokenizer, paras, num_sections, section_tokens, rng)) + "\n" for _ in range(rows)
+            )
+        )
     return paths

@@ -85,8 +85,12 @@ def environment_reward(prompts, completions, environment_reward=None, **kwargs) 
     return [None if r is None else float(r) for r in environment_reward]
 
 
-REWARD_FUNCTIONS: dict[str, Callable] = {"exact_match": exact_match, "fraction_correct": fraction_correct,
-                                         "contains_answer": contains_answer, "environment_reward": environment_reward}
+REWARD_FUNCTIONS: dict[str, Callable] = {
+    "exact_match": exact_match,
+    "fraction_correct": fraction_correct,
+    "contains_answer": contains_answer,
+    "environment_reward": environment_reward,
+}
 
 
 def rng_for(seed: int, index: int) -> random.Random:

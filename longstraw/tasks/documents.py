@@ -24,10 +24,40 @@ import random
 from pathlib import Path
 
 #: the stdlib modules whose docstrings make the text (pure-Python, present in every CPython 3.11+)
-SOURCE_MODULES = ("argparse", "collections", "contextlib", "dataclasses", "email", "functools", "http.client",
-                  "inspect", "itertools", "json", "logging", "pathlib", "pickle", "shutil", "subprocess", "tarfile",
-                  "textwrap", "threading", "typing", "unittest", "urllib.parse", "zipfile", "asyncio", "csv",
-                  "datetime", "decimal", "difflib", "enum", "fractions", "statistics", "string", "tempfile")
+SOURCE_MODULES = (
+    "argparse",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "email",
+    "functools",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "shutil",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "zipfile",
+    "asyncio",
+    "csv",
+    "datetime",
+    "decimal",
+    "difflib",
+    "enum",
+    "fractions",
+    "statistics",
+    "string",
+    "tempfile",
+)
 ARCHIVES = ("northern", "harbor", "granite", "willow", "copper", "meadow", "falcon", "cedar", "silver", "orchid")
 VARIANTS = ("needle", "distractors")
 
@@ -59,8 +89,9 @@ def named_paragraphs() -> list[tuple[str, str]]:
 
 def prompt_tokens(tokenizer, content: str) -> int:
     """Tokens of a one-message chat prompt as the trainer formats it (chat template, generation prompt)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -74,8 +105,7 @@ def make_row(tokenizer, paras: list[str], length: int, variant: str, rng: random
         codes = [f"{rng.randrange(1000, 10000)}" for _ in names]
     facts = [f"The access code for the {n} archive is {c}." for n, c in zip(names, codes)]
     asked = rng.randrange(len(names))
-    question = (f"\n\nQuestion: what is the access code for the {names[asked]} archive? "
-                "Answer with the code.")
+    question = f"\n\nQuestion: what is the access code for the {names[asked]} archive? Answer with the code."
     budget = length - prompt_tokens(tokenizer, question) - 24 * len(facts)
     order = rng.sample(range(len(paras)), len(paras))
     body, used = [], 0
@@ -91,12 +121,24 @@ def make_row(tokenizer, paras: list[str], length: int, variant: str, rng: random
     for d, fact in zip(reversed(depths), reversed(facts)):
         body.insert(round(d * len(body)), fact)
     content = "\n\n".join(body) + question
-    return {"messages": [{"role": "user", "content": content}], "answer": codes[asked], "length": length,
-            "depth": depths[asked], "variant": variant}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "answer": codes[asked],
+        "length": length,
+        "depth": depths[asked],
+        "variant": variant,
+    }
 
 
-def write_document_task(tokenizer, out: str | Path, lengths: list[int], train_rows: int, eval_rows: int,
-                        variant: str = "needle", seed: int = 0) -> dict[str, Path]:
+def write_document_task(
+    tokenizer,
+    out: str | Path,
+    lengths: list[int],
+    train_rows: int,
+    eval_rows: int,
+    variant: str = "needle",
+    seed: int = 0,
+) -> dict[str, Path]:
     """Writes `train.jsonl` (`train_rows` rows, lengths cycling through `lengths`) and `eval-N.jsonl` per length
     (`eval_rows` held-out rows each, other seeds) into `out`; returns the paths by name."""
     out = Path(out)
@@ -109,6 +151,7 @@ def write_document_task(tokenizer, out: str | Path, lengths: list[int], train_ro
     for length in lengths:
         rng = random.Random(10_000 + seed * 1000 + length)
         path = paths[f"eval-{length}"] = out / f"eval-{length}.jsonl"
-        path.write_text("".join(json.dumps(make_row(tokenizer, paras, length, variant, rng)) + "\n"
-                                for _ in range(eval_rows)))
+        path.write_text(
+            "".join(json.dumps(make_row(tokenizer, paras, length, variant, rng)) + "\n" for _ in range(eval_rows))
+        )
     return paths

@@ -20,10 +20,15 @@ PROMPT_FIELDS = ("prompt", "messages")
 
 def _chat(tokenizer, messages, where: str) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{where}: a `messages` row needs a tokenizer with a chat template (tokenizer.chat_template "
-                         "is not set); give text `prompt` rows or a model folder whose tokenizer has one")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages) or not messages:
+        raise ValueError(
+            f"{where}: a `messages` row needs a tokenizer with a chat template (tokenizer.chat_template "
+            "is not set); give text `prompt` rows or a model folder whose tokenizer has one"
+        )
+    if (
+        not isinstance(messages, list)
+        or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+        or not messages
+    ):
         raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -34,8 +39,10 @@ def parse_row(row, where: str, tokenizer=None) -> Example:
         raise ValueError(f"{where}: each line must be a JSON object")
     has = [f for f in PROMPT_FIELDS if f in row]
     if len(has) != 1:
-        raise ValueError(f'{where}: each row needs exactly one of the fields "prompt" (text) or "messages" (a chat); '
-                         f"found {has or 'neither'}")
+        raise ValueError(
+            f'{where}: each row needs exactly one of the fields "prompt" (text) or "messages" (a chat); '
+            f"found {has or 'neither'}"
+        )
     answer = row.get("answer")
     if answer is not None and not isinstance(answer, str):
         raise ValueError(f'{where}: "answer" must be a string')
@@ -44,8 +51,9 @@ def parse_row(row, where: str, tokenizer=None) -> Example:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise ValueError(f'{where}: "prompt" must be a non-empty string')
         return Example(row["prompt"], answer, columns=columns, source=where)
-    return Example(_chat(tokenizer, row["messages"], where), answer, messages=row["messages"], columns=columns,
-                   source=where)
+    return Example(
+        _chat(tokenizer, row["messages"], where), answer, messages=row["messages"], columns=columns, source=where
+    )
 
 
 def load_jsonl(path: str | Path, tokenizer=None) -> list[Example]:

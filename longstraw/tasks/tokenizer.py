@@ -26,5 +26,6 @@ def build_tokenizer(num_keys: int = 64, num_values: int = 16, num_filler: int = 
     words = task_vocabulary(num_keys, num_values, num_filler)
     core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     core.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
-                                   unk_token="[UNK]")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]"
+    )

@@ -90,8 +90,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, trainer_
     return _finish(root, tmp, final, step, {"optimizer": optimizer.state_dict()}, scheduler, trainer_state, masters)
 
 
-def _finish(root: Path, tmp: Path, final: Path, step: int, blob: dict, scheduler, trainer_state: dict,
-            masters) -> Path:
+def _finish(root: Path, tmp: Path, final: Path, step: int, blob: dict, scheduler, trainer_state: dict, masters) -> Path:
     """Write `optimizer.pt` (`blob` + scheduler, torch RNG, masters) and `trainer_state.json` (+ Python RNG) into
     `tmp`, rename it to `final`, point `latest` at it, keep the last `KEEP`."""
     blob = {**blob, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
@@ -134,13 +133,17 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
         return None
     ckpt = root / name
     if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} is not there (on N processes every rank reads rank 0's checkpoint: "
-                              "the output folder must be on a file system every rank sees)")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is not there (on N processes every rank reads rank 0's checkpoint: "
+            "the output folder must be on a file system every rank sees)"
+        )
     blob = _load_tensors(ckpt / "optimizer.pt")
     state = read_trainer_state(ckpt)
     if state.get("fsdp"):
-        raise CheckpointError(f"checkpoint {ckpt} was written with fsdp (decoder layers sharded over "
-                              f"{state.get('world_size')} processes): resume it with fsdp: true on as many")
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written with fsdp (decoder layers sharded over "
+            f"{state.get('world_size')} processes): resume it with fsdp: true on as many"
+        )
     load_weights(model, ckpt / "weights")
     optimizer.load_state_dict(blob["optimizer"])
     _restore(blob, state, scheduler, masters)
@@ -150,8 +153,9 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
 SHARDED_WEIGHTS = "trainable.safetensors"
 
 
-def save_sharded_checkpoint(root: Path, step: int, ranks, weights: dict, optimizer_local: dict, scheduler,
-                            trainer_state: dict, masters=None) -> Path | None:
+def save_sharded_checkpoint(
+    root: Path, step: int, ranks, weights: dict, optimizer_local: dict, scheduler, trainer_state: dict, masters=None
+) -> Path | None:
     """Write `root/step-{step}` of a run whose decoder layers are sharded (a collective of `ranks`): `weights`
     {name: whole tensor} (rank 0's is written), `optimizer_local` this rank's optimizer state with plain tensors
     (`longstraw.distributed.fsdp.local_optimizer_state`). Returns the folder on rank 0, None elsewhere."""
@@ -163,16 +167,18 @@ def save_sharded_checkpoint(root: Path, step: int, ranks, weights: dict, optimiz
         tmp.mkdir()
 
     ranks.from_main("checkpoint: temporary folder", start)
-    ranks.run_alike("checkpoint: optimizer shards",
-                    lambda: torch.save(optimizer_local, tmp / f"optimizer-rank{ranks.rank}.pt"))
+    ranks.run_alike(
+        "checkpoint: optimizer shards", lambda: torch.save(optimizer_local, tmp / f"optimizer-rank{ranks.rank}.pt")
+    )
 
     def finish():
         from safetensors.torch import save_file
 
         (tmp / "weights").mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights" / SHARDED_WEIGHTS))
-        return _finish(root, tmp, final, step, {}, scheduler,
-                       {**trainer_state, "fsdp": True, "world_size": ranks.size}, masters)
+        return _finish(
+            root, tmp, final, step, {}, scheduler, {**trainer_state, "fsdp": True, "world_size": ranks.size}, masters
+        )
 
     final = ranks.from_main("checkpoint: write", finish)
     return final if ranks.main else None
@@ -215,10 +221,12 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
 
     state = read_trainer_state(ckpt)
     if not state.get("fsdp") or state.get("world_size") != ranks.size:
-        raise CheckpointError(f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
-                              f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} "
-                              "with fsdp: "
-                              "a sharded run resumes only from its own kind of checkpoint on as many processes")
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
+            f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} "
+            "with fsdp: "
+            "a sharded run resumes only from its own kind of checkpoint on as many processes"
+        )
     with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
         load_weights_fn(weights)
     blob = _load_tensors(ckpt / "optimizer.pt")
@@ -232,5 +240,7 @@ def _load_tensors(path: Path):
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds objects other than tensors and plain containers: refused (it could run "
-                              f"code when loaded). {str(e).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain containers: refused (it could run "
+            f"code when loaded). {str(e).splitlines()[0]}"
+        ) from None

@@ -25,33 +25,52 @@ def _f(default, help: str, **kw):
 @dataclass
 class TrainConfig:
     # ------------------------------------------------------------------ model
-    model: str = _f("llama", "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, glm_moe_dsa, ...) "
-                             "or a local folder with a transformers model and its tokenizer")
-    model_overrides: dict = _f({}, "config fields over the model's: of a built-in tiny model over "
-                                   "`longstraw.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
-                                   "a local model over its config.json — e.g. RoPE scaling for prompts past its "
-                                   "positions: {rope_parameters: {rope_type: yarn, factor: 4, "
-                                   "original_max_position_embeddings: 8192, rope_theta: 100000}, "
-                                   "max_position_embeddings: 32768}")
+    model: str = _f(
+        "llama",
+        "a built-in tiny architecture (llama, qwen3, gemma3_text, qwen3_next, glm_moe_dsa, ...) "
+        "or a local folder with a transformers model and its tokenizer",
+    )
+    model_overrides: dict = _f(
+        {},
+        "config fields over the model's: of a built-in tiny model over "
+        "`longstraw.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
+        "a local model over its config.json — e.g. RoPE scaling for prompts past its "
+        "positions: {rope_parameters: {rope_type: yarn, factor: 4, "
+        "original_max_position_embeddings: 8192, rope_theta: 100000}, "
+        "max_position_embeddings: 32768}",
+    )
     lora: bool = _f(True, "train a PEFT LoRA adapter (False: full fine-tuning)")
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha")
     lora_target_modules: str | list = _f("all-linear", "PEFT target_modules (a name pattern or a list)")
-    train_embeddings: bool = _f(True, "with LoRA, also train the embeddings and LM head (`modules_to_save`); a "
-                                      "random-initialised tiny model needs them to learn anything")
+    train_embeddings: bool = _f(
+        True,
+        "with LoRA, also train the embeddings and LM head (`modules_to_save`); a "
+        "random-initialised tiny model needs them to learn anything",
+    )
     # ------------------------------------------------------------------ data
     task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
     task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")
-    dataset: str | None = _f(None, "JSONL file of user data: each row a text \"prompt\" or a chat \"messages\" "
-                                   "(formatted with the tokenizer's chat template, generation prompt added); every "
-                                   "other field (\"answer\", ...) goes to the reward functions as a keyword list")
-    eval_dataset: str | None = _f(None, "JSONL file of held-out rows for evaluation (default: hold out "
-                                        "`eval_fraction` of `dataset`)")
-    eval_fraction: float = _f(0.1, "fraction of `dataset` rows held out for evaluation, chosen by `seed`, when no "
-                                   "`eval_dataset` is given (0: evaluate on the training rows)")
+    dataset: str | None = _f(
+        None,
+        'JSONL file of user data: each row a text "prompt" or a chat "messages" '
+        "(formatted with the tokenizer's chat template, generation prompt added); every "
+        'other field ("answer", ...) goes to the reward functions as a keyword list',
+    )
+    eval_dataset: str | None = _f(
+        None, "JSONL file of held-out rows for evaluation (default: hold out `eval_fraction` of `dataset`)"
+    )
+    eval_fraction: float = _f(
+        0.1,
+        "fraction of `dataset` rows held out for evaluation, chosen by `seed`, when no "
+        "`eval_dataset` is given (0: evaluate on the training rows)",
+    )
     prompt_length: int = _f(256, "prompt length in tokens of built-in task examples (the last curriculum stage)")
-    curriculum: list = _f([], "prompt lengths to grow through, e.g. [64, 256, 1024]: stage i lasts "
-                              "curriculum_steps[i] steps; the last stage runs to the end")
+    curriculum: list = _f(
+        [],
+        "prompt lengths to grow through, e.g. [64, 256, 1024]: stage i lasts "
+        "curriculum_steps[i] steps; the last stage runs to the end",
+    )
     curriculum_steps: list = _f([], "steps per curriculum stage (one entry per stage but the last)")
     # ------------------------------------------------------------------ GRPO
     num_steps: int = _f(100, "optimizer steps")
@@ -62,55 +81,91 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(0, "top-k sampling (0: off)")
     restrict_to_answer_tokens: bool = _f(False, "sample only the task's answer tokens and the stop token")
-    ignore_eos: bool = _f(False, "always sample max_completion_length tokens (benchmarks): the stop token "
-                                 "does not end a response")
+    ignore_eos: bool = _f(
+        False, "always sample max_completion_length tokens (benchmarks): the stop token does not end a response"
+    )
     loss_type: str = _f("dapo", f"one of {sorted(LOSS_TYPES)}")
     epsilon: float = _f(0.2, "lower clip of the importance ratio")
     epsilon_high: float | None = _f(None, "upper clip (None: epsilon)")
     beta: float = _f(0.0, "KL coefficient against the reference policy (adapters disabled); 0 skips it")
     importance_sampling_level: str = _f("token", f"one of {IMPORTANCE_SAMPLING_LEVELS}")
-    use_bias_correction_kl: bool = _f(True, "multiply the per-token KL by the importance ratio (TRL 1.16's default, "
-                                            "the unbiased reverse-KL gradient of DeepSeek-V3.2); false: plain k3")
+    use_bias_correction_kl: bool = _f(
+        True,
+        "multiply the per-token KL by the importance ratio (TRL 1.16's default, "
+        "the unbiased reverse-KL gradient of DeepSeek-V3.2); false: plain k3",
+    )
     scale_rewards: str = _f("group", f"one of {SCALE_REWARDS}")
     mask_truncated_completions: bool = _f(False, "exclude responses without a stop token from the loss")
-    reward_funcs: list = _f([], f"reward functions: built-in names ({sorted(REWARD_FUNCTIONS)}), "
-                                "'package.module:function' or 'path/to/file.py:function', TRL's signature "
-                                "(prompts, completions, **columns) -> list[float]; empty: the task's own")
-    rollout_func: str | None = _f(None, "rollout hook 'package.module:function' or 'path/to/file.py:function': "
-                                        "(sampler, example, num_generations) -> responses with token ids, mask and "
-                                        "old log-probs (multi-turn, tool output; see longstraw.train.rollout)")
-    environment: str | None = _f(None, "agent environment factory 'package.module:Class' or 'path/to/file.py:Class' "
-                                       "(TRL's environment_factory: reset(**columns), public methods as tools, "
-                                       "optional get_reward()): multi-turn rollouts whose tool replies grow each "
-                                       "trajectory's own state (longstraw.agent); max_completion_length bounds a "
-                                       "whole trajectory, tool tokens included")
-    tool_parser: str | None = _f(None, "with `environment`: 'package.module:function' reading a policy turn's text "
-                                       "into tool calls (longstraw.agent.ToolCall); null: the <tool_call>{json}"
-                                       "</tool_call> blocks chat templates write")
+    reward_funcs: list = _f(
+        [],
+        f"reward functions: built-in names ({sorted(REWARD_FUNCTIONS)}), "
+        "'package.module:function' or 'path/to/file.py:function', TRL's signature "
+        "(prompts, completions, **columns) -> list[float]; empty: the task's own",
+    )
+    rollout_func: str | None = _f(
+        None,
+        "rollout hook 'package.module:function' or 'path/to/file.py:function': "
+        "(sampler, example, num_generations) -> responses with token ids, mask and "
+        "old log-probs (multi-turn, tool output; see longstraw.train.rollout)",
+    )
+    environment: str | None = _f(
+        None,
+        "agent environment factory 'package.module:Class' or 'path/to/file.py:Class' "
+        "(TRL's environment_factory: reset(**columns), public methods as tools, "
+        "optional get_reward()): multi-turn rollouts whose tool replies grow each "
+        "trajectory's own state (longstraw.agent); max_completion_length bounds a "
+        "whole trajectory, tool tokens included",
+    )
+    tool_parser: str | None = _f(
+        None,
+        "with `environment`: 'package.module:function' reading a policy turn's text "
+        "into tool calls (longstraw.agent.ToolCall); null: the <tool_call>{json}"
+        "</tool_call> blocks chat templates write",
+    )
     max_turns: int = _f(8, "with `environment`: policy turns per trajectory at most")
-    max_turn_tokens: int | None = _f(None, "with `environment`: tokens per policy turn at most (null: what the "
-                                           "trajectory has left)")
-    max_tool_tokens: int = _f(1024, "with `environment`: tokens of one tool reply at most (a longer one is cut, "
-                                    "with a note saying how much)")
-    segment_replay: bool | None = _f(None, "replay a multi-turn response one turn at a time against the prompt and "
-                                           "its earlier turns held without a graph (memory flat in turns; with "
-                                           "prompt_grad: exact the gradient still reaches the earlier turns, the tool "
-                                           "output and the prompt); null: on with `environment` in one process, off "
-                                           "otherwise (the whole response in one graph; on N processes, which "
-                                           "replay with context parallelism, it is not available yet)")
+    max_turn_tokens: int | None = _f(
+        None, "with `environment`: tokens per policy turn at most (null: what the trajectory has left)"
+    )
+    max_tool_tokens: int = _f(
+        1024, "with `environment`: tokens of one tool reply at most (a longer one is cut, with a note saying how much)"
+    )
+    segment_replay: bool | None = _f(
+        None,
+        "replay a multi-turn response one turn at a time against the prompt and "
+        "its earlier turns held without a graph (memory flat in turns; with "
+        "prompt_grad: exact the gradient still reaches the earlier turns, the tool "
+        "output and the prompt); null: on with `environment` in one process, off "
+        "otherwise (the whole response in one graph; on N processes, which "
+        "replay with context parallelism, it is not available yet)",
+    )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
-    sft_full_sequence: bool = _f(True, "supervised steps back-propagate through the whole [prompt + answer] "
-                                       "(False: capture the prompt, replay the answer, detached like GRPO)")
-    prompt_grad: str = _f("detached", "gradient through the prompt: 'detached' (LongStraw as published: the "
-                                      "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)")
-    chunk_size: int | None = _f(None, "capture chunk size in tokens (null: chosen for the model, 4,096 unless "
-                                      "one chunk's transients would pass 512 MiB; longstraw.plan.auto_chunk_size)")
-    state_dtype: str | None = _f(None, "keep the prompt's growing state (K/V, MLA latents) in 8 bits: 'fp8' or "
-                                       "'int8' (per-block scales; detached prompt_grad only); null: the model's dtype")
-    checkpoint_layers: bool = _f(False, "recompute each decoder layer in backward during replay (activation "
-                                        "checkpointing: less memory for long responses and MoE, one more forward)")
+    sft_full_sequence: bool = _f(
+        True,
+        "supervised steps back-propagate through the whole [prompt + answer] "
+        "(False: capture the prompt, replay the answer, detached like GRPO)",
+    )
+    prompt_grad: str = _f(
+        "detached",
+        "gradient through the prompt: 'detached' (LongStraw as published: the "
+        "prompt state is a constant) or 'exact' (equal to full-sequence GRPO)",
+    )
+    chunk_size: int | None = _f(
+        None,
+        "capture chunk size in tokens (null: chosen for the model, 4,096 unless "
+        "one chunk's transients would pass 512 MiB; longstraw.plan.auto_chunk_size)",
+    )
+    state_dtype: str | None = _f(
+        None,
+        "keep the prompt's growing state (K/V, MLA latents) in 8 bits: 'fp8' or "
+        "'int8' (per-block scales; detached prompt_grad only); null: the model's dtype",
+    )
+    checkpoint_layers: bool = _f(
+        False,
+        "recompute each decoder layer in backward during replay (activation "
+        "checkpointing: less memory for long responses and MoE, one more forward)",
+    )
     # ------------------------------------------------------------------ optimizer
     learning_rate: float = _f(3e-3, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
@@ -120,34 +175,57 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "gradient clipping (0: off)")
     seed: int = _f(0, "seed of the model initialisation, the data and the sampler")
     # ------------------------------------------------------------------ output
-    output_dir: str = _f("runs/longstraw", "where metrics, checkpoints, the final model (model/ or adapter/) and "
-                                           "plots go")
-    merge_adapter: bool = _f(False, "with LoRA, also write the merged model to OUTPUT/model (a plain transformers "
-                                    "folder) beside OUTPUT/adapter")
-    report_to: list = _f([], "extra metric sinks besides metrics.jsonl: [tensorboard] (needs the tensorboard "
-                             "package; event files in OUTPUT/tensorboard)")
-    log_completions: bool = _f(True, "write each GRPO step's completions (the prompt's tail, the text, each reward "
-                                     "and the advantage) to OUTPUT/completions/step-N.jsonl, and to TensorBoard as "
-                                     "text when it is on (TRL's `log_completions`)")
-    num_completions_to_print: int = _f(2, "completions printed to the console after each GRPO step (0: none; "
-                                          "TRL's name)")
+    output_dir: str = _f(
+        "runs/longstraw", "where metrics, checkpoints, the final model (model/ or adapter/) and plots go"
+    )
+    merge_adapter: bool = _f(
+        False,
+        "with LoRA, also write the merged model to OUTPUT/model (a plain transformers folder) beside OUTPUT/adapter",
+    )
+    report_to: list = _f(
+        [],
+        "extra metric sinks besides metrics.jsonl: [tensorboard] (needs the tensorboard "
+        "package; event files in OUTPUT/tensorboard)",
+    )
+    log_completions: bool = _f(
+        True,
+        "write each GRPO step's completions (the prompt's tail, the text, each reward "
+        "and the advantage) to OUTPUT/completions/step-N.jsonl, and to TensorBoard as "
+        "text when it is on (TRL's `log_completions`)",
+    )
+    num_completions_to_print: int = _f(
+        2, "completions printed to the console after each GRPO step (0: none; TRL's name)"
+    )
     save_every: int = _f(1, "checkpoint every N steps (the last step is always saved)")
     eval_every: int = _f(0, "held-out evaluation every N steps (0: only at the end)")
     eval_lengths: list = _f([], "prompt lengths of the held-out evaluation (empty: prompt_length)")
     eval_examples: int = _f(64, "held-out examples per length")
-    eval_at_start: bool = _f(True, "also evaluate the starting model before the first step, so that eval.json and "
-                                   "the final table show the gain (kept across a resume in OUTPUT/eval_start.json)")
-    threads: int = _f(0, "torch threads per process (0: torch's default; 1 per rank on the CPU when the run has "
-                         "several processes)")
-    dist_timeout: float = _f(600.0, "seconds a rank waits in a collective (runs of several processes: torchrun or "
-                                    "--nproc) before it raises an error naming the collective, instead of hanging on "
-                                    "a rank that died or hangs")
-    fsdp: bool = _f(False, "runs of several processes: shard the decoder layers' weights, gradients and optimizer "
-                           "state over the ranks (FSDP2; 1/N per rank); checkpoints keep one optimizer file per rank "
-                           "and resume on as many processes")
+    eval_at_start: bool = _f(
+        True,
+        "also evaluate the starting model before the first step, so that eval.json and "
+        "the final table show the gain (kept across a resume in OUTPUT/eval_start.json)",
+    )
+    threads: int = _f(
+        0, "torch threads per process (0: torch's default; 1 per rank on the CPU when the run has several processes)"
+    )
+    dist_timeout: float = _f(
+        600.0,
+        "seconds a rank waits in a collective (runs of several processes: torchrun or "
+        "--nproc) before it raises an error naming the collective, instead of hanging on "
+        "a rank that died or hangs",
+    )
+    fsdp: bool = _f(
+        False,
+        "runs of several processes: shard the decoder layers' weights, gradients and optimizer "
+        "state over the ranks (FSDP2; 1/N per rank); checkpoints keep one optimizer file per rank "
+        "and resume on as many processes",
+    )
     device: str = _f("auto", "where the model runs: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
-    dtype: str = _f("auto", "model dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32; LoRA adapters and "
-                            "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies")
+    dtype: str = _f(
+        "auto",
+        "model dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32; LoRA adapters and "
+        "all accumulations stay fp32, trainable bf16 weights step on fp32 master copies",
+    )
     progress: bool = _f(True, "show a progress bar")
 
     @property
@@ -168,45 +246,70 @@ class TrainConfig:
         need(self.temperature > 0, "temperature must be > 0 for GRPO sampling")
         need(self.loss_type in LOSS_TYPES, f"loss_type must be one of {sorted(LOSS_TYPES)}")
         need(self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}")
-        need(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
-             f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+        need(
+            self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}",
+        )
         need(self.dataset is not None or self.task in TASKS, f"task must be one of {sorted(TASKS)}")
         need(0.0 <= self.eval_fraction < 1.0, "eval_fraction must be in [0, 1)")
         need(self.eval_dataset is None or self.dataset is not None, "eval_dataset needs a `dataset` to train on")
-        need(all(isinstance(r, str) and (r in REWARD_FUNCTIONS or ":" in r) for r in self.reward_funcs),
-             f"reward_funcs entries must be built-in names {sorted(REWARD_FUNCTIONS)} or import paths "
-             "'package.module:function' / 'path/to/file.py:function'")
-        need(self.rollout_func is None or ":" in self.rollout_func,
-             "rollout_func must be an import path 'package.module:function' or 'path/to/file.py:function'")
-        need(self.environment is None or ":" in self.environment,
-             "environment must be an import path 'package.module:Class' or 'path/to/file.py:Class'")
+        need(
+            all(isinstance(r, str) and (r in REWARD_FUNCTIONS or ":" in r) for r in self.reward_funcs),
+            f"reward_funcs entries must be built-in names {sorted(REWARD_FUNCTIONS)} or import paths "
+            "'package.module:function' / 'path/to/file.py:function'",
+        )
+        need(
+            self.rollout_func is None or ":" in self.rollout_func,
+            "rollout_func must be an import path 'package.module:function' or 'path/to/file.py:function'",
+        )
+        need(
+            self.environment is None or ":" in self.environment,
+            "environment must be an import path 'package.module:Class' or 'path/to/file.py:Class'",
+        )
         need(self.environment is None or self.rollout_func is None, "set `environment` or `rollout_func`, not both")
-        need(self.max_turns >= 1 and self.max_tool_tokens >= 1
-             and (self.max_turn_tokens is None or self.max_turn_tokens >= 1),
-             "max_turns, max_turn_tokens and max_tool_tokens must be >= 1")
-        need(not self.replays_segments or self.importance_sampling_level == "token",
-             "segment_replay needs importance_sampling_level: token (a sequence-level ratio couples the turns)")
+        need(
+            self.max_turns >= 1
+            and self.max_tool_tokens >= 1
+            and (self.max_turn_tokens is None or self.max_turn_tokens >= 1),
+            "max_turns, max_turn_tokens and max_tool_tokens must be >= 1",
+        )
+        need(
+            not self.replays_segments or self.importance_sampling_level == "token",
+            "segment_replay needs importance_sampling_level: token (a sequence-level ratio couples the turns)",
+        )
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
         need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")
-        need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
-             "reward_weights needs one weight per reward function")
+        need(
+            not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
+            "reward_weights needs one weight per reward function",
+        )
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
         need(self.state_dtype in (None, "fp8", "int8"), "state_dtype must be 'fp8', 'int8' or null")
         need(self.dtype in ("auto", "fp32", "bf16", "fp16"), "dtype must be 'auto', 'fp32', 'bf16' or 'fp16'")
-        need(self.dtype != "fp16" or (self.lora and not self.train_embeddings),
-             "trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss scaling, which "
-             "the trainer does not do: use dtype bf16 (trained on float32 master weights) or fp32")
-        need(self.state_dtype is None or self.prompt_grad == "detached",
-             "state_dtype (a quantized prompt state) needs prompt_grad: detached")
-        need(len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
-             "curriculum_steps needs one entry per curriculum stage but the last")
+        need(
+            self.dtype != "fp16" or (self.lora and not self.train_embeddings),
+            "trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss scaling, which "
+            "the trainer does not do: use dtype bf16 (trained on float32 master weights) or fp32",
+        )
+        need(
+            self.state_dtype is None or self.prompt_grad == "detached",
+            "state_dtype (a quantized prompt state) needs prompt_grad: detached",
+        )
+        need(
+            len(self.curriculum_steps) == max(len(self.curriculum) - 1, 0),
+            "curriculum_steps needs one entry per curriculum stage but the last",
+        )
         need(self.prompt_length >= 2 and all(int(x) >= 2 for x in self.curriculum), "prompt lengths must be >= 2")
-        need((self.chunk_size is None or self.chunk_size >= 1) and self.save_every >= 1 and self.eval_examples >= 1,
-             "sizes must be >= 1")
+        need(
+            (self.chunk_size is None or self.chunk_size >= 1) and self.save_every >= 1 and self.eval_examples >= 1,
+            "sizes must be >= 1",
+        )
         need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
-        need(self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
-             "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0")
+        need(
+            self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
+            "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0",
+        )
 
     # ------------------------------------------------------------------ io
     @classmethod

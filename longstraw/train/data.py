@@ -34,8 +34,10 @@ def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Ex
         return rows, rows
     n_eval = math.ceil(fraction * len(rows))
     if n_eval >= len(rows):
-        raise ValueError(f"the dataset has {len(rows)} row(s): too few to hold out eval_fraction={fraction}; "
-                         "give an eval_dataset or set eval_fraction: 0")
+        raise ValueError(
+            f"the dataset has {len(rows)} row(s): too few to hold out eval_fraction={fraction}; "
+            "give an eval_dataset or set eval_fraction: 0"
+        )
     held = set(random.Random(seed).sample(range(len(rows)), n_eval))
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 

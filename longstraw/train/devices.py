@@ -34,6 +34,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}; got {name!r}")
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ValueError(f"dtype 'bf16': {torch.cuda.get_device_name(device)} has no bfloat16 arithmetic; use "
-                         f"dtype: fp16 (or fp32)")
+        raise ValueError(
+            f"dtype 'bf16': {torch.cuda.get_device_name(device)} has no bfloat16 arithmetic; use dtype: fp16 (or fp32)"
+        )
     return DTYPES[name]

@@ -30,8 +30,9 @@ def _save_transformers(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def export_model(model, tokenizer, out: Path, *, merge_adapter: bool = False, base_model=None,
-                 base_path: str | None = None) -> dict[str, Path]:
+def export_model(
+    model, tokenizer, out: Path, *, merge_adapter: bool = False, base_model=None, base_path: str | None = None
+) -> dict[str, Path]:
     """Write the model's final folders under `out`; returns {"model" | "adapter" | "base": folder}.
 
     For a PEFT model: `base_path` is the folder of its base weights, or None with `base_model` (the

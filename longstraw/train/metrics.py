@@ -52,8 +52,9 @@ class MetricsWriter:
         if cfg.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.num_steps, initial=resumed_step, desc="longstraw", unit="step",
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=cfg.num_steps, initial=resumed_step, desc="longstraw", unit="step", dynamic_ncols=True
+            )
         if "tensorboard" in cfg.report_to:
             if not tensorboard_available():
                 raise ValueError("report_to: tensorboard needs the `tensorboard` package (pip install tensorboard)")
@@ -93,8 +94,10 @@ class MetricsWriter:
         if self.to_print and rows:
             lines = [f"step {step}: {len(rows)} completions, e.g."]
             for r in rows[: self.to_print]:
-                lines.append(f"  reward {r['reward']:+.3f}  advantage {r['advantage']:+.3f}  "
-                             f"…{_one_line(r['prompt_tail'])[-60:]} → {_one_line(r['completion'])[:120]!r}")
+                lines.append(
+                    f"  reward {r['reward']:+.3f}  advantage {r['advantage']:+.3f}  "
+                    f"…{_one_line(r['prompt_tail'])[-60:]} → {_one_line(r['completion'])[:120]!r}"
+                )
             text = "\n".join(lines)
             if self.bar is not None:
                 self.bar.write(text)
@@ -118,7 +121,10 @@ def _markdown_table(rows: list[dict]) -> str:
     cell = lambda t: _one_line(str(t)).replace("|", "\\|")  # noqa: E731
     head = "| prompt (end) | completion | " + " | ".join(names) + " | reward | advantage |"
     rule = "|" + "---|" * (4 + len(names))
-    body = [f"| …{cell(r['prompt_tail'])[-80:]} | {cell(r['completion'])[:200]} | "
-            + " | ".join(f"{r['rewards'][n]:.3f}" for n in names) + f" | {r['reward']:.3f} | {r['advantage']:.3f} |"
-            for r in rows]
+    body = [
+        f"| …{cell(r['prompt_tail'])[-80:]} | {cell(r['completion'])[:200]} | "
+        + " | ".join(f"{r['rewards'][n]:.3f}" for n in names)
+        + f" | {r['reward']:.3f} | {r['advantage']:.3f} |"
+        for r in rows
+    ]
     return "\n".join([head, rule, *body])

@@ -20,8 +20,9 @@ def _rows(run: Path) -> list[dict]:
 
 def _smooth(values: list[float]) -> tuple[list[float], int]:
     k = max(1, len(values) // 20)
-    return [sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1])
-            for i in range(len(values))], k
+    return [
+        sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))
+    ], k
 
 
 def _grpo_panel(ax, grpo: list[dict]) -> None:

@@ -64,8 +64,10 @@ class MasterWeights:
                     master.copy_(p)
                 return
             if len(values) != len(self.pairs):
-                raise ValueError(f"checkpoint holds {len(values)} master weights; this model has {len(self.pairs)} "
-                                 "trainable bf16 parameters")
+                raise ValueError(
+                    f"checkpoint holds {len(values)} master weights; this model has {len(self.pairs)} "
+                    "trainable bf16 parameters"
+                )
             for (p, master), value in zip(self.pairs, values):
                 master.copy_(value)
                 p.copy_(master)

@@ -36,8 +36,9 @@ def resolve_callable(spec: str, what: str = "reward function") -> Callable:
     """`package.module:function` or `path/to/file.py:function` → the function (errors name the spec)."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
-        raise ValueError(f"{what} {spec!r}: expected a built-in name, 'package.module:function' or "
-                         "'path/to/file.py:function'")
+        raise ValueError(
+            f"{what} {spec!r}: expected a built-in name, 'package.module:function' or 'path/to/file.py:function'"
+        )
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
@@ -84,8 +85,9 @@ class RewardSet:
     def names(self) -> list[str]:
         return [n for n, _ in self.funcs]
 
-    def score(self, example: Example, completions: list, completion_ids: list[list[int]],
-              extra: dict | None = None) -> torch.Tensor:
+    def score(
+        self, example: Example, completions: list, completion_ids: list[list[int]], extra: dict | None = None
+    ) -> torch.Tensor:
         """`[N, F]` rewards of the F functions for N completions of one example (NaN where one abstains). `extra`:
         per-completion columns (name → N values) of a rollout hook, passed on like the data columns."""
         n = len(completions)
@@ -106,11 +108,13 @@ class RewardSet:
             except (TypeError, ValueError) as e:
                 raise RewardFunctionError(f"reward function {name!r} returned non-numbers on {where}: {e}") from None
             if len(values) != n:
-                raise RewardFunctionError(f"reward function {name!r} returned {len(values)} rewards for {n} "
-                                          f"completions on {where}")
+                raise RewardFunctionError(
+                    f"reward function {name!r} returned {len(values)} rewards for {n} completions on {where}"
+                )
             bad = [i for i, (x, raw) in enumerate(zip(values, r)) if raw is not None and math.isnan(x)]
             if bad:
-                raise RewardFunctionError(f"reward function {name!r} returned NaN for completion {bad[0]} on {where} "
-                                          "(return None to abstain)")
+                raise RewardFunctionError(
+                    f"reward function {name!r} returned NaN for completion {bad[0]} on {where} (return None to abstain)"
+                )
             cols.append(torch.tensor(values))
         return torch.stack(cols, dim=1)

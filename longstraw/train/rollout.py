@@ -116,8 +116,9 @@ class SamplingSettings:
 
     @classmethod
     def from_config(cls, cfg) -> SamplingSettings:
-        return cls(cfg.num_generations, cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
-                   cfg.ignore_eos)
+        return cls(
+            cfg.num_generations, cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.ignore_eos
+        )
 
 
 class TurnSampler:
@@ -133,8 +134,9 @@ class TurnSampler:
     effects or its own randomness) on rank 0 and gives its result, or its exception, to every rank.
     """
 
-    def __init__(self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator,
-                 ranks=None):
+    def __init__(
+        self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator, ranks=None
+    ):
         self.state, self.settings, self.generator = state, settings, generator
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
@@ -153,16 +155,28 @@ class TurnSampler:
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings
-        kw: dict[str, Any] = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=self.generator,
-                                  stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
-                                  allowed_token_ids=self._allowed)
+        kw: dict[str, Any] = dict(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            generator=self.generator,
+            stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
+            allowed_token_ids=self._allowed,
+        )
         group = getattr(self.state, "group", None)
         if group is not None:  # context parallel: a collective, every rank the same tokens
             if prefix_ids is None:
                 return self.state.sample(num, max_new_tokens or s.max_completion_length, **kw)
             prefix = torch.as_tensor(prefix_ids).reshape(-1).cpu()
-            group.agree("TurnSampler.sample", {"prefix_ids": prefix, "num": num, "max_new_tokens": repr(max_new_tokens),
-                                               "generator state": self.generator.get_state()})
+            group.agree(
+                "TurnSampler.sample",
+                {
+                    "prefix_ids": prefix,
+                    "num": num,
+                    "max_new_tokens": repr(max_new_tokens),
+                    "generator state": self.generator.get_state(),
+                },
+            )
         return sample(self.state, num, max_new_tokens or s.max_completion_length, prefix_ids=prefix_ids, **kw)
 
 
@@ -186,8 +200,10 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
     if n == 0 or n > max_len:
         raise ValueError(f"{where}: a response must hold 1..max_completion_length={max_len} tokens; got {n}")
     if item.mask.numel() != n or item.old_logprobs.numel() != n:
-        raise ValueError(f"{where}: tokens, mask and logprobs differ in length ({n}, {item.mask.numel()}, "
-                         f"{item.old_logprobs.numel()})")
+        raise ValueError(
+            f"{where}: tokens, mask and logprobs differ in length ({n}, {item.mask.numel()}, "
+            f"{item.old_logprobs.numel()})"
+        )
     if not bool(((item.mask == 0) | (item.mask == 1)).all()):
         raise ValueError(f"{where}: the mask must hold only 0 and 1")
     if not bool(torch.isfinite(item.old_logprobs[item.mask > 0]).all()):
@@ -195,9 +211,15 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
     return item
 
 
-def reference_logprobs(model, prompt: torch.Tensor, responses: list[Response], temperature: float,
-                       chunk_size: int | None, state_dtype: str | None = None,
-                       ranks: Ranks | None = None) -> list[torch.Tensor | None]:
+def reference_logprobs(
+    model,
+    prompt: torch.Tensor,
+    responses: list[Response],
+    temperature: float,
+    chunk_size: int | None,
+    state_dtype: str | None = None,
+    ranks: Ranks | None = None,
+) -> list[torch.Tensor | None]:
     """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled. On N ranks
     (a collective) only those of the responses this rank replays (`ranks.spread`); None for the others."""
     if not hasattr(model, "disable_adapter"):
@@ -254,13 +276,20 @@ class RolloutStage:
         state: PromptState | None  # None once released (a state only sampled from)
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
-            state = capture(model, prompt, chunk_size=self.chunk_size, prompt_grad=mode, state_dtype=self.state_dtype,
-                            group=self.ranks.pg if self.ranks is not None else None)
+            state = capture(
+                model,
+                prompt,
+                chunk_size=self.chunk_size,
+                prompt_grad=mode,
+                state_dtype=self.state_dtype,
+                group=self.ranks.pg if self.ranks is not None else None,
+            )
         nbytes = state.nbytes
         with meter.stage("sample"):
             sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b), self.ranks)
             responses = self._responses(sampler, ex)
         with meter.stage("reward"):
+
             def score():
                 texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
                 keys = sorted({k for r in responses for k in r.extra})
@@ -271,8 +300,15 @@ class RolloutStage:
             rewards = score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)
         if self.beta > 0:
             with meter.stage("reference"):
-                refs = reference_logprobs(model, prompt, responses, self.settings.temperature, self.chunk_size,
-                                          self.state_dtype, ranks=self.ranks)
+                refs = reference_logprobs(
+                    model,
+                    prompt,
+                    responses,
+                    self.settings.temperature,
+                    self.chunk_size,
+                    self.state_dtype,
+                    ranks=self.ranks,
+                )
             for r, ref in zip(responses, refs):
                 r.ref_logprobs = ref
         if not keep_state:
@@ -287,7 +323,16 @@ class RolloutStage:
         name = getattr(self.rollout_func, "__name__", "rollout_func")
         items = list(self.rollout_func(sampler, ex, g))
         if len(items) != g:
-            raise ValueError(f"rollout hook {name!r} returned {len(items)} responses for num_generations={g} "
-                             f"on {ex.source or 'the example'}")
-        return [_as_response(it, f"rollout hook {name!r}, response {i}", self.settings.max_completion_length,
-                             self.policy.eos_token_id) for i, it in enumerate(items)]
+            raise ValueError(
+                f"rollout hook {name!r} returned {len(items)} responses for num_generations={g} "
+                f"on {ex.source or 'the example'}"
+            )
+        return [
+            _as_response(
+                it,
+                f"rollout hook {name!r}, response {i}",
+                self.settings.max_completion_length,
+                self.policy.eos_token_id,
+            )
+            for i, it in enumerate(items)
+        ]

@@ -74,8 +74,16 @@ def _tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
     """The built-in tiny model of `cfg`, random weights drawn from cfg.seed (the same every call)."""
     from transformers import AutoModelForCausalLM
 
-    mcfg = tiny_config(cfg.model, **{**cfg.model_overrides, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
-                                     "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id})
+    mcfg = tiny_config(
+        cfg.model,
+        **{
+            **cfg.model_overrides,
+            "vocab_size": len(tok),
+            "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+        },
+    )
     torch.manual_seed(cfg.seed)
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32).to(dtype)
 
@@ -92,14 +100,18 @@ def build_model_and_tokenizer(cfg: TrainConfig):
     tok: PreTrainedTokenizerBase  # the task's word-level tokenizer, or the model folder's
     if cfg.model in TINY_CONFIGS:
         opts = cfg.task_options
-        tok = build_tokenizer(num_keys=opts.get("num_keys", 64), num_values=opts.get("num_values", 16),
-                              num_filler=opts.get("num_filler", 32))
+        tok = build_tokenizer(
+            num_keys=opts.get("num_keys", 64),
+            num_values=opts.get("num_values", 16),
+            num_filler=opts.get("num_filler", 32),
+        )
         model = _tiny_base(cfg, tok, dtype)
     else:
         path = Path(cfg.model)
         if not path.is_dir():
-            raise ValueError(f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} "
-                             "nor a local folder")
+            raise ValueError(
+                f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} nor a local folder"
+            )
         tok = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         # a field the config does not have would be kept and never read (a silent no-op): refused by name
@@ -116,8 +128,12 @@ def build_model_and_tokenizer(cfg: TrainConfig):
         from peft import LoraConfig, get_peft_model
 
         extra = ["embed_tokens", "lm_head"] if cfg.train_embeddings else None
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                                 target_modules=cfg.lora_target_modules, modules_to_save=extra))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, modules_to_save=extra
+            ),
+        )
     return model.train(), tok
 
 
@@ -174,8 +190,10 @@ class Trainer:
             torch.set_num_threads(1)
         self.model, self.tok = build_model_and_tokenizer(cfg)
         # every rank starts from rank 0's trainable weights (randomly initialised adapters may differ)
-        self.ranks.broadcast_params([(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
-                                    "Trainer: initial weights from rank 0")
+        self.ranks.broadcast_params(
+            [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
+            "Trainer: initial weights from rank 0",
+        )
         self.sharded = cfg.fsdp and self.ranks.size > 1
         if cfg.fsdp and not self.sharded:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
@@ -194,20 +212,30 @@ class Trainer:
             from ..agent import AgentSettings, EnvironmentRollout
 
             kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
-            rollout_func = EnvironmentRollout(resolve_callable(cfg.environment, "environment"),
-                                              AgentSettings(cfg.max_turns, cfg.max_turn_tokens, cfg.max_tool_tokens),
-                                              **kw)
-        self.loss_fn = make_loss(cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                 importance_sampling_level=cfg.importance_sampling_level,
-                                 use_bias_correction_kl=cfg.use_bias_correction_kl)
+            rollout_func = EnvironmentRollout(
+                resolve_callable(cfg.environment, "environment"),
+                AgentSettings(cfg.max_turns, cfg.max_turn_tokens, cfg.max_tool_tokens),
+                **kw,
+            )
+        self.loss_fn = make_loss(
+            cfg.loss_type,
+            epsilon=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            beta=cfg.beta,
+            importance_sampling_level=cfg.importance_sampling_level,
+            use_bias_correction_kl=cfg.use_bias_correction_kl,
+        )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if any(p.dtype == torch.float16 for p in self.params):  # `dtype: auto` on a GPU without bf16
-            raise ValueError("trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss "
-                             "scaling, which the trainer does not do: use dtype bf16 or fp32, or a LoRA adapter")
+            raise ValueError(
+                "trainable fp16 weights (full fine-tuning, or train_embeddings with LoRA) would need loss "
+                "scaling, which the trainer does not do: use dtype bf16 or fp32, or a LoRA adapter"
+            )
         # what the optimizer steps on: the float32 parameters themselves, float32 masters of the bf16 ones
         self.masters = MasterWeights(self.params)
-        self.opt = torch.optim.AdamW(self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
-                                     weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+        )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
         self.step = 0
@@ -219,17 +247,26 @@ class Trainer:
         self.policy = Policy(self.model, self.tok, self.eos, allowed)
         device = next(self.model.parameters()).device
         self.rollout_stage = RolloutStage(
-            self.policy, self.rewards, SamplingSettings.from_config(cfg),
+            self.policy,
+            self.rewards,
+            SamplingSettings.from_config(cfg),
             lambda step, b: _generator(cfg.seed, step, b, device=device),
-            chunk_size=cfg.chunk_size, prompt_grad=cfg.prompt_grad, state_dtype=cfg.state_dtype, beta=cfg.beta,
+            chunk_size=cfg.chunk_size,
+            prompt_grad=cfg.prompt_grad,
+            state_dtype=cfg.state_dtype,
+            beta=cfg.beta,
             scale_rewards=cfg.scale_rewards,
-            rollout_func=rollout_func, ranks=self.ranks)
+            rollout_func=rollout_func,
+            ranks=self.ranks,
+        )
         self.update_settings = UpdateSettings.from_config(cfg)
         if self.ranks.size > 1 and self.update_settings.segment_replay:
             if cfg.segment_replay:
-                raise ValueError(f"segment_replay: true on {self.ranks.size} processes: a context-parallel prompt "
-                                 "state replays each trajectory whole (segmented replay runs in one process); set "
-                                 "segment_replay: false, or train in one process")
+                raise ValueError(
+                    f"segment_replay: true on {self.ranks.size} processes: a context-parallel prompt "
+                    "state replays each trajectory whole (segmented replay runs in one process); set "
+                    "segment_replay: false, or train in one process"
+                )
             self.update_settings = dataclasses.replace(self.update_settings, segment_replay=False)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
 
@@ -243,8 +280,10 @@ class Trainer:
 
     def examples(self, step: int, sft: bool = False) -> list[Example]:
         length = self.cfg.stage_length(step)
-        return [self.data.example(step * self.cfg.prompts_per_step + b, length, sft=sft)
-                for b in range(self.cfg.prompts_per_step)]
+        return [
+            self.data.example(step * self.cfg.prompts_per_step + b, length, sft=sft)
+            for b in range(self.cfg.prompts_per_step)
+        ]
 
     # ------------------------------------------------------------------ steps
     def rollout(self, step: int):
@@ -253,8 +292,15 @@ class Trainer:
 
     def update(self, rollout) -> dict:
         """Accumulate the gradient of `rollout`'s GRPO loss (no optimizer step)."""
-        return policy_update(self.model, rollout, self.loss_fn, self.update_settings, self.meter, ranks=self.ranks,
-                             before_last_backward=self._before_last_backward())
+        return policy_update(
+            self.model,
+            rollout,
+            self.loss_fn,
+            self.update_settings,
+            self.meter,
+            ranks=self.ranks,
+            before_last_backward=self._before_last_backward(),
+        )
 
     def _before_last_backward(self):
         """With sharded layers: what turns their gradient reduction on for the step's last backward."""
@@ -267,11 +313,15 @@ class Trainer:
     def grpo_step(self, step: int) -> dict:
         r = self.rollout(step)
         m = dict(phase="grpo", **self.update(r))
-        m.update(completion_length=sum(x.tokens.numel() for x in r.responses) / len(r.responses),
-                 truncated_frac=sum(x.truncated for x in r.responses) / len(r.responses),
-                 reward=float(r.rewards.mean()), reward_std=float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
-                 durable_bytes=r.durable_bytes, tokens=r.tokens,
-                 **prompt_length_metrics([g.prompt_ids.numel() for g in r.groups]))
+        m.update(
+            completion_length=sum(x.tokens.numel() for x in r.responses) / len(r.responses),
+            truncated_frac=sum(x.truncated for x in r.responses) / len(r.responses),
+            reward=float(r.rewards.mean()),
+            reward_std=float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
+            durable_bytes=r.durable_bytes,
+            tokens=r.tokens,
+            **prompt_length_metrics([g.prompt_ids.numel() for g in r.groups]),
+        )
         for key in ("turns", "tool_calls", "tool_failures"):  # multi-turn rollouts (`environment`): per trajectory
             values = [x.extra[key] for x in r.responses if key in x.extra]
             if values:
@@ -295,17 +345,32 @@ class Trainer:
         rows = []
         for i, (gi, resp) in enumerate(zip(r.group_ids, r.responses)):
             g = r.groups[gi]
-            rows.append(dict(step=step, group=gi, prompt_tokens=g.prompt_ids.numel(),
-                             prompt_tail=decode(g.prompt_ids[-self.PROMPT_TAIL:].tolist(), skip_special_tokens=False),
-                             completion=decode(resp.tokens.tolist(), skip_special_tokens=False),
-                             truncated=bool(resp.truncated), **({"agent": resp.extra} if resp.extra else {}),
-                             rewards={name: float(r.per_function[i, f]) for f, name in enumerate(self.rewards.names)},
-                             reward=float(r.rewards[i]), advantage=float(r.advantages[i])))
+            rows.append(
+                dict(
+                    step=step,
+                    group=gi,
+                    prompt_tokens=g.prompt_ids.numel(),
+                    prompt_tail=decode(g.prompt_ids[-self.PROMPT_TAIL :].tolist(), skip_special_tokens=False),
+                    completion=decode(resp.tokens.tolist(), skip_special_tokens=False),
+                    truncated=bool(resp.truncated),
+                    **({"agent": resp.extra} if resp.extra else {}),
+                    rewards={name: float(r.per_function[i, f]) for f, name in enumerate(self.rewards.names)},
+                    reward=float(r.rewards[i]),
+                    advantage=float(r.advantages[i]),
+                )
+            )
         return rows
 
     def sft_step(self, step: int) -> dict:
-        m = sft_update(self.policy, self.examples(step, sft=True), self.update_settings, self.cfg.sft_full_sequence,
-                       self.meter, ranks=self.ranks, before_last_backward=self._before_last_backward())
+        m = sft_update(
+            self.policy,
+            self.examples(step, sft=True),
+            self.update_settings,
+            self.cfg.sft_full_sequence,
+            self.meter,
+            ranks=self.ranks,
+            before_last_backward=self._before_last_backward(),
+        )
         return dict(phase="sft", **m)
 
     def train_step(self, step: int) -> dict:
@@ -351,8 +416,9 @@ class Trainer:
             self.opt.step()  # no gradients: a no-op that keeps the scheduler's step count in order
         else:
             if self.cfg.max_grad_norm > 0:
-                m["grad_norm"] = norm if norm is not None else \
-                    float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+                m["grad_norm"] = (
+                    norm if norm is not None else float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+                )
             self.opt.step()
             self.masters.copy_to_model()
         self.sched.step()
@@ -368,10 +434,21 @@ class Trainer:
         # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it
         unused = torch.Generator(device=next(self.model.parameters()).device) if self.ranks.size > 1 else None
         for ex in examples:
-            with capture(self.model, self.encode(ex.prompt), chunk_size=self.cfg.chunk_size,
-                         state_dtype=self.cfg.state_dtype, group=self.ranks.pg) as state:
-                s = state.sample(1, self.cfg.max_completion_length, temperature=0, stop_token_ids=[self.eos],
-                                 allowed_token_ids=self.allowed, generator=unused)
+            with capture(
+                self.model,
+                self.encode(ex.prompt),
+                chunk_size=self.cfg.chunk_size,
+                state_dtype=self.cfg.state_dtype,
+                group=self.ranks.pg,
+            ) as state:
+                s = state.sample(
+                    1,
+                    self.cfg.max_completion_length,
+                    temperature=0,
+                    stop_token_ids=[self.eos],
+                    allowed_token_ids=self.allowed,
+                    generator=unused,
+                )
             out.append(s.tokens[0].tolist())
             if bar is not None:
                 bar.update(1)
@@ -411,8 +488,9 @@ class Trainer:
         if cfg.progress and self.ranks.main:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example",
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example", dynamic_ncols=True
+            )
         for length, examples in todo.items():
             seen = self.score_examples(examples, bar)
             if samples is not None:
@@ -445,21 +523,29 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
-        self.ranks.check_same(self._replicated(self._named_trainable()), "checkpoint: weights compared",
-                              f"at step {self.step}")
+        self.ranks.check_same(
+            self._replicated(self._named_trainable()), "checkpoint: weights compared", f"at step {self.step}"
+        )
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
         if self.sharded:
             from ..distributed.fsdp import full_tensors, local_optimizer_state
 
-            return save_sharded_checkpoint(self.out / "checkpoints", self.step, self.ranks,
-                                           full_tensors(self._named_trainable(), keep=self.ranks.main),
-                                           local_optimizer_state(self.opt.state_dict()), self.sched, state,
-                                           masters=self.masters)
+            return save_sharded_checkpoint(
+                self.out / "checkpoints",
+                self.step,
+                self.ranks,
+                full_tensors(self._named_trainable(), keep=self.ranks.main),
+                local_optimizer_state(self.opt.state_dict()),
+                self.sched,
+                state,
+                masters=self.masters,
+            )
         if not self.ranks.main:
             return None
-        return save_checkpoint(self.out / "checkpoints", self.step, self.model, self.opt, self.sched, state,
-                               masters=self.masters)
+        return save_checkpoint(
+            self.out / "checkpoints", self.step, self.model, self.opt, self.sched, state, masters=self.masters
+        )
 
     def has_checkpoint(self) -> bool:
         """Whether the output folder holds a checkpoint to resume from."""
@@ -476,20 +562,27 @@ class Trainer:
                 from ..distributed.fsdp import load_full_tensors
 
                 return load_sharded_checkpoint(
-                    root / name, self.ranks,
+                    root / name,
+                    self.ranks,
                     lambda values: load_full_tensors(self._named_trainable(), values, f"checkpoint {name}"),
-                    self.opt, self.sched, masters=self.masters)
+                    self.opt,
+                    self.sched,
+                    masters=self.masters,
+                )
             return load_checkpoint(root, self.model, self.opt, self.sched, masters=self.masters, name=name)
 
         state = self.ranks.run_alike("resume: loading the checkpoint", load)
         if state is None:
             return False
-        self.ranks.check_same(self._replicated(self._named_trainable()), "resume: weights compared",
-                              f"after loading {name}")
+        self.ranks.check_same(
+            self._replicated(self._named_trainable()), "resume: weights compared", f"after loading {name}"
+        )
         saved = state.get("world_size", 1)
         if saved != self.ranks.size and self.ranks.main:  # the steps do not depend on N beyond rounding
-            print(f"longstraw: resuming {name}, written by a run of {saved} process(es), on {self.ranks.size}",
-                  file=sys.stderr)
+            print(
+                f"longstraw: resuming {name}, written by a run of {saved} process(es), on {self.ranks.size}",
+                file=sys.stderr,
+            )
         self.step = state["step"]
         return True
 
@@ -507,8 +600,14 @@ class Trainer:
         config = model.config
         before = dict(vars(config))
         try:
-            return export_model(model, self.tok, self.out, merge_adapter=self.cfg.merge_adapter,
-                                base_model=base_model, base_path=base_path)
+            return export_model(
+                model,
+                self.tok,
+                self.out,
+                merge_adapter=self.cfg.merge_adapter,
+                base_model=base_model,
+                base_path=base_path,
+            )
         finally:
             for key in set(vars(config)) - set(before):
                 delattr(config, key)
@@ -527,8 +626,9 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # rank 0's random streams stay those of the other ranks
             model, _ = build_model_and_tokenizer(self.cfg)
         with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
-            load_full_tensors([(n, p) for n, p in model.named_parameters() if p.requires_grad], weights,
-                              f"export from {ckpt}")
+            load_full_tensors(
+                [(n, p) for n, p in model.named_parameters() if p.requires_grad], weights, f"export from {ckpt}"
+            )
         return model
 
     # ------------------------------------------------------------------ the run

@@ -56,8 +56,17 @@ class UpdateSettings:
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
-        return cls(cfg.max_completion_length, cfg.temperature, cfg.mask_truncated_completions, cfg.entropy_coef,
-                   cfg.prompt_grad, cfg.chunk_size, cfg.checkpoint_layers, cfg.state_dtype, cfg.replays_segments)
+        return cls(
+            cfg.max_completion_length,
+            cfg.temperature,
+            cfg.mask_truncated_completions,
+            cfg.entropy_coef,
+            cfg.prompt_grad,
+            cfg.chunk_size,
+            cfg.checkpoint_layers,
+            cfg.state_dtype,
+            cfg.replays_segments,
+        )
 
 
 def loss_mask(response: Response, settings: UpdateSettings) -> torch.Tensor:
@@ -76,8 +85,15 @@ class _Totals:
     tokens: int = 0
 
 
-def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSettings, meter: MemoryMeter,
-                  ranks=None, before_last_backward=None) -> dict:
+def policy_update(
+    model,
+    rollout: Rollout,
+    loss_fn: GRPOLoss,
+    settings: UpdateSettings,
+    meter: MemoryMeter,
+    ranks=None,
+    before_last_backward=None,
+) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
     `ranks` (`longstraw.distributed.ranks.Ranks`, N processes): this rank's share of the replays (see the module doc).
     `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
@@ -93,9 +109,14 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
         state = group.state
         if state is None:
             with meter.stage("capture"):
-                state = capture(model, group.prompt_ids, chunk_size=settings.chunk_size,
-                                prompt_grad=settings.prompt_grad, state_dtype=settings.state_dtype,
-                                group=ranks.pg if parallel else None)
+                state = capture(
+                    model,
+                    group.prompt_ids,
+                    chunk_size=settings.chunk_size,
+                    prompt_grad=settings.prompt_grad,
+                    state_dtype=settings.state_dtype,
+                    group=ranks.pg if parallel else None,
+                )
         with meter.stage("replay"):
             turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
             exact = state.prompt_grad == "exact"
@@ -106,8 +127,18 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
                     _padding_backward(state, group.responses[0], settings, last)
                     continue
                 i = first + k
-                _response_backward(state, group.responses[k], masks[i], float(rollout.advantages[i]), norm[i],
-                                   entropy_scale, loss_fn, settings, totals, last)
+                _response_backward(
+                    state,
+                    group.responses[k],
+                    masks[i],
+                    float(rollout.advantages[i]),
+                    norm[i],
+                    entropy_scale,
+                    loss_fn,
+                    settings,
+                    totals,
+                    last,
+                )
             if exact and g == last_group and before_last_backward is not None:
                 before_last_backward()
             state.backward()  # exact mode: the prompt's share of the gradient (nothing when detached)
@@ -115,8 +146,9 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
         first += len(group.responses)
         group.state = None
     if parallel:
-        sums = ranks.sum_floats("policy_update: loss metrics",
-                                [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens])
+        sums = ranks.sum_floats(
+            "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
+        )
         totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
@@ -125,17 +157,28 @@ def policy_update(model, rollout: Rollout, loss_fn: GRPOLoss, settings: UpdateSe
     return metrics
 
 
-def _response_backward(state, response: Response, mask: torch.Tensor, advantage: float, scale: float,
-                       entropy_scale: float, loss_fn: GRPOLoss, settings: UpdateSettings, totals: _Totals,
-                       before_backward=None) -> None:
+def _response_backward(
+    state,
+    response: Response,
+    mask: torch.Tensor,
+    advantage: float,
+    scale: float,
+    entropy_scale: float,
+    loss_fn: GRPOLoss,
+    settings: UpdateSettings,
+    totals: _Totals,
+    before_backward=None,
+) -> None:
     """Replay one response, back-propagate its share of the batch loss, free its graph (with `segment_replay`, a
     response holding environment tokens goes one policy turn at a time: `_segments_backward`)."""
     if settings.segment_replay and bool((response.mask == 0).any()):
-        return _segments_backward(state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals,
-                                  before_backward)
+        return _segments_backward(
+            state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward
+        )
     out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
-    loss, st = loss_fn.response_loss(out.logprobs, response.old_logprobs, advantage, scale,
-                                     ref_logps=response.ref_logprobs, mask=mask)
+    loss, st = loss_fn.response_loss(
+        out.logprobs, response.old_logprobs, advantage, scale, ref_logps=response.ref_logprobs, mask=mask
+    )
     if entropy_scale > 0:
         loss = loss - entropy_scale * (out.entropy * mask).sum()
     if before_backward is not None:
@@ -144,8 +187,18 @@ def _response_backward(state, response: Response, mask: torch.Tensor, advantage:
     _add_totals(totals, loss.item(), mask, out.entropy, st)
 
 
-def _segments_backward(state, response: Response, mask, advantage, scale, entropy_scale, loss_fn: GRPOLoss,
-                       settings: UpdateSettings, totals: _Totals, before_backward=None) -> None:
+def _segments_backward(
+    state,
+    response: Response,
+    mask,
+    advantage,
+    scale,
+    entropy_scale,
+    loss_fn: GRPOLoss,
+    settings: UpdateSettings,
+    totals: _Totals,
+    before_backward=None,
+) -> None:
     """`_response_backward` turn by turn: each policy segment's share of the loss (the token-level surrogate is a sum
     over tokens, so the shares add up to the response's) back-propagated as soon as it is replayed."""
     loss_value = 0.0
@@ -154,8 +207,9 @@ def _segments_backward(state, response: Response, mask, advantage, scale, entrop
     def segment_loss(sl, out):
         nonlocal loss_value
         ref = None if response.ref_logprobs is None else response.ref_logprobs[sl]
-        loss, st = loss_fn.response_loss(out.logprobs, response.old_logprobs[sl], advantage, scale, ref_logps=ref,
-                                         mask=mask[sl])
+        loss, st = loss_fn.response_loss(
+            out.logprobs, response.old_logprobs[sl], advantage, scale, ref_logps=ref, mask=mask[sl]
+        )
         if entropy_scale > 0:
             loss = loss - entropy_scale * (out.entropy * mask[sl]).sum()
         loss_value += loss.item()
@@ -166,8 +220,14 @@ def _segments_backward(state, response: Response, mask, advantage, scale, entrop
 
     on = (response.mask > 0).nonzero()
     last_policy_end = int(on[-1]) + 1 if on.numel() else 0
-    out = replay_segments(state, response.tokens, response.mask, segment_loss, temperature=settings.temperature,
-                          checkpoint_layers=settings.checkpoint_layers)
+    out = replay_segments(
+        state,
+        response.tokens,
+        response.mask,
+        segment_loss,
+        temperature=settings.temperature,
+        checkpoint_layers=settings.checkpoint_layers,
+    )
     n = mask.numel()
     low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
     kl = torch.zeros(n) if loss_fn.beta > 0 else None
@@ -196,8 +256,15 @@ def _padding_backward(state, response: Response, settings: UpdateSettings, befor
     (out.logprobs.sum() * 0.0).backward()
 
 
-def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings, full_sequence: bool,
-               meter: MemoryMeter, ranks=None, before_last_backward=None) -> dict:
+def sft_update(
+    policy: Policy,
+    examples: list[Example],
+    settings: UpdateSettings,
+    full_sequence: bool,
+    meter: MemoryMeter,
+    ranks=None,
+    before_last_backward=None,
+) -> dict:
     """Supervised: − mean log-prob of the answer tokens (and the stop token) over the step's prompts.
 
     `full_sequence`: ordinary forwards of [prompt + answer] with grad, so the prompt positions learn too
@@ -220,15 +287,16 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
     if full_sequence:
         if before_last_backward is None and parallel:  # data parallel: whole prompts per rank
             mine = ranks.mine(len(pairs))
-            loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok,
-                                      meter)
+            loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
         else:
-            loss = _sft_full_sequence(policy.model, pairs, examples, n_tok, meter, ranks if parallel else None,
-                                      before_last_backward)
+            loss = _sft_full_sequence(
+                policy.model, pairs, examples, n_tok, meter, ranks if parallel else None, before_last_backward
+            )
         durable = 0
     else:
-        loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter,
-                                      ranks if parallel else None, before_last_backward)
+        loss, durable = _sft_replayed(
+            policy.model, pairs, n_tok, settings.chunk_size, meter, ranks if parallel else None, before_last_backward
+        )
     if parallel:
         loss = ranks.sum_floats("sft_update: loss", [loss])[0]
     return dict(loss=loss, durable_bytes=durable, tokens=tokens, **prompt_length_metrics([p.numel() for p, _ in pairs]))
@@ -236,8 +304,9 @@ def sft_update(policy: Policy, examples: list[Example], settings: UpdateSettings
 
 def prompt_length_metrics(lengths: list[int]) -> dict:
     """A step's prompt token counts as metrics: `prompt_length` (mean, rounded), `prompt_length_min` / `_max`."""
-    return dict(prompt_length=round(sum(lengths) / len(lengths)), prompt_length_min=min(lengths),
-                prompt_length_max=max(lengths))
+    return dict(
+        prompt_length=round(sum(lengths) / len(lengths)), prompt_length_min=min(lengths), prompt_length_max=max(lengths)
+    )
 
 
 def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None = None) -> torch.Tensor:
@@ -251,15 +320,21 @@ def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None 
     targets = seqs.gather(1, pos)
     hidden = parts.decoder(input_ids=seqs).last_hidden_state
     hidden = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
-    lp, _ = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), parts.lm_head, targets.reshape(-1),
-                             softcap=parts.final_logit_softcapping, scale=parts.logit_scale)
+    lp, _ = chunked_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        parts.lm_head,
+        targets.reshape(-1),
+        softcap=parts.final_logit_softcapping,
+        scale=parts.logit_scale,
+    )
     if weights is not None:
         lp = lp.view(len(group), -1) * torch.tensor(weights, dtype=lp.dtype, device=lp.device)[:, None]
     return -lp.sum() / n_tok
 
 
-def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter, lockstep=None,
-                       before_last_backward=None) -> float:
+def _sft_full_sequence(
+    model, pairs, examples, n_tok: int, meter: MemoryMeter, lockstep=None, before_last_backward=None
+) -> float:
     """One forward per shape of the prompts `pairs`. `lockstep` (the `Ranks` of a sharded model, whose ranks must run
     the same forwards): every rank runs one forward per shape of all the step's prompts, its rows that shape's
     prompts r, r + N, ..., padded with weight-0 copies of its first to ⌈n / N⌉ rows. `before_last_backward`: called
@@ -275,8 +350,9 @@ def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter, l
         weights = [1.0] * len(mine) + [0.0] * (rows - len(mine)) if rows > len(mine) else None
         mine = mine + [idx[0]] * (rows - len(mine))
         with meter.stage("replay"):
-            loss = _sft_batch_loss(model, [(pairs[b][0], pairs[b][1], examples[b].supervised) for b in mine], n_tok,
-                                   weights)
+            loss = _sft_batch_loss(
+                model, [(pairs[b][0], pairs[b][1], examples[b].supervised) for b in mine], n_tok, weights
+            )
             if before_last_backward is not None and g == len(by_shape) - 1:
                 before_last_backward()
             loss.backward()
@@ -284,8 +360,9 @@ def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter, l
     return total
 
 
-def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None,
-                  before_last_backward=None) -> tuple[float, int]:
+def _sft_replayed(
+    model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None, before_last_backward=None
+) -> tuple[float, int]:
     """Each prompt captured (context parallel on N ranks) and its answer replayed; on N ranks prompt b's owner
     (b mod N) replays it with weight 1, the others with weight 0 (a replay is a collective)."""
     total, durable = 0.0, 0

@@ -19,5 +19,13 @@ from .latent_attention import SliceIndexedLatentState, SliceLatentState
 from .slices import slice_bounds
 from .state import ContextParallelState
 
-__all__ = ["ContextParallelState", "SliceIndexedLatentState", "SliceKVState", "SliceLatentState", "agree", "capture",
-           "check_served", "slice_bounds"]
+__all__ = [
+    "ContextParallelState",
+    "SliceIndexedLatentState",
+    "SliceKVState",
+    "SliceLatentState",
+    "agree",
+    "capture",
+    "check_served",
+    "slice_bounds",
+]

@@ -42,40 +42,59 @@ def agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify,
     except Exception:  # noqa: BLE001 - invalid input is refused by the validation, on every rank alike
         raw, length = repr(prompt_ids), -1
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    g.agree("longstraw.capture", {
-        "prompt length": length, "prompt_ids": raw,
-        "chunk_size": chunk_size if chunk_size is None or isinstance(chunk_size, int) else repr(chunk_size),
-        "prompt_grad": prompt_grad, "block_size": block_size if isinstance(block_size, int) else repr(block_size),
-        "verify": verify, "state_dtype": str(state_dtype), "state_device": str(state_device),
-        "model config": base_model(model).config.to_json_string(use_diff=False),
-        "trainable parameters": trainable,
-    })
+    g.agree(
+        "longstraw.capture",
+        {
+            "prompt length": length,
+            "prompt_ids": raw,
+            "chunk_size": chunk_size if chunk_size is None or isinstance(chunk_size, int) else repr(chunk_size),
+            "prompt_grad": prompt_grad,
+            "block_size": block_size if isinstance(block_size, int) else repr(block_size),
+            "verify": verify,
+            "state_dtype": str(state_dtype),
+            "state_device": str(state_device),
+            "model config": base_model(model).config.to_json_string(use_diff=False),
+            "trainable parameters": trainable,
+        },
+    )
     return g
 
 
-def check_served(g: Group, parts: ModelParts, prompt: torch.Tensor, prompt_grad: str, compressed,
-                 state_device) -> None:
+def check_served(g: Group, parts: ModelParts, prompt: torch.Tensor, prompt_grad: str, compressed, state_device) -> None:
     """What the context-parallel capture refuses so far, before the model is prepared or self-checked: a state
     device, layer kinds outside `SERVED`, exact mode on a kind without its reverse pass, and a prompt too short to
     give every rank a slice (of whole 8-bit blocks with a quantized state)."""
     if state_device is not None:
-        raise NotImplementedError("context-parallel capture (group=...) keeps the state on the model's device so far; "
-                                  "state_device is not supported with group=")
+        raise NotImplementedError(
+            "context-parallel capture (group=...) keeps the state on the model's device so far; "
+            "state_device is not supported with group="
+        )
     kinds = {layer_kind(kind) for kind in parts.plan}
     if kinds - SERVED:
         other = sorted(k.__name__ for k in kinds - SERVED)
-        raise NotImplementedError(f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in SERVED)} "
-                                  f"so far; {parts.config.model_type!r} also has layer kinds {other}")
+        raise NotImplementedError(
+            f"context-parallel capture (group=...) serves {sorted(k.__name__ for k in SERVED)} "
+            f"so far; {parts.config.model_type!r} also has layer kinds {other}"
+        )
     captured = prompt.numel() - 1
     align = QUANT_BLOCK if compressed is not None else 1  # a quantized state's slices start on block boundaries
     if captured < g.size * align:
-        raise ValueError(f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
-                         f"ranks a slice{f' of whole 8-bit blocks of {align} positions' if align > 1 else ''}; "
-                         "use fewer ranks or capture without group=")
+        raise ValueError(
+            f"a prompt of {prompt.numel()} tokens ({captured} captured) cannot give each of the {g.size} "
+            f"ranks a slice{f' of whole 8-bit blocks of {align} positions' if align > 1 else ''}; "
+            "use fewer ranks or capture without group="
+        )
 
 
-def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk_size: int, prompt_grad: str,
-            block_size: int = DEFAULT_BLOCK) -> ContextParallelState:
+def capture(
+    g: Group,
+    parts: ModelParts,
+    prompt: torch.Tensor,
+    compressed,
+    chunk_size: int,
+    prompt_grad: str,
+    block_size: int = DEFAULT_BLOCK,
+) -> ContextParallelState:
     """This rank's share of the collective capture of `prompt` (validated, the model prepared and checked, the same
     on every rank): its slice runs through the decoder in one forward, `chunk_size` keys exchanged per all-gather step
     (see `longstraw.distributed`); the state of its slice (full attention, MLA, DSA) or the replicated O(1) state
@@ -106,8 +125,10 @@ def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk
     # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
     # their feed-forward modules)
     # (the ignores: `BranchCache.__init__`, longstraw/hf/cache.py, sets both to None without an annotation)
-    cache.layer_chunks = (chunk_size,  # type: ignore[assignment]
-                          {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)})
+    cache.layer_chunks = (
+        chunk_size,  # type: ignore[assignment]
+        {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)},
+    )
     cache.ffn_chunk = chunk_size  # type: ignore[assignment]  # and every layer's feed-forward module (position-wise)
     hooks = []
     for i, layer in enumerate(layers):
@@ -138,10 +159,20 @@ def capture(g: Group, parts: ModelParts, prompt: torch.Tensor, compressed, chunk
                 layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
     del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
-    state = ContextParallelState(parts, layers, prompt[-1:].clone(), prompt.numel(), chunk_size, prompt_grad,
-                                 block_size, group=g, bounds=bounds, key=key)
+    state = ContextParallelState(
+        parts,
+        layers,
+        prompt[-1:].clone(),
+        prompt.numel(),
+        chunk_size,
+        prompt_grad,
+        block_size,
+        group=g,
+        bounds=bounds,
+        key=key,
+    )
     if prompt_grad == "exact":
         state._prompt = prompt[:captured]
-        for layer in layers[first_trainable_layer(parts):]:
+        for layer in layers[first_trainable_layer(parts) :]:
             layer.require_grad()
     return state

@@ -38,8 +38,10 @@ class SliceKVState(LayerState):
     def commit(self, branch_layer, n: int) -> None:
         k, v = branch_layer.keys, branch_layer.values
         if n != self.end - self.start or k.shape[-2] != n:
-            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
-                               f"produced {k.shape[-2]} keys")
+            raise RuntimeError(
+                f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
+                f"produced {k.shape[-2]} keys"
+            )
         self.keys, self.values = self._store(k), self._store(v)
         self.length = self.end
 
@@ -56,8 +58,12 @@ class SliceKVState(LayerState):
         return stored
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for x in (self.keys, self.values) if x is not None
-                for t in (x.tensors() if isinstance(x, QuantizedTokens) else [x])]
+        return [
+            t
+            for x in (self.keys, self.values)
+            if x is not None
+            for t in (x.tensors() if isinstance(x, QuantizedTokens) else [x])
+        ]
 
     def release(self) -> None:
         self.keys = self.values = None
@@ -117,8 +123,9 @@ class CaptureBranchLayer(AttentionBranchLayer):
         own = make_part(q_start, own_start, window, softcap, scale, block)
         if sinks is not None:
             if torch.is_grad_enabled():
-                raise NotImplementedError("context-parallel exact mode (the reverse pass) does not support attention "
-                                          "sinks yet")
+                raise NotImplementedError(
+                    "context-parallel exact mode (the reverse pass) does not support attention sinks yet"
+                )
             out, lse = self.forward_parts(q, k, v, own, rounded=False)
             return fold_sinks(out, lse, sinks)[0].to(q.dtype)
         return CaptureAttention.apply(q, k, v, own, self)
@@ -168,7 +175,7 @@ class CaptureBranchLayer(AttentionBranchLayer):
                 lo_q = steps_q[step]
                 name = f"capture layer {self.layer_idx}: queries to the keys, step {step}"
                 hi_q = max(half + lo_q, min(half + lo_q + c, n_me))
-                got_q = g.all_gather(name, [_pad_rows(q[:, :, half + lo_q:hi_q], c)])
+                got_q = g.all_gather(name, [_pad_rows(q[:, :, half + lo_q : hi_q], c)])
                 send = []  # the key owner's share first: the other ranks wait for it
                 for r, (qr,) in enumerate(got_q):
                     m = min(c, second[r] - lo_q)
@@ -183,8 +190,11 @@ class CaptureBranchLayer(AttentionBranchLayer):
                     n = min(c, lengths[j] - lo)
                     if n > 0 and half > 0:
                         kj, vj = got_k[j]
-                        fold_rows(0, half, part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
-                                                        self._cross(own, me, j, lo, True)))
+                        fold_rows(
+                            0,
+                            half,
+                            part_forward(q[:, :, :half], kj[:, :, :n], vj[:, :, :n], self._cross(own, me, j, lo, True)),
+                        )
             if got_q is not None:
                 back = g.all_to_all(f"{name}: partial outputs", send)
                 m = min(c, second[me] - lo_q)
@@ -216,17 +226,24 @@ class CaptureBranchLayer(AttentionBranchLayer):
                 dkj, dvj = torch.zeros_like(kj, dtype=torch.float32), torch.zeros_like(vj, dtype=torch.float32)
                 n = min(c, lengths[j] - lo)
                 if j < me and n > 0 and half > 0:
-                    dqa, dka, dva = part_backward(dout[:, :, :half], q[:, :, :half], kj[:, :, :n], vj[:, :, :n],
-                                                  out[:, :, :half], lse[:, :, :half], self._cross(own, me, j, lo, True),
-                                                  need_kv=True)
+                    dqa, dka, dva = part_backward(
+                        dout[:, :, :half],
+                        q[:, :, :half],
+                        kj[:, :, :n],
+                        vj[:, :, :n],
+                        out[:, :, :half],
+                        lse[:, :, :half],
+                        self._cross(own, me, j, lo, True),
+                        need_kv=True,
+                    )
                     dq[:, :, :half] += dqa.float()
                     dkj[:, :, :n], dvj[:, :, :n] = dka.float(), dva.float()
                 send.append([dkj, dvj])
             back = g.all_to_all(f"{name}: their gradients", send)
             for r in range(me + 1, g.size):  # rank order
                 dkr, dvr = back[r]
-                dk[:, :, lo:hi] += dkr[:, :, :hi - lo]
-                dv[:, :, lo:hi] += dvr[:, :, :hi - lo]
+                dk[:, :, lo:hi] += dkr[:, :, : hi - lo]
+                dv[:, :, lo:hi] += dvr[:, :, : hi - lo]
         for step, lo in enumerate(range(0, max(second[1:], default=0), c)):
             name = f"capture backward layer {self.layer_idx}: queries to the keys, step {step}"
             a, b = half + lo, max(half + lo, min(half + lo + c, n_me))
@@ -236,15 +253,23 @@ class CaptureBranchLayer(AttentionBranchLayer):
                 dqr = torch.zeros_like(qr, dtype=torch.float32)
                 m = min(c, second[r] - lo)
                 if r > me and m > 0:
-                    dqb, dkb, dvb = part_backward(gr[:, :, :m], qr[:, :, :m], k, v, outr[:, :, :m], lser[:, :, :m],
-                                                  self._cross(own, r, me, lo, False), need_kv=True)
+                    dqb, dkb, dvb = part_backward(
+                        gr[:, :, :m],
+                        qr[:, :, :m],
+                        k,
+                        v,
+                        outr[:, :, :m],
+                        lser[:, :, :m],
+                        self._cross(own, r, me, lo, False),
+                        need_kv=True,
+                    )
                     dqr[:, :, :m] = dqb.float()
                     dk += dkb.float()
                     dv += dvb.float()
                 send.append([dqr])
             back = g.all_to_all(f"{name}: query gradients", send)
             for j in range(me):  # slice order
-                dq[:, :, a:b] += back[j][0][:, :, :b - a]
+                dq[:, :, a:b] += back[j][0][:, :, : b - a]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -285,7 +310,7 @@ class ReplayAttention(torch.autograd.Function):
         prompt = prompt_part(own, layer.start)
         send = []
         for j, (qj,) in enumerate(qs):
-            o, l = part_forward(qj[:, :, :lengths[j]], slice_k, slice_v, prompt)
+            o, l = part_forward(qj[:, :, : lengths[j]], slice_k, slice_v, prompt)
             send.append([_pad_rows(o.float(), rmax), _pad_rows(l.float(), rmax)])
         got = g.all_to_all(f"{name}: partial outputs", send)
         r = q.shape[2]
@@ -299,8 +324,18 @@ class ReplayAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         quantized = isinstance(slice_k, QuantizedTokens)  # a constant, kept on ctx (not a tensor to save)
         ctx.slice_kv = (slice_k, slice_v) if quantized else None
-        ctx.save_for_backward(q, own_k, own_v, None if quantized else slice_k, None if quantized else slice_v, out,
-                              lse_o.float(), lse_p, lse, sinks)
+        ctx.save_for_backward(
+            q,
+            own_k,
+            own_v,
+            None if quantized else slice_k,
+            None if quantized else slice_v,
+            out,
+            lse_o.float(),
+            lse_p,
+            lse,
+            sinks,
+        )
         ctx.own, ctx.info = own, info
         return out
 
@@ -328,14 +363,16 @@ class ReplayAttention(torch.autograd.Function):
             d_sinks = -(p_sink * (dout.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
         dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True)
         name = f"replay backward layer {layer.layer_idx}"
-        got = g.all_gather(f"{name}: queries and gradients",
-                           [_pad_rows(t, rmax) for t in (q, g_p, out)] + [_pad_rows(lse_p, rmax)])
+        got = g.all_gather(
+            f"{name}: queries and gradients", [_pad_rows(t, rmax) for t in (q, g_p, out)] + [_pad_rows(lse_p, rmax)]
+        )
         prompt = prompt_part(own, layer.start)
         send, dk_s, dv_s = [], None, None
         for j, (qj, gj, oj, lj) in enumerate(got):
             n = lengths[j]
-            dqj, dkj, dvj = part_backward(gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n],
-                                          prompt, need_kv=need_kv)
+            dqj, dkj, dvj = part_backward(
+                gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n], prompt, need_kv=need_kv
+            )
             send.append([_pad_rows(dqj.float(), rmax)])
             if need_kv:  # every branch's gradient of this slice, summed in rank order
                 dk_s = dkj.float() if dk_s is None else dk_s + dkj.float()
@@ -379,7 +416,7 @@ class SampleBranchLayer(AttentionBranchLayer):
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
         b, h, r, d = q.shape
         dv = v.shape[-1]
-        scale = float(d ** -0.5 if scale is None else scale)
+        scale = float(d**-0.5 if scale is None else scale)
         own = make_part(q_start, own_start, window, softcap, scale, block)
         # the b sequences' rows folded into one row block against the one slice (as SplitAttention does)
         qf = q.transpose(0, 1).reshape(1, h, b * r, d)

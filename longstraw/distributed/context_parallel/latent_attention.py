@@ -24,8 +24,10 @@ class SliceLatentState(SliceKVState):
     def commit(self, branch_layer, n: int) -> None:
         latent = branch_layer.keys
         if n != self.end - self.start or latent.shape[-2] != n:
-            raise RuntimeError(f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
-                               f"produced {latent.shape[-2]} latents")
+            raise RuntimeError(
+                f"layer {self.layer_idx}: slice of {self.end - self.start} tokens, chunk of {n} "
+                f"produced {latent.shape[-2]} latents"
+            )
         self.keys = self.values = self._store(latent)
         self.length = self.end
 
@@ -100,9 +102,22 @@ class DsaCaptureBranchLayer(LatentCaptureBranchLayer):
         pos = []
         for step, lo, hi, counts in self.steps():
             q_pos = torch.arange(q_start + lo, q_start + hi, device=q.device)
-            sel = select(self.group, f"capture layer {self.layer_idx}: sparse selection, step {step}", q[:, lo:hi],
-                         weights[:, lo:hi], scale, own_keys, own_start, q_pos, topk, block, slice_keys=own_keys,
-                         slice_bounds=self.bounds[self.group.rank], lengths=counts, limits=limits)
+            sel = select(
+                self.group,
+                f"capture layer {self.layer_idx}: sparse selection, step {step}",
+                q[:, lo:hi],
+                weights[:, lo:hi],
+                scale,
+                own_keys,
+                own_start,
+                q_pos,
+                topk,
+                block,
+                slice_keys=own_keys,
+                slice_bounds=self.bounds[self.group.rank],
+                lengths=counts,
+                limits=limits,
+            )
             pos.append(torch.where(sel.valid, sel.indices, torch.full_like(sel.indices, -1)))
         return as_selection(torch.cat(pos, dim=1), own_start)
 
@@ -119,9 +134,17 @@ class DsaCaptureBranchLayer(LatentCaptureBranchLayer):
             q = query[:, :, lo:hi]
             idx, valid = selection.indices[:, lo:hi], selection.valid[:, lo:hi]
             sel = type(selection)(idx, valid, selection.prompt_length)
-            acc = slice_partials(self.group, f"capture layer {self.layer_idx}: sparse attention, step {step}", q, sel,
-                                 scale, slice_latents=own, slice_start=selection.prompt_length, lengths=counts,
-                                 limits=limits)
+            acc = slice_partials(
+                self.group,
+                f"capture layer {self.layer_idx}: sparse attention, step {step}",
+                q,
+                sel,
+                scale,
+                slice_latents=own,
+                slice_start=selection.prompt_length,
+                lengths=counts,
+                limits=limits,
+            )
             out, lse = _fold(acc, sparse_partial(q, own, selection.prompt_length, idx, valid, scale))
             outs.append(out)
             lses.append(lse)
@@ -143,9 +166,22 @@ class DsaReplayBranchLayer(LatentReplayBranchLayer):
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         layer, g = self.info.layer, self.info.group
         q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
-        return select(g, f"replay layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start,
-                      q_pos, topk, block, slice_keys=layer.index_keys, slice_bounds=(layer.start, layer.end),
-                      lengths=self.info.lengths, limits=[own_start] * g.size)
+        return select(
+            g,
+            f"replay layer {layer.layer_idx}: sparse selection",
+            q,
+            weights,
+            scale,
+            own_keys,
+            own_start,
+            q_pos,
+            topk,
+            block,
+            slice_keys=layer.index_keys,
+            slice_bounds=(layer.start, layer.end),
+            lengths=self.info.lengths,
+            limits=[own_start] * g.size,
+        )
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
         if query.shape[0] != 1:
@@ -160,14 +196,37 @@ class DsaSampleBranchLayer(LatentSampleBranchLayer):
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         layer, g = self.layer, self.group
         q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
-        return select(g, f"sample layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start,
-                      q_pos, topk, block, slice_keys=layer.index_keys, slice_bounds=(layer.start, layer.end),
-                      lengths=[q.shape[1]] * g.size, limits=[own_start] * g.size, replicated=True)
+        return select(
+            g,
+            f"sample layer {layer.layer_idx}: sparse selection",
+            q,
+            weights,
+            scale,
+            own_keys,
+            own_start,
+            q_pos,
+            topk,
+            block,
+            slice_keys=layer.index_keys,
+            slice_bounds=(layer.start, layer.end),
+            lengths=[q.shape[1]] * g.size,
+            limits=[own_start] * g.size,
+            replicated=True,
+        )
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
         layer, g = self.layer, self.group
-        acc = slice_partials(g, f"sample layer {layer.layer_idx}: sparse attention", query, selection, scale,
-                             slice_latents=layer.keys, slice_start=layer.start, lengths=[query.shape[2]] * g.size,
-                             limits=[own_start] * g.size, replicated=True)
+        acc = slice_partials(
+            g,
+            f"sample layer {layer.layer_idx}: sparse attention",
+            query,
+            selection,
+            scale,
+            slice_latents=layer.keys,
+            slice_start=layer.start,
+            lengths=[query.shape[2]] * g.size,
+            limits=[own_start] * g.size,
+            replicated=True,
+        )
         out, _ = _fold(acc, sparse_partial(query, own, own_start, selection.indices, selection.valid, scale))
         return out.to(query.dtype)

@@ -13,9 +13,14 @@ from ..collectives import Group
 
 def state_slots(branch: RecurrentBranchLayer, number: int) -> list[tuple[dict, int, bool]]:
     """(dict, index, whether set) of a linear-attention branch layer's conv and recurrent state slots, in order."""
-    return [(states, i, bool(done[i]) and states.get(i) is not None) for i in range(number)
-            for states, done in ((branch.conv_states, branch.is_conv_states_initialized),
-                                 (branch.recurrent_states, branch.is_recurrent_states_initialized))]
+    return [
+        (states, i, bool(done[i]) and states.get(i) is not None)
+        for i in range(number)
+        for states, done in (
+            (branch.conv_states, branch.is_conv_states_initialized),
+            (branch.recurrent_states, branch.is_recurrent_states_initialized),
+        )
+    ]
 
 
 class RecurrentRelay:
@@ -32,8 +37,10 @@ class RecurrentRelay:
     @staticmethod
     def pack(branch: RecurrentBranchLayer, number: int) -> list[torch.Tensor]:
         slots = state_slots(branch, number)
-        return [torch.tensor([int(present) for _, _, present in slots], dtype=torch.int64),
-                *[states[i] for states, i, present in slots if present]]
+        return [
+            torch.tensor([int(present) for _, _, present in slots], dtype=torch.int64),
+            *[states[i] for states, i, present in slots if present],
+        ]
 
     @staticmethod
     def unpack(tensors: list[torch.Tensor], number: int) -> tuple[dict, dict]:
@@ -76,8 +83,11 @@ class _RelayIn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         relay = ctx.relay
-        relay.group.send(relay.grad_name, [g if g is not None else torch.zeros_like(t)
-                                           for g, t in zip(grads, relay.received)], relay.group.rank - 1)
+        relay.group.send(
+            relay.grad_name,
+            [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, relay.received)],
+            relay.group.rank - 1,
+        )
         return (None, None) + (None,) * len(grads)
 
 

@@ -23,8 +23,15 @@ def slice_bounds(total: int, size: int, align: int = 1) -> list[tuple[int, int]]
 
 def make_part(q_start, k_start, window, softcap, scale, block, q_period=None) -> Part:
     """A `longstraw.ops.attention.Part`, built by field name (the kernel interface is being reorganised)."""
-    return Part(q_start=int(q_start), k_start=int(k_start), window=window, softcap=softcap, scale=float(scale),
-                block=int(block), q_period=q_period)
+    return Part(
+        q_start=int(q_start),
+        k_start=int(k_start),
+        window=window,
+        softcap=softcap,
+        scale=float(scale),
+        block=int(block),
+        q_period=q_period,
+    )
 
 
 def prompt_part(part: Part, k_start: int) -> Part:

@@ -27,8 +27,8 @@ def window_before(tails, bounds, pos: int, keep: int):
         first = e - k.shape[-2]  # position of the tail's first row
         if a < first:
             raise RuntimeError(f"positions [{a}, {b}) are not in the tail [{first}, {e}) of their slice")
-        ks.append(k[:, :, a - first:b - first])
-        vs.append(v[:, :, a - first:b - first])
+        ks.append(k[:, :, a - first : b - first])
+        vs.append(v[:, :, a - first : b - first])
     if not ks:
         return None, None, lo
     return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), lo
@@ -47,8 +47,9 @@ class SlidingCaptureBranchLayer(AttentionBranchLayer):
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
         if sinks is not None and torch.is_grad_enabled():
-            raise NotImplementedError("context-parallel exact mode (the reverse pass) does not support attention "
-                                      "sinks yet")
+            raise NotImplementedError(
+                "context-parallel exact mode (the reverse pass) does not support attention sinks yet"
+            )
         g = self.group
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = make_part(q_start, own_start, window, softcap, scale, block)
@@ -56,8 +57,10 @@ class SlidingCaptureBranchLayer(AttentionBranchLayer):
         n = k.shape[-2]
         if keep > 0:
             tail = max(0, n - keep)
-            got = g.all_gather(f"capture layer {self.layer_idx}: window keys and values",
-                               [_pad_rows(k[:, :, tail:], keep), _pad_rows(v[:, :, tail:], keep)])
+            got = g.all_gather(
+                f"capture layer {self.layer_idx}: window keys and values",
+                [_pad_rows(k[:, :, tail:], keep), _pad_rows(v[:, :, tail:], keep)],
+            )
             lengths = [min(keep, e - s) for s, e in self.bounds]
             self.tails = [(kj[:, :, :m], vj[:, :, :m]) for (kj, vj), m in zip(got, lengths)]
         else:
@@ -97,8 +100,13 @@ class SlidingCaptureAttention(torch.autograd.Function):
         g, bounds = layer.group, layer.bounds
         keep = own.window - 1
         dq, dk, dv = (t.float() for t in part_backward(dout, q, k, v, out, lse, own, need_kv=True))
-        send = [[k.new_zeros((*k.shape[:2], keep, k.shape[-1]), dtype=torch.float32),
-                 v.new_zeros((*v.shape[:2], keep, v.shape[-1]), dtype=torch.float32)] for _ in range(g.size)]
+        send = [
+            [
+                k.new_zeros((*k.shape[:2], keep, k.shape[-1]), dtype=torch.float32),
+                v.new_zeros((*v.shape[:2], keep, v.shape[-1]), dtype=torch.float32),
+            ]
+            for _ in range(g.size)
+        ]
         if window:
             pk, pv = window
             dqw, dpk, dpv = part_backward(dout, q, pk, pv, out, lse, ctx.prompt, need_kv=True)
@@ -109,13 +117,13 @@ class SlidingCaptureAttention(torch.autograd.Function):
                 if a >= b:
                     continue
                 first = ej - kj.shape[-2]  # position of tail j's first row
-                send[j][0][:, :, a - first:b - first] += dpk[:, :, row:row + b - a].float()
-                send[j][1][:, :, a - first:b - first] += dpv[:, :, row:row + b - a].float()
+                send[j][0][:, :, a - first : b - first] += dpk[:, :, row : row + b - a].float()
+                send[j][1][:, :, a - first : b - first] += dpv[:, :, row : row + b - a].float()
                 row += b - a
         back = g.all_to_all(f"reverse pass layer {layer.layer_idx}: window gradients", send)
         m = min(keep, k.shape[-2])
         if m > 0:
             for dkr, dvr in back:  # rank order
-                dk[:, :, k.shape[-2] - m:] += dkr[:, :, :m]
-                dv[:, :, v.shape[-2] - m:] += dvr[:, :, :m]
+                dk[:, :, k.shape[-2] - m :] += dkr[:, :, :m]
+                dv[:, :, v.shape[-2] - m :] += dvr[:, :, :m]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

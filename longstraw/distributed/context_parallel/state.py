@@ -28,8 +28,20 @@ class ContextParallelState(PromptState):
     may differ), and gets its own branch's log-probs with grad; so is the backward of what it returns (every rank
     must run it). `nbytes` is this rank's share; `slice` its captured positions `(start, end)`."""
 
-    def __init__(self, parts, layers, last_token, prompt_length, chunk_size, prompt_grad, block, *, group: Group,
-                 bounds, key: int):
+    def __init__(
+        self,
+        parts,
+        layers,
+        last_token,
+        prompt_length,
+        chunk_size,
+        prompt_grad,
+        block,
+        *,
+        group: Group,
+        bounds,
+        key: int,
+    ):
         super().__init__(parts, layers, last_token, prompt_length, chunk_size, prompt_grad, block)
         self.group = group
         self.bounds = bounds
@@ -62,8 +74,10 @@ class ContextParallelState(PromptState):
     def __repr__(self) -> str:
         status = "released" if self.layers is None else f"{self.nbytes / 2**20:.2f} MiB here"
         s, e = self.slice
-        return (f"ContextParallelState(prompt_length={self.prompt_length}, rank {self.rank} of {self.world_size}, "
-                f"positions [{s}, {e}), {status})")
+        return (
+            f"ContextParallelState(prompt_length={self.prompt_length}, rank {self.rank} of {self.world_size}, "
+            f"positions [{s}, {e}), {status})"
+        )
 
     def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
         """`PromptState.replay`'s check of the response, as a collective: every rank's response length is agreed
@@ -78,22 +92,39 @@ class ContextParallelState(PromptState):
         except (ValueError, TypeError) as err:
             mine, error = -1, err
         self._replays += 1
-        self._lengths = [row[0] for row in self.group.agree("ContextParallelState.replay", {
-            "captured state": self._key, "replay number": self._replays, "checkpoint_layers": bool(checkpoint_layers),
-            "grad enabled": torch.is_grad_enabled()}, free=(mine,))]
+        self._lengths = [
+            row[0]
+            for row in self.group.agree(
+                "ContextParallelState.replay",
+                {
+                    "captured state": self._key,
+                    "replay number": self._replays,
+                    "checkpoint_layers": bool(checkpoint_layers),
+                    "grad enabled": torch.is_grad_enabled(),
+                },
+                free=(mine,),
+            )
+        ]
         bad = [r for r, n in enumerate(self._lengths) if n < 0]
         if bad:
-            raise ValueError(f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank "
-                             "replays") from error
+            raise ValueError(
+                f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank replays"
+            ) from error
         return response
 
     def _replay_cache(self) -> BranchCache:
         """The cache of a replay: sliced layers attend across the ranks' slices (`ReplayAttention`), the others read
         their replicated state locally."""
         start = self.prompt_length - 1
-        return BranchCache([replay_branch(layer, ReplayInfo(self.group, self._lengths, layer), start)
-                            if isinstance(layer, SliceKVState) else layer.branch() for layer in self._live()],
-                           block=self.block)
+        return BranchCache(
+            [
+                replay_branch(layer, ReplayInfo(self.group, self._lengths, layer), start)
+                if isinstance(layer, SliceKVState)
+                else layer.branch()
+                for layer in self._live()
+            ],
+            block=self.block,
+        )
 
     def backward(self) -> None:
         """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the
@@ -137,8 +168,10 @@ class ContextParallelState(PromptState):
             if isinstance(layer, RecurrentState):
                 # the final states' gradient: every rank's replays added theirs to its own copy; summed in rank order
                 final = present_states(layer.branch(), layer.number_of_states)
-                mine = [states[i2].grad if states[i2].grad is not None else torch.zeros_like(states[i2])
-                        for states, i2 in final]
+                mine = [
+                    states[i2].grad if states[i2].grad is not None else torch.zeros_like(states[i2])
+                    for states, i2 in final
+                ]
                 got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
                 relay = RecurrentRelayExact(g, cache, i, layer, device, rank_sum(got))
                 block = cast(torch.nn.ModuleList, self._parts.decoder.layers)[i]
@@ -162,17 +195,22 @@ class ContextParallelState(PromptState):
                 w_start = self.prompt_length - 1 - layer.keys.shape[-2]
                 a, b = max(s, w_start), e
                 if a < b and branch.keys.requires_grad:
-                    outputs += [branch.keys[:, :, a - s:b - s], branch.values[:, :, a - s:b - s]]
-                    grads += [dk_w[:, :, a - w_start:b - w_start].to(branch.keys.dtype),
-                              dv_w[:, :, a - w_start:b - w_start].to(branch.values.dtype)]
+                    outputs += [branch.keys[:, :, a - s : b - s], branch.values[:, :, a - s : b - s]]
+                    grads += [
+                        dk_w[:, :, a - w_start : b - w_start].to(branch.keys.dtype),
+                        dv_w[:, :, a - w_start : b - w_start].to(branch.values.dtype),
+                    ]
                 continue
             if not isinstance(layer, SliceKVState):  # linear attention: its gradient travels through the relay
                 continue
             assert isinstance(branch, CaptureBranchLayer)  # built above by `capture_branch`
             # committed at capture; exact mode refuses a quantized state
             assert isinstance(layer.keys, torch.Tensor) and isinstance(layer.values, torch.Tensor)
-            pairs = ((branch.keys, layer.keys),) if layer.values is layer.keys else (
-                (branch.keys, layer.keys), (branch.values, layer.values))  # MLA: one leaf, read as keys and values
+            pairs = (
+                ((branch.keys, layer.keys),)
+                if layer.values is layer.keys
+                else ((branch.keys, layer.keys), (branch.values, layer.values))
+            )  # MLA: one leaf, read as keys and values
             for own, leaf in pairs:
                 assert own is not None  # the slice ran through the layer
                 if own.requires_grad and leaf.grad is not None:
@@ -183,25 +221,56 @@ class ContextParallelState(PromptState):
         del cache, outputs, grads
         self._backward_done = True
 
-    def sample(self, num: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               stop_token_ids=(), generator: torch.Generator | None = None, allowed_token_ids=None):
+    def sample(
+        self,
+        num: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=(),
+        generator: torch.Generator | None = None,
+        allowed_token_ids=None,
+    ):
         """`PromptState.sample` as a collective: every rank decodes all `num` sequences alike and returns the same
         `Samples`, the attention against the prompt split over the ranks (`SampleBranchLayer`). The arguments and the
         generator's state (the global one when `generator` is None) must agree across ranks (refused otherwise); the
         sampled tokens are compared at the end as well. Spread the samples' replays over the ranks yourself, e.g.
         rank r replays samples r, r + N, ..."""
 
-        self.group.agree("ContextParallelState.sample", {
-            "captured state": self._key, "num": num if isinstance(num, int) else repr(num),
-            **sampling_fields(max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator)})
-        samples = sample(self, num, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         stop_token_ids=stop_token_ids, generator=generator, allowed_token_ids=allowed_token_ids)
-        self.group.agree("ContextParallelState.sample: the sampled tokens",
-                         {"tokens": [t.cpu() for t in samples.tokens]})
+        self.group.agree(
+            "ContextParallelState.sample",
+            {
+                "captured state": self._key,
+                "num": num if isinstance(num, int) else repr(num),
+                **sampling_fields(
+                    max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator
+                ),
+            },
+        )
+        samples = sample(
+            self,
+            num,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+            allowed_token_ids=allowed_token_ids,
+        )
+        self.group.agree(
+            "ContextParallelState.sample: the sampled tokens", {"tokens": [t.cpu() for t in samples.tokens]}
+        )
         return samples
 
     def _cache(self, batch: int = 1) -> BranchCache:
         """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
         start = self.prompt_length - 1
-        return BranchCache([sample_branch(layer, self.group, start) if isinstance(layer, SliceKVState)
-                            else layer.branch(batch) for layer in self._live()], block=self.block)
+        return BranchCache(
+            [
+                sample_branch(layer, self.group, start) if isinstance(layer, SliceKVState) else layer.branch(batch)
+                for layer in self._live()
+            ],
+            block=self.block,
+        )

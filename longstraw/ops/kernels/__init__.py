@@ -47,8 +47,17 @@ from . import reference as _reference
 from .fused import EFFICIENT_CUDA, FLASH_CPU, FLASH_CUDA, SIMD_CPU, FusedKernel
 from .part import TILE_ELEMENTS, Part, acc_dtype, mask_free_mode
 
-__all__ = ["KERNELS", "Part", "TILE_ELEMENTS", "acc_dtype", "choose", "part_backward", "part_forward", "use",
-           "mask_free_mode"]
+__all__ = [
+    "KERNELS",
+    "Part",
+    "TILE_ELEMENTS",
+    "acc_dtype",
+    "choose",
+    "part_backward",
+    "part_forward",
+    "use",
+    "mask_free_mode",
+]
 
 
 class _Plain:
@@ -70,7 +79,8 @@ class _Plain:
 REFERENCE = _Plain("reference", _reference)
 BLOCKWISE = _Plain("blockwise", _blockwise)
 KERNELS: dict[str, _Plain | FusedKernel] = {
-    k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)}
+    k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)
+}
 #: fused kernels in order of preference per device type (first that applies wins)
 PREFERENCE = {"cpu": (SIMD_CPU, FLASH_CPU), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
 

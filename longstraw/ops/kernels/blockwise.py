@@ -128,9 +128,24 @@ def backward(g_out, q, k, v, out, lse, part: Part, need_kv: bool, g_lse=None):
     if len(tiles) == 1:
         dq = _backward_rows(g_out, q, k, v, out, lse, part, dk, dvv, g_lse)
     else:
-        dq = torch.cat([_backward_rows(g_out[:, :, i0:i1], q[:, :, i0:i1], k, v, out[:, :, i0:i1], lse[:, :, i0:i1],
-                                       sub, dk, dvv, None if g_lse is None else g_lse[:, :, i0:i1])
-                        for i0, i1, sub in tiles], 2)
+        dq = torch.cat(
+            [
+                _backward_rows(
+                    g_out[:, :, i0:i1],
+                    q[:, :, i0:i1],
+                    k,
+                    v,
+                    out[:, :, i0:i1],
+                    lse[:, :, i0:i1],
+                    sub,
+                    dk,
+                    dvv,
+                    None if g_lse is None else g_lse[:, :, i0:i1],
+                )
+                for i0, i1, sub in tiles
+            ],
+            2,
+        )
     if need_kv:
         assert dk is not None and dvv is not None  # allocated when need_kv
         dk, dvv = dk.to(k.dtype), dvv.to(v.dtype)

@@ -209,7 +209,8 @@ class FlashCPU(FusedKernel):
 
     def raw_backward(self, do, q, k, v, out, lse, causal, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale)
+            do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale
+        )
 
 
 class SimdCPU(FlashCPU):
@@ -239,13 +240,23 @@ class SimdCPU(FlashCPU):
     def pieces(self, qf, k, v, part):
         """An 8-bit state in host memory: its whole blocks read in place by one call (decoded tile by tile inside the
         kernel, as `QuantizedTokens.read` dequantizes), then its unfinished tail; anything else as `FusedKernel`."""
-        if (isinstance(k, QuantizedTokens) and k.quantized and k.values.device.type == "cpu" and qf.device.type == "cpu"
-                and qf.shape[0] == 1):
+        if (
+            isinstance(k, QuantizedTokens)
+            and k.quantized
+            and k.values.device.type == "cpu"
+            and qf.device.type == "cpu"
+            and qf.shape[0] == 1
+        ):
             yield native.attend_full_8bit(qf, k, v, part.scale)
             n = k.length - k.quantized
             if n:
-                yield self.raw_forward(qf, read_block(k, k.quantized, n, qf.dtype),
-                                       read_block(v, k.quantized, n, qf.dtype), False, part.scale)
+                yield self.raw_forward(
+                    qf,
+                    read_block(k, k.quantized, n, qf.dtype),
+                    read_block(v, k.quantized, n, qf.dtype),
+                    False,
+                    part.scale,
+                )
             return
         yield from super().pieces(qf, k, v, part)
 
@@ -271,8 +282,22 @@ class FlashCUDA(FusedKernel):
         # RNG state is not read
         seed = torch.zeros((), dtype=torch.long, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
-            do.contiguous(), q, k, v, out.contiguous(), lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
-            seed, seed, scale=scale)
+            do.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            seed,
+            seed,
+            scale=scale,
+        )
 
 
 class EfficientCUDA(FusedKernel):
@@ -300,8 +325,20 @@ class EfficientCUDA(FusedKernel):
             lse = torch.nn.functional.pad(lse, (0, (-q.shape[2]) % 32))
         seed = torch.zeros((), dtype=torch.long, device=q.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            do.contiguous(), q, k, v, None, out.contiguous(), lse.contiguous(), seed, seed, 0.0,
-            [True, True, True, False], causal, scale=scale)
+            do.contiguous(),
+            q,
+            k,
+            v,
+            None,
+            out.contiguous(),
+            lse.contiguous(),
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
         return dq, dk, dv
 
 

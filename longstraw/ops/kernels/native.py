@@ -172,19 +172,51 @@ def attend_full_8bit(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor,
     lib = _loaded()
     b, h, r, d = q.shape
     t, dv = k.quantized, v.values.shape[-1]
-    if (q.dtype != torch.float32 or b != 1 or k.values.shape[1] != h or v.quantized != t or t < 1
-            or k.block != v.block or k.qdtype != v.qdtype or dv % VALUE_DIM_MULTIPLE):
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} over {t} 8-bit keys: float32 queries of batch 1, one query row "
-                         "group per key head (query heads folded), keys and values alike in length, block and dtype, "
-                         f"value dim a multiple of {VALUE_DIM_MULTIPLE}")
+    if (
+        q.dtype != torch.float32
+        or b != 1
+        or k.values.shape[1] != h
+        or v.quantized != t
+        or t < 1
+        or k.block != v.block
+        or k.qdtype != v.qdtype
+        or dv % VALUE_DIM_MULTIPLE
+    ):
+        raise ValueError(
+            f"q {tuple(q.shape)} {q.dtype} over {t} 8-bit keys: float32 queries of batch 1, one query row "
+            "group per key head (query heads folded), keys and values alike in length, block and dtype, "
+            f"value dim a multiple of {VALUE_DIM_MULTIPLE}"
+        )
     q = q if q.stride(-1) == 1 else q.contiguous()
     kc, vc = k.values.view(torch.uint8), v.values.view(torch.uint8)
     out = torch.empty(1, h, r, dv)
     lse = torch.empty(1, h, r)
     rc = lib.longstraw_attend_full_8bit(
-        q.data_ptr(), kc.data_ptr(), k.scales.data_ptr(), vc.data_ptr(), v.scales.data_ptr(), _lut(k.qdtype).data_ptr(),
-        out.data_ptr(), lse.data_ptr(), h, r, t, d, dv, k.block, q.stride(1), q.stride(2), kc.stride(1), kc.stride(2),
-        k.scales.stride(1), vc.stride(1), vc.stride(2), v.scales.stride(1), float(scale), torch.get_num_threads())
+        q.data_ptr(),
+        kc.data_ptr(),
+        k.scales.data_ptr(),
+        vc.data_ptr(),
+        v.scales.data_ptr(),
+        _lut(k.qdtype).data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        h,
+        r,
+        t,
+        d,
+        dv,
+        k.block,
+        q.stride(1),
+        q.stride(2),
+        kc.stride(1),
+        kc.stride(2),
+        k.scales.stride(1),
+        vc.stride(1),
+        vc.stride(2),
+        v.scales.stride(1),
+        float(scale),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"longstraw_attend_full_8bit refused q {tuple(q.shape)} over {t} keys")
     return out, lse
@@ -201,16 +233,35 @@ def attend_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     b, h, r, d = q.shape
     t, dv = k.shape[2], v.shape[-1]
     if dv % VALUE_DIM_MULTIPLE or t < 1 or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: value dim must be a "
-                         f"multiple of {VALUE_DIM_MULTIPLE}, at least one key")
+        raise ValueError(
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: value dim must be a "
+            f"multiple of {VALUE_DIM_MULTIPLE}, at least one key"
+        )
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = torch.empty(b, h, r, dv)
     lse = torch.empty(b, h, r)
     threads = torch.get_num_threads()
     for i in range(b):
-        rc = lib.longstraw_attend_full(q[i].data_ptr(), k[i].data_ptr(), v[i].data_ptr(), out[i].data_ptr(),
-                                       lse[i].data_ptr(), h, r, t, d, dv, q.stride(1), q.stride(2), k.stride(1),
-                                       k.stride(2), v.stride(1), v.stride(2), float(scale), threads)
+        rc = lib.longstraw_attend_full(
+            q[i].data_ptr(),
+            k[i].data_ptr(),
+            v[i].data_ptr(),
+            out[i].data_ptr(),
+            lse[i].data_ptr(),
+            h,
+            r,
+            t,
+            d,
+            dv,
+            q.stride(1),
+            q.stride(2),
+            k.stride(1),
+            k.stride(2),
+            v.stride(1),
+            v.stride(2),
+            float(scale),
+            threads,
+        )
         if rc != 0:
             raise RuntimeError(f"longstraw_attend_full refused q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out, lse
