@@ -1,9 +1,10 @@
 """The self-check: capture + replay against the unmodified model on a short random prompt.
 
-`check(model)` runs a prompt of several chunks (longer than any sliding window or attention chunk,
-with a chunk size that does not divide it) through the unmodified transformers model and through
-`capture` + `replay`, and compares
-- the response log-probs (max abs difference; fp32/fp64 ≤ 1e-4; bf16/fp16 see below),
+`check(model)` runs a random prompt (at least `MIN_CHECK_PROMPT` tokens, longer than any sliding window or
+attention chunk) and response through the unmodified transformers model, and through `capture` of the prompt's first
+tokens + `replay` of its last `CHECK_TAIL` tokens and the response (the replay reads the captured state as a later
+capture chunk would), and compares, at the replayed positions,
+- the log-probs (max abs difference; fp32/fp64 ≤ 1e-4; bf16/fp16 see below),
 - each decoder layer's output at the response positions (relative to its largest value), which names
   the first layer, and its layer kind, that reads its state wrongly,
 - the detached-mode gradient of a weighted sum of the response log-probs with respect to each decoder layer's input
@@ -17,9 +18,9 @@ with a chunk size that does not divide it) through the unmodified transformers m
 It never changes the model's weights, gradients or training state (it uses `torch.autograd.grad`, runs
 in eval mode and puts the mode back, and forks the RNG).
 
-Cost: one full-sequence forward + backward of the reference, a capture of two chunks and one replay forward +
-backward — on the real models about as much as one training forward + backward of the same tokens
-(`bench/self_check_cost.py`).
+Cost: the reference's full-sequence forward, one capture chunk and one replay forward, and two backward passes over
+the replayed positions only (the prompt's share is cut) — 1.2–2× one training forward + backward of the same tokens,
+on the real models and the tiny ones (`bench/self_check_cost.py`).
 
 In half precision two correct paths differ from each other by more than either differs from float32 (on
 SmolLM2-135M in bf16, transformers against longstraw 0.11 nats, each against float32 about 0.13), so a fixed bound
@@ -158,18 +159,24 @@ def _reach(cfg, plan: list[str] | None = None) -> int:
 #: longest self-check prompt: past the sliding windows (4,096 for Mistral 7B) and attention chunks (8,192
 #: for Llama 4) of the models people train, at the cost of one such forward and backward, once
 MAX_CHECK_PROMPT = 16384
+#: shortest self-check prompt: long enough that the check's passes cost the model's arithmetic, not the per-call
+#: overhead of a few tokens (at 24 tokens a tiny model's check took 3.5× one forward + backward of its own tokens,
+#: the real SmolLM2 + LoRA 2.3×; at 512, 1.5× and 1.2×: `bench/self_check_cost.py`)
+MIN_CHECK_PROMPT = 512
+#: the prompt's last tokens, which the check's replay runs over before the response: the replay reads the captured
+#: state as the capture's next chunk would (the same branch view of the state), without the extra pass over the
+#: weights that a second capture chunk costs (what a chunk adds, folding itself into the state, depends on the layer
+#: kind only, not the model, and the equivalence tests hold it for every kind)
+CHECK_TAIL = 8
 
 
 def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT, plan: list[str] | None = None) -> tuple[int, int]:
-    """(prompt length, chunk size): two chunks (the second reads what the first left, from inside the window
-    where there is one), past every window, a chunk that does not divide the captured length, within `max_prompt`
-    tokens. Each chunk is one more pass over the weights, which is what a short check costs on a real model."""
-    p = min(max(24, _reach(cfg, plan) + 9), max_prompt)
-    captured = p - 1
-    chunk = max(2, captured // 2 + 1)
-    while captured % chunk == 0:
-        chunk += 1
-    return p, chunk
+    """(prompt length P, captured length C): the capture takes the prompt's first C tokens (C − 1 of them folded into
+    the state in one chunk), the replay continues over the last `CHECK_TAIL` and the response; the state holds more
+    than the longest window or attention chunk, so the replay reads a window's edge. Within `max_prompt` tokens."""
+    limit = getattr(cfg, "max_position_embeddings", None) or max_prompt + HALF_RESPONSE
+    p = min(max(MIN_CHECK_PROMPT, _reach(cfg, plan) + CHECK_TAIL + 2), max_prompt, limit - HALF_RESPONSE)
+    return p, max(2, p - CHECK_TAIL)
 
 
 @contextmanager
@@ -215,7 +222,8 @@ def check(
     plan = list(parts.plan)
     p_auto, c_auto = check_shape(cfg, plan=plan)
     p = prompt_length or p_auto
-    chunk = chunk_size or c_auto
+    c = c_auto if prompt_length is None else max(2, p - CHECK_TAIL)  # captured: the prompt's first c tokens
+    chunk = chunk_size or c - 1  # one capture chunk unless asked otherwise
     param = next(parts.model.parameters())
     half = param.dtype in (torch.bfloat16, torch.float16)
     r = max(response_length, HALF_RESPONSE) if half else response_length
@@ -227,25 +235,28 @@ def check(
         prompt_length=p,
         chunk_size=chunk,
         response_length=r,
-        covers_windows=p > _reach(cfg, plan) + 1,
+        covers_windows=c - 1 >= _reach(cfg, plan),
     )
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (p,), generator=gen).to(param.device)
     response = torch.randint(0, cfg.vocab_size, (r,), generator=gen).to(param.device)
-    weights = torch.linspace(-1.0, 1.0, r, device=prompt.device)
+    # captured: prompt[:c]; replayed and compared: the prompt's tail, then the response — `rest`, [P − C + R]
+    head, rest = prompt[:c], torch.cat([prompt[c:], response])
+    n = rest.numel()
+    weights = torch.linspace(-1.0, 1.0, n, device=prompt.device)
     lp_ok = False
     with _untouched(parts.model):
-        ref, ref_out, ref_grads = _reference(model, parts.decoder, prompt, response, weights, gradients)
+        ref, ref_out, ref_grads = _reference(model, parts.decoder, head, rest, weights, gradients)
         if half:  # the exact function the half-precision model approximates: its own weights, in float32
             model32 = _float32_copy(model)
             ref32, ref32_out, ref32_grads = _reference(
-                model32, model_parts(model32).decoder, prompt, response, weights, gradients
+                model32, model_parts(model32).decoder, head, rest, weights, gradients
             )
             del model32
         try:
-            state = capture_local(model, prompt, chunk_size=chunk)
+            state = capture_local(model, head, chunk_size=chunk)
             got, got_out, got_grads = _graded(
-                lambda: state.replay(response).logprobs, parts.decoder, 0, r, slice(0, r), weights, gradients
+                lambda: state.replay(rest).logprobs, parts.decoder, 0, n, slice(0, n), weights, gradients
             )
             state.release()
             if half:

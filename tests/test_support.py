@@ -187,6 +187,26 @@ def test_self_check_is_fast_and_leaves_the_model_untouched():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_self_check_runs_the_decoder_three_times_over_its_own_prompt():
+    """The check's cost in passes over the weights: the reference's forward, one capture chunk, one replay over the
+    prompt's tail and the response (two backward passes, one per graph, over the replayed positions only), each pass
+    over tokens of the check's own prompt (`self_check.check_shape`: past every window, at least
+    `MIN_CHECK_PROMPT` so that a pass costs the model's arithmetic more than its per-call overhead)."""
+    model = tiny_model("ministral")
+    longstraw.check(model)  # a first call also probes the model's attention calls once (`longstraw.prepare`)
+    calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True
+    )
+    report = longstraw.check(model)
+    handle.remove()
+    assert report.ok, str(report)
+    p, c = self_check.check_shape(model.config)
+    assert p >= self_check.MIN_CHECK_PROMPT and c - 1 >= model.config.sliding_window and report.covers_windows
+    rest = p - c + report.response_length
+    assert calls == [p + report.response_length, c - 1, rest], calls
+
+
 @pytest.mark.parametrize("wrong_call,layer", [(0, 3), (2, 1)], ids=["last-layer", "layer-1"])
 def test_self_check_refuses_a_wrong_backward_and_names_its_layer(wrong_call, layer, monkeypatch):
     """A replay whose forward is right but whose attention backward is off in one layer (the query gradient of the

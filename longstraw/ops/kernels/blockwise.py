@@ -21,8 +21,9 @@ from ..quant import read_block
 from .part import TILE_ELEMENTS, Part, acc_dtype, may_see, visible
 
 #: Bounds of the query tile of a windowed or chunked part: the window (or chunk) clamped to this range. A tile of
-#: Q rows over a window W reads at most W + Q − 1 keys.
-QUERY_TILE = (256, 1024)
+#: Q rows over a window W reads at most W + Q − 1 keys; a small window gets tiles of 64 rows, enough for the matrix
+#: products to outweigh the loop's per-tile cost (a window of 5 over a 504-query chunk: 3.0× faster than one tile)
+QUERY_TILE = (64, 1024)
 
 
 def query_tiles(part: Part, r: int):
