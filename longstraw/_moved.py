@@ -42,6 +42,8 @@ MOVED = {
     },
     "longstraw.hf_attention": "longstraw.hf.cache",
     "longstraw.parallel": "longstraw.distributed.ranks",
+    # the tiers (docs/design.md): layer kinds, what longstraw knows about a model, the tools above the trainer
+    "longstraw.layers": "longstraw.kinds",
 }
 
 

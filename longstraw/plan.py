@@ -6,7 +6,7 @@ per rank, in bytes:
 - `optimizer`: trainable parameters, their gradients and AdamW's two float32 moments (LoRA: float32
   adapters of rank r on every linear layer of the decoder; full fine-tuning: gradients in the model dtype,
   moments in float32; ÷ FSDP ranks);
-- `durable_state`: what capture keeps (`longstraw.layers.sizes`, the same formulas the tests hold equal to
+- `durable_state`: what capture keeps (`longstraw.kinds.sizes`, the same formulas the tests hold equal to
   `PromptState.nbytes`); states that grow with P are split over the context-parallel ranks;
 - `state_grad`: exact mode's gradient buffer the size of the state, plus the boundary states of
   linear-attention and sliding layers kept per chunk;
@@ -30,7 +30,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .layers.sizes import state_bytes
+from .kinds.sizes import state_bytes
 from .ops.attention import TILE_ELEMENTS
 from .positions import position_note
 from .support import layer_plan

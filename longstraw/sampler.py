@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .hf.decoder import run_decoder
-from .layers import AttentionBranchLayer
+from .kinds import AttentionBranchLayer
 
 if TYPE_CHECKING:
     from .state import PromptState

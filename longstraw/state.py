@@ -1,7 +1,7 @@
 """PromptState: the durable state of one captured prompt, and branch replay against it.
 
 `longstraw.capture(model, prompt_ids)` runs the prompt once, chunk by chunk, under `no_grad`, and
-keeps per decoder layer only what later tokens can read (`longstraw.layers`). The last prompt token
+keeps per decoder layer only what later tokens can read (`longstraw.kinds`). The last prompt token
 is not captured: each replay runs `[prompt[-1]] + response[:-1]`, so every response log-prob, the
 first one included, comes out of the replay's autograd graph.
 
@@ -20,7 +20,7 @@ from .branch import Branch
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
-from .layers import LayerState
+from .kinds import LayerState
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
 from .ops.logprobs import chunked_logprobs

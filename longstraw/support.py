@@ -1,7 +1,7 @@
 """Which models longstraw serves: decided by capability, not by name.
 
 A model is served when every decoder layer's token mixer maps to a longstraw layer kind
-(`longstraw.layers`) and its attention runs through transformers' attention interface (where
+(`longstraw.kinds`) and its attention runs through transformers' attention interface (where
 longstraw's split attention takes over). `check_capability` decides that from the config and the
 module classes, before any state is allocated, and names what it cannot represent. Whether the
 numbers then agree with the unmodified model is the self-check's job (`longstraw.check`), run at
@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache
 from .archs import FAMILIES, family
 from .errors import UnsupportedArchitectureError
 from .hf.parts import ModelParts, attention_module, base_model, decoder_of, model_configs, text_config
-from .layers import layer_kind, registered_layer_types
+from .kinds import layer_kind, registered_layer_types
 from .observe import MAX_PROBE, PROBE_TOKENS, observe_attention
 
 

@@ -31,7 +31,7 @@ import torch
 from .branch import detach_own
 from .hf.cache import snapshot
 from .hf.decoder import run_decoder
-from .layers import (
+from .kinds import (
     AttentionBranchLayer,
     CompressedBranchLayer,
     LatentBranchLayer,

@@ -65,7 +65,7 @@ def _deterministic():
 @pytest.fixture(autouse=True)
 def _nan_poisoned_state(monkeypatch):
     """Fresh durable-state buffers start as NaN: a slot capture never writes makes replays NaN, not plausible."""
-    from longstraw.layers import base
+    from longstraw.kinds import base
 
     monkeypatch.setattr(base, "empty_state", lambda like, shape: like.new_full(shape, float("nan")))
 
@@ -148,7 +148,7 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     another machine."""
     import longstraw
     from longstraw.archs import family
-    from longstraw.layers.latent_attention import indexer_inputs
+    from longstraw.kinds.latent_attention import indexer_inputs
     from longstraw.ops.latent_attention import index_scores
 
     base = longstraw.models.base_model(model)
@@ -176,7 +176,7 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
 def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
     """DeepSeek-V4 CSA: the same top-k gap check over the indexer's compressed entries (a query at t sees the
     entries whose window closed by t), on the scores recomputed from each indexer's inputs."""
-    from longstraw.layers.compressed_attention import full_indexer_scores
+    from longstraw.kinds.compressed_attention import full_indexer_scores
 
     seen = _indexer_calls(model, layers, ids,
                           lambda block: getattr(getattr(block.self_attn, "compressor", None), "indexer", None))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.layers.compressed_attention import Stream, full_indexer_scores
+from longstraw.kinds.compressed_attention import Stream, full_indexer_scores
 from longstraw.models import base_model, decoder_of
 from longstraw.ops.attention import split_attention
 from longstraw.ops.compressed_attention import (
@@ -61,7 +61,7 @@ class _Pooler(torch.nn.Module):
 def test_streamed_pooling_equals_reference(monkeypatch, overlap, rate, pieces):
     """Pushing a sequence in pieces that split windows (tails, overlaps carried) gives every window's pooled
     entry as the whole-sequence reference does; gradients to kv, gate and bias too (fp64)."""
-    import longstraw.layers.compressed_attention as mod
+    import longstraw.kinds.compressed_attention as mod
 
     monkeypatch.setattr(mod, "_rope", lambda module: lambda x, cos, sin: x)
     d = 5

@@ -85,7 +85,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     from longstraw.distributed import CollectiveError, MismatchError
-    from longstraw.layers import base
+    from longstraw.kinds import base
     from longstraw.models import base_model, decoder_of, tiny_model
 
     # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
@@ -209,7 +209,7 @@ def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[d
 def _reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block: int = 4):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
     the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
-    from longstraw.layers import IndexedLatentState, KVState, LatentState
+    from longstraw.kinds import IndexedLatentState, KVState, LatentState
 
     model = longstraw.models.tiny_model(arch)
     model = lora(model) if use_lora else model
@@ -485,7 +485,7 @@ def test_context_parallel_8bit_state(tmp_path):
     replay log-probs' and the summed detached gradients' error against the full-precision state is at most
     `QUANT_BOUND` × one process's with the same 8-bit state (dense K/V, MLA latents, DSA latents), and every rank
     samples alike."""
-    from longstraw.layers import IndexedLatentState, KVState, LatentState
+    from longstraw.kinds import IndexedLatentState, KVState, LatentState
 
     n = 2
     spawn_ranks(_quant_worker, (n, str(tmp_path / "init"), str(tmp_path)), n,

@@ -61,7 +61,7 @@ def test_the_commands_in_the_docs_are_the_clis():
     import longstraw.cli as cli
 
     source = Path(cli.__file__).read_text()
-    commands = set(re.findall(r'sub\.add_parser\("([a-z]+)"', source))
+    commands = set(re.findall(r'sub\.add_parser\(\s*"([a-z]+)"', source))
     used = set()
     for doc in DOCS:
         for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.layers.sizes import state_bytes
+from longstraw.kinds.sizes import state_bytes
 from longstraw.plan import PlanConfig, plan
 from longstraw.support import layer_plan
 
@@ -111,9 +111,9 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
 
 
 def test_every_layer_kind_has_a_byte_formula():
-    """The planner predicts each layer kind's durable state from the config alone (`longstraw.layers.sizes`): a kind
+    """The planner predicts each layer kind's durable state from the config alone (`longstraw.kinds.sizes`): a kind
     registered without a formula would be planned as nothing."""
-    from longstraw.layers import registered_layer_types
-    from longstraw.layers.sizes import kinds_with_formulas
+    from longstraw.kinds import registered_layer_types
+    from longstraw.kinds.sizes import kinds_with_formulas
 
     assert registered_layer_types() == kinds_with_formulas()

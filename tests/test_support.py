@@ -130,7 +130,7 @@ def test_an_attention_argument_longstraw_does_not_implement_is_refused(monkeypat
 
 def test_check_report_names_the_layer_kind_that_reads_its_state_wrongly(monkeypatch):
     """A sliding-window layer that keeps one key too few: the report names the first sliding layer."""
-    from longstraw.layers import SlidingKVState
+    from longstraw.kinds import SlidingKVState
 
     monkeypatch.setattr(SlidingKVState, "_keep", lambda self: self.window - 2)
     report = longstraw.check(tiny_model("ministral"))

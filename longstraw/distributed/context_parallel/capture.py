@@ -11,9 +11,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
-from ...layers import LayerState, layer_kind
-from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
-from ...layers.sliding_window import SlidingKVState
+from ...kinds import LayerState, layer_kind
+from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
+from ...kinds.sliding_window import SlidingKVState
 from ...models import ModelParts, base_model
 from ...ops import quant
 from ...ops.attention import DEFAULT_BLOCK
