@@ -45,8 +45,8 @@ def measure(name: str, adapter: bool, repeats: int, threads: int) -> dict:
     import torch
 
     from longstraw import self_check
-    from longstraw.reference import full_sequence_logprobs
-    from longstraw.support import model_parts
+    from longstraw.model.oracles import full_sequence_logprobs
+    from longstraw.model.capability import model_parts
 
     torch.set_num_threads(threads)
     model = _build(name)

@@ -387,7 +387,7 @@ def cmd_compare(args) -> int:
 
     import longstraw
     from longstraw.compare import bench_model, format_table, measure_in_fresh_process
-    from longstraw.reference import full_sequence_logprobs
+    from longstraw.model.oracles import full_sequence_logprobs
 
     print(
         f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
@@ -458,7 +458,7 @@ def cmd_check(args) -> int:
         print(f"longstraw check: refused: {err}")
         return 1
     print(report)
-    from .positions import coverage, position_note
+    from .model.positions import coverage, position_note
 
     c = coverage(model.config)
     if c.native is not None:
@@ -617,7 +617,7 @@ def main(argv=None) -> int:
         dest="chunk_size",
         type=int,
         default=None,
-        help="capture chunk in tokens (default: chosen for the model, `longstraw.plan.auto_chunk_size`)",
+        help="capture chunk in tokens (default: chosen for the model, `longstraw.model.chunking.auto_chunk_size`)",
     )
     pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
     pl.add_argument("--fsdp", type=int, default=1)

@@ -76,7 +76,7 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
 def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int = 4096) -> dict:
     """Run one step's forward and backward (gradients accumulate in `.grad`); returns details."""
     import longstraw
-    from longstraw.reference import full_sequence_logprobs
+    from longstraw.model.oracles import full_sequence_logprobs
 
     info: dict = {}
     if method == "naive_batched":

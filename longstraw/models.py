@@ -3,7 +3,7 @@
 longstraw runs the unmodified transformers model code; what it needs from a model is its decoder
 (the stack that returns hidden states), its LM head with whatever the causal-LM class applies to the
 logits (`ModelParts`), and per decoder layer a layer kind that keeps its durable state
-(`longstraw.support.layer_plan`).
+(`longstraw.model.capability.layer_plan`).
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .model.capability import attention_module, layer_plan, model_parts
+from .model.oracles import full_sequence_logprobs
 from .models import UnsupportedArchitectureError, base_model
-from .reference import full_sequence_logprobs
 from .state import capture_local
-from .support import attention_module, layer_plan, model_parts
 
 #: max abs log-prob difference allowed in float32 / float64 (float32's epsilon × 2^10)
 FULL_TOLERANCE = 1e-4

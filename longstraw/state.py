@@ -21,13 +21,13 @@ from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
 from .kinds import LayerState
+from .model.capability import layer_states, model_parts
+from .model.chunking import auto_chunk_size
+from .model.prepare import prepare
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
 from .ops.logprobs import chunked_logprobs
-from .plan import auto_chunk_size
-from .prepare import prepare
 from .sampler import sample
-from .support import layer_states, model_parts
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
@@ -333,7 +333,8 @@ def capture_local(
 
 
 def default_chunk_size(model, prompt_length: int) -> int:
-    """`capture`'s chunk when none is given: `longstraw.plan.auto_chunk_size` for the model's config and dtype."""
+    """`capture`'s chunk when none is given: `longstraw.model.chunking.auto_chunk_size` for the model's config and
+    dtype."""
     parts = model_parts(model)
     dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(next(parts.model.parameters()).dtype, "bf16")
     return auto_chunk_size(parts.config, prompt_length, dtype)

@@ -7,7 +7,7 @@ import torch
 
 from longstraw.agent import AgentSettings, EnvironmentRollout, ToolCall, parse_tool_calls, tool_message_ids
 from longstraw.agent.environment import call_tool, environment_tools
-from longstraw.reference import full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.model.oracles import full_sequence_logprobs, segmented_reference_logprobs
 from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import TurnSampler
 from longstraw.train.trainer import Trainer

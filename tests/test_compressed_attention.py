@@ -25,7 +25,7 @@ from longstraw.ops.compressed_attention import (
     reference_pool,
 )
 from longstraw.ops.latent_attention import select_topk
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import assert_grads_close, assert_tie_free, make_model, tie_free_tokens, tokens
 

@@ -12,7 +12,7 @@ import torch
 
 import longstraw
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
-from longstraw.reference import _response_logprobs, cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import _response_logprobs, cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import assert_grads_close, lora, rel_err, tie_free_tokens, tokens
 

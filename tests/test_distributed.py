@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import longstraw
 from longstraw.distributed import slice_bounds
-from longstraw.observe import observe_attention
+from longstraw.model.observe import observe_attention
 
 from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 from .test_distributed_trainer import EPS32, GRAD_TOL

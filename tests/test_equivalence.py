@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
-from longstraw.support import layer_plan
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.capability import layer_plan
 
 from .conftest import ARCHS, make_model, tie_free_tokens, tokens
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import ARCHS, assert_grads_close, assert_tie_free, make_model, rel_err, tokens
 from .test_equivalence import FLOOR_FACTOR, FP32_GRAD_TOL

@@ -25,7 +25,7 @@ from longstraw.ops.latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import assert_tie_free as _assert_tie_free
 from .conftest import lora, rel_err, tokens

@@ -170,8 +170,10 @@ def test_the_tier_checks_see_an_upward_import(tmp_path):
 
 
 def test_moved_modules_keep_their_old_import_path():
-    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object and warns once
-    with a DeprecationWarning naming the new path; in a fresh interpreter, so that nothing is imported yet."""
+    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object, which keeps its
+    own `__spec__`, and warns once with a DeprecationWarning naming the new path; importing the old path
+    `longstraw.prepare` leaves the public function `longstraw.prepare` in place; in a fresh interpreter, so that
+    nothing is imported yet."""
     import subprocess
     import sys
 
@@ -186,6 +188,9 @@ def test_moved_modules_keep_their_old_import_path():
             "    assert a is importlib.import_module(new), old\n"
             "    assert [str(x.message) for x in w if x.category is DeprecationWarning] == "
             "[f'{old} moved to {new}; the old name goes in the next release'], (old, [str(x.message) for x in w])\n"
+            "    assert a.__spec__.name == new, (old, a.__spec__.name)\n"
+            "import longstraw, types\n"
+            "assert isinstance(longstraw.prepare, types.FunctionType), longstraw.prepare\n"
             "print(len(MOVED))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -6,7 +6,7 @@ import torch
 import longstraw
 from longstraw.kinds.sizes import state_bytes
 from longstraw.plan import PlanConfig, plan
-from longstraw.support import layer_plan
+from longstraw.model.capability import layer_plan
 
 from .conftest import ARCHS, make_model, tokens
 
@@ -85,7 +85,7 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
     plan estimates it) fits the budget, capped at the prompt; `capture` and `plan` use it."""
     from transformers import AutoConfig
 
-    from longstraw.plan import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
+    from longstraw.model.chunking import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
     from longstraw.state import default_chunk_size
 
     small = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -8,7 +8,7 @@ import torch
 import longstraw
 from longstraw.ops.attention import reference_attention, split_attention
 from longstraw.ops.quant import QUANT_BLOCK, QuantizedTokens
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import make_model, tokens
 from .test_latent_attention import _Outputs

@@ -12,7 +12,7 @@ import torch
 
 import longstraw
 from longstraw import real_models
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import assert_grads_close
 from .test_equivalence import FP32_GRAD_TOL

@@ -11,7 +11,7 @@ import longstraw
 from longstraw import self_check, support
 from longstraw.models import UnsupportedArchitectureError, tiny_model
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import lora, tokens
 from .test_equivalence import FP32_GRAD_TOL

@@ -66,7 +66,7 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
     forward, their gradients reduced in float32 (FSDP2's `MixedPrecisionPolicy`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..prepare import prepare
+    from ..model.prepare import prepare
 
     if sharded_layers(model):
         raise ValueError("the model's decoder layers are already sharded (longstraw.distributed.shard was called)")

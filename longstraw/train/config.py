@@ -154,7 +154,7 @@ class TrainConfig:
     chunk_size: int | None = _f(
         None,
         "capture chunk size in tokens (null: chosen for the model, 4,096 unless "
-        "one chunk's transients would pass 512 MiB; longstraw.plan.auto_chunk_size)",
+        "one chunk's transients would pass 512 MiB; longstraw.model.chunking.auto_chunk_size)",
     )
     state_dtype: str | None = _f(
         None,

@@ -1,7 +1,7 @@
 """Prepare a model for longstraw once: its attention implementation, and stand-ins installed by subclassing.
 
 `prepare(model)` (called by `capture`) checks that longstraw can represent every decoder layer
-(`longstraw.support.check_capability`), then installs, once per model:
+(`longstraw.model.capability.check_capability`), then installs, once per model:
 - nothing for attention itself: each longstraw forward names the "longstraw" implementation on the
   model's configs for its duration (`longstraw.hf.cache.running`); `prepare` asks transformers
   once to switch and verifies the switch on every config the model's modules read (a refused switch
@@ -30,13 +30,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .archs import family
-from .errors import UnsupportedArchitectureError
-from .hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
-from .hf.parts import base_model, decoder_of, model_configs
-from .hf.stand_ins import install, is_stand_in
-from .kinds import layer_kind
-from .support import check_capability, model_plan
+from ..archs import family
+from ..errors import UnsupportedArchitectureError
+from ..hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
+from ..hf.parts import base_model, decoder_of, model_configs
+from ..hf.stand_ins import install, is_stand_in
+from ..kinds import layer_kind
+from .capability import check_capability, model_plan
 
 
 @contextmanager
