@@ -36,7 +36,7 @@ def _build(name: str):
         from longstraw.models import tiny_model
 
         return tiny_model(name[5:], num_hidden_layers=6 if name != "tiny-qwen3_next" else 4)
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
 
     return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32)
 

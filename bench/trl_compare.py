@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         m, name, P, G, R = args.worker
         print(json.dumps(worker(m, name, int(P), int(G), int(R))))
         return
-    from longstraw.compare import format_table
+    from longstraw.tools.compare import format_table
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

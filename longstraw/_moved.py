@@ -50,6 +50,9 @@ MOVED = {
     "longstraw.observe": "longstraw.model.observe",
     "longstraw.reference": "longstraw.model.oracles",
     "longstraw.positions": "longstraw.model.positions",
+    "longstraw.plan": "longstraw.tools.planner",
+    "longstraw.compare": "longstraw.tools.compare",
+    "longstraw.real_models": "longstraw.tools.real_models",
 }
 
 

@@ -93,8 +93,8 @@ def real_demo_config(overrides: dict | None = None, length: int = REAL_DEMO_LENG
     for every step, `eval_examples` held-out rows of other seeds) unless it is there from an earlier run."""
     from transformers import AutoTokenizer
 
-    from .real_models import model_path
     from .tasks.documents import write_document_task
+    from .tools.real_models import model_path
     from .train.config import TrainConfig
 
     values = {**REAL_DEMO_CONFIG, **(overrides or {})}
@@ -386,8 +386,8 @@ def cmd_compare(args) -> int:
     import torch
 
     import longstraw
-    from longstraw.compare import bench_model, format_table, measure_in_fresh_process
     from longstraw.model.oracles import full_sequence_logprobs
+    from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
 
     print(
         f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
@@ -471,8 +471,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Per-rank memory breakdown of a run from a model's config (see `longstraw.plan`)."""
-    from longstraw.plan import PlanConfig, plan
+    """Per-rank memory breakdown of a run from a model's config (see `longstraw.tools.planner`)."""
+    from longstraw.tools.planner import PlanConfig, plan
 
     result = plan(
         PlanConfig(
@@ -497,7 +497,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_real(args) -> int:
-    from .real_models import model_path
+    from .tools.real_models import model_path
 
     try:
         print(model_path(args.name))

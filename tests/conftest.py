@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _real(name: str):
-    from longstraw.real_models import installed
+    from longstraw.tools.real_models import installed
 
     path = installed(name)
     if path is None:
@@ -45,7 +45,7 @@ def _real(name: str):
 
 @pytest.fixture(scope="session")
 def real_smollm2():
-    """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.real_models`), when it is in the
+    """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.tools.real_models`), when it is in the
     cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it."""
     return _real("smollm2")
 

@@ -211,7 +211,7 @@ def test_tool_calls_are_parsed_from_the_chat_format():
 def test_tool_message_tokens_follow_the_chat_template():
     from transformers import AutoTokenizer
 
-    from longstraw.real_models import installed
+    from longstraw.tools.real_models import installed
 
     path = installed("smollm2")
     if path is None:

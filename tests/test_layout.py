@@ -129,7 +129,7 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
 
 
 #: the modules above the trainer: the command line, the tools, and the agent rollouts the trainer runs as a stage
-ABOVE_TRAIN = {"longstraw.__main__", "longstraw.cli", "longstraw.compare", "longstraw.agent", "longstraw.agent.rollout",
+ABOVE_TRAIN = {"longstraw.__main__", "longstraw.cli", "longstraw.tools.compare", "longstraw.agent", "longstraw.agent.rollout",
                "longstraw.agent.environment"}
 
 

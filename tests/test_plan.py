@@ -5,7 +5,7 @@ import torch
 
 import longstraw
 from longstraw.kinds.sizes import state_bytes
-from longstraw.plan import PlanConfig, plan
+from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.capability import layer_plan
 
 from .conftest import ARCHS, make_model, tokens

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoConfig
 
 from longstraw.models import tiny_model
-from longstraw.plan import PlanConfig, plan
+from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.positions import coverage, position_note
 from longstraw.train.config import TrainConfig
 

@@ -30,15 +30,15 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .kinds.sizes import state_bytes
-from .model.capability import layer_plan
-from .model.chunking import (
-    AUTO_CHUNK_BUDGET as AUTO_CHUNK_BUDGET,  # re-exported: `longstraw.plan.AUTO_CHUNK_BUDGET`, its old home
+from ..kinds.sizes import state_bytes
+from ..model.capability import layer_plan
+from ..model.chunking import (
+    AUTO_CHUNK_BUDGET as AUTO_CHUNK_BUDGET,  # re-exported where they were (the planner's, before model/chunking.py)
 )
-from .model.chunking import (
+from ..model.chunking import (
     AUTO_CHUNKS as AUTO_CHUNKS,
 )
-from .model.chunking import (
+from ..model.chunking import (
     ELEMENT_BYTES,
     GROWING_KINDS,
     auto_chunk_size,
@@ -46,8 +46,8 @@ from .model.chunking import (
     config_value,
     dimensions,
 )
-from .model.positions import position_note
-from .ops.attention import TILE_ELEMENTS
+from ..model.positions import position_note
+from ..ops.attention import TILE_ELEMENTS
 
 
 @dataclass
@@ -98,7 +98,7 @@ def load_config(model):
     """A transformers text config from a config object, a folder / config.json, or a tiny family name."""
     from transformers import AutoConfig, PreTrainedConfig
 
-    from .models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
+    from ..models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
 
     if isinstance(model, PreTrainedConfig):
         cfg = model
