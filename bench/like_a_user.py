@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     import longstraw
-    from longstraw.models import UnsupportedArchitectureError
+    from longstraw.errors import UnsupportedArchitectureError
     from longstraw.model.oracles import full_sequence_logprobs
     from tests import test_like_a_user as t
     from tests.conftest import tie_free_tokens

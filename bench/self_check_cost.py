@@ -33,7 +33,7 @@ def _build(name: str):
     from transformers import AutoModelForCausalLM
 
     if name.startswith("tiny-"):
-        from longstraw.models import tiny_model
+        from longstraw.testing.models import tiny_model
 
         return tiny_model(name[5:], num_hidden_layers=6 if name != "tiny-qwen3_next" else 4)
     from longstraw.tools.real_models import model_path

@@ -47,7 +47,7 @@ G, R = 8, 128
 
 def model_for(run: dict):
     from longstraw.tools.compare import bench_model
-    from longstraw.models import BENCH_HYBRID
+    from longstraw.testing.models import BENCH_HYBRID
 
     fields = dict(BENCH_HYBRID, num_attention_heads=run["heads"], num_key_value_heads=run["kv_heads"],
                   head_dim=run["head_dim"], max_position_embeddings=run["P"] + R + 16)

@@ -26,7 +26,7 @@ ARCH = {"dense": "qwen3", "hybrid": "qwen3_next"}
 
 
 def _model_overrides(name: str) -> dict:
-    from longstraw.models import BENCH_DENSE, BENCH_HYBRID
+    from longstraw.testing.models import BENCH_DENSE, BENCH_HYBRID
 
     fields = dict(BENCH_DENSE if name == "dense" else BENCH_HYBRID)
     fields.pop("vocab_size")

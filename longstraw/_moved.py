@@ -53,6 +53,7 @@ MOVED = {
     "longstraw.plan": "longstraw.tools.planner",
     "longstraw.compare": "longstraw.tools.compare",
     "longstraw.real_models": "longstraw.tools.real_models",
+    "longstraw.models": "longstraw.testing.models",
 }
 
 

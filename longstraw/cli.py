@@ -310,7 +310,7 @@ def cmd_train(args) -> int:
 
 
 def _tiny_names():
-    from .models import TINY_CONFIGS
+    from .testing.models import TINY_CONFIGS
 
     return TINY_CONFIGS
 
@@ -434,7 +434,7 @@ def cmd_check(args) -> int:
     import torch
 
     import longstraw
-    from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+    from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.model in TINY_CONFIGS or args.model in TINY_MULTIMODAL:

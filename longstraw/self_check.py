@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import UnsupportedArchitectureError
+from .hf.parts import base_model
 from .model.capability import attention_module, layer_plan, model_parts
 from .model.oracles import full_sequence_logprobs
-from .models import UnsupportedArchitectureError, base_model
 from .state import capture_local
 
 #: max abs log-prob difference allowed in float32 / float64 (float32's epsilon × 2^10)

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 
 ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 
@@ -151,8 +151,8 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     from longstraw.kinds.latent_attention import indexer_inputs
     from longstraw.ops.latent_attention import index_scores
 
-    base = longstraw.models.base_model(model)
-    layers = longstraw.models.decoder_of(base).layers
+    base = longstraw.hf.parts.base_model(model)
+    layers = longstraw.hf.parts.decoder_of(base).layers
     if any(getattr(getattr(getattr(b, "self_attn", None), "compressor", None), "indexer", None) is not None
            for b in layers):
         return _assert_compressed_tie_free(model, layers, ids, margin)

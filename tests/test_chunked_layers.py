@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.models import decoder_of, tiny_model
+from longstraw.hf.parts import decoder_of
+from longstraw.testing.models import tiny_model
 
 prep = importlib.import_module("longstraw.model.prepare")  # the module (`longstraw.prepare` is also the function)
 

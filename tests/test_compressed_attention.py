@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import longstraw
+import longstraw.testing.models
 from longstraw.kinds.compressed_attention import Stream, full_indexer_scores
-from longstraw.models import base_model, decoder_of
+from longstraw.hf.parts import base_model, decoder_of
 from longstraw.ops.attention import split_attention
 from longstraw.ops.compressed_attention import (
     apply_sinks,
@@ -253,7 +254,7 @@ def test_bf16_model_agrees_loosely():
     pool and score in float32 but round projections differently (and so may select another entry where index scores
     nearly tie at bf16's rounding): each within its relative rounding 2^-8 of |log p| (≈ 5.5 here), the two within
     bf16's epsilon 2^-7 × the largest |log p| (≈ 0.045; measured 2.3e-2)."""
-    model = longstraw.models.tiny_model("deepseek_v4", dtype=torch.bfloat16)
+    model = longstraw.testing.models.tiny_model("deepseek_v4", dtype=torch.bfloat16)
     prompt, response = tokens(40, 1), tokens(7, 2)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response).float()

@@ -12,7 +12,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import longstraw
-from longstraw.models import TINY_CONFIGS, UnsupportedArchitectureError, tiny_model
+from longstraw.errors import UnsupportedArchitectureError
+from longstraw.testing.models import TINY_CONFIGS, tiny_model
 from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import tie_free_tokens

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import longstraw
+import longstraw.testing.models
 from longstraw.kinds.sizes import state_bytes
 from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.capability import layer_plan
@@ -29,7 +30,7 @@ def test_state_formulas_equal_the_captured_state(arch, state_dtype):
 
 
 def test_verdict_and_knobs():
-    cfg = longstraw.models.tiny_config("llama", num_hidden_layers=16, num_key_value_heads=8, head_dim=128,
+    cfg = longstraw.testing.models.tiny_config("llama", num_hidden_layers=16, num_key_value_heads=8, head_dim=128,
                                        num_attention_heads=32, hidden_size=4096, intermediate_size=14336)
     big = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", device_memory_gib=80))
     assert big.durable_state == 16 * 2 * 8 * 128 * 2 * 2_097_151
@@ -69,7 +70,7 @@ def test_bad_plan_config(kwargs, match):
 def test_plan_command(tmp_path, capsys):
     from longstraw.cli import main
 
-    longstraw.models.tiny_config("qwen3").save_pretrained(tmp_path)
+    longstraw.testing.models.tiny_config("qwen3").save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--P", "65536", "--G", "8", "--device-memory-gib", "0.01"]) == 1
     out = capsys.readouterr().out
     assert "durable state" in out and "does NOT fit" in out

@@ -4,7 +4,7 @@ model takes RoPE scaling from `model_overrides`."""
 import pytest
 from transformers import AutoConfig
 
-from longstraw.models import tiny_model
+from longstraw.testing.models import tiny_model
 from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.positions import coverage, position_note
 from longstraw.train.config import TrainConfig

@@ -10,7 +10,7 @@ import torch
 
 import longstraw
 from longstraw import self_check
-from longstraw.models import tiny_model
+from longstraw.testing.models import tiny_model
 from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import lora

@@ -9,7 +9,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import longstraw
 from longstraw import self_check, support
-from longstraw.models import UnsupportedArchitectureError, tiny_model
+from longstraw.errors import UnsupportedArchitectureError
+from longstraw.testing.models import tiny_model
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.model.oracles import full_sequence_logprobs
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 from torch import nn
 
-from ..models import base_model, decoder_of
+from ..hf.parts import base_model, decoder_of
 
 if TYPE_CHECKING:  # torch.distributed is imported where it is used
     from torch.distributed.fsdp import FSDPModule

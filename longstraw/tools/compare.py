@@ -39,7 +39,7 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
     parameter trainable (full fine-tuning), no adapter."""
     from peft import LoraConfig, get_peft_model
 
-    from ..models import (
+    from ..testing.models import (
         BENCH_DENSE,
         BENCH_DSA,
         BENCH_DSV4,

@@ -98,7 +98,7 @@ def load_config(model):
     """A transformers text config from a config object, a folder / config.json, or a tiny family name."""
     from transformers import AutoConfig, PreTrainedConfig
 
-    from ..models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
+    from ..testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
 
     if isinstance(model, PreTrainedConfig):
         cfg = model

@@ -33,7 +33,7 @@ class TrainConfig:
     model_overrides: dict = _f(
         {},
         "config fields over the model's: of a built-in tiny model over "
-        "`longstraw.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
+        "`longstraw.testing.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
         "a local model over its config.json — e.g. RoPE scaling for prompts past its "
         "positions: {rope_parameters: {rope_type: yarn, factor: 4, "
         "original_max_position_embeddings: 8192, rope_theta: 100000}, "

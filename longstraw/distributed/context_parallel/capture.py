@@ -11,11 +11,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
+from ...hf.parts import ModelParts, base_model
 from ...kinds import LayerState, layer_kind
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...kinds.sliding_window import SlidingKVState
 from ...model.capability import layer_states
-from ...models import ModelParts, base_model
 from ...ops import quant
 from ...ops.attention import DEFAULT_BLOCK
 from ...ops.quant import QUANT_BLOCK
