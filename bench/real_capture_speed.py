@@ -57,7 +57,7 @@ def main() -> None:
     import longstraw
     from longstraw.ops.kernels import blockwise
     from longstraw.tools.real_models import model_path
-    from longstraw.state import default_chunk_size
+    from longstraw.prompt_state import default_chunk_size
 
     torch.set_num_threads(args.threads)
     rows: list[dict] = []

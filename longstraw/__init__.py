@@ -19,8 +19,8 @@ from .api import capture
 from .errors import UnsupportedArchitectureError
 from .model.capability import tested_families
 from .model.prepare import prepare, unprepare
+from .prompt_state import PromptState, Replay
 from .self_check import CheckReport, check
-from .state import PromptState, Replay
 
 __version__ = "0.1.0"
 _install_moved()  # the old paths of the modules moved into longstraw.train (one release, with a warning)

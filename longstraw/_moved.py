@@ -54,6 +54,7 @@ MOVED = {
     "longstraw.compare": "longstraw.tools.compare",
     "longstraw.real_models": "longstraw.tools.real_models",
     "longstraw.models": "longstraw.testing.models",
+    "longstraw.state": "longstraw.prompt_state",
 }
 
 

@@ -1,5 +1,5 @@
 """The one entry point of a capture, `longstraw.capture`. It validates, prepares the model, runs the self-check where
-the model departs from what was tested, then captures in this process (`longstraw.state.capture_local`) or as a
+the model departs from what was tested, then captures in this process (`longstraw.prompt_state.capture_local`) or as a
 collective of a process group (`longstraw.distributed.context_parallel`). Every check of a capture's arguments and of
 the model runs here, once, for both."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from .model.capability import untested_because
 from .model.prepare import prepare
 from .ops.attention import DEFAULT_BLOCK
+from .prompt_state import PromptState, capture_local, default_chunk_size, validate_capture
 from .self_check import ensure_verified
-from .state import PromptState, capture_local, default_chunk_size, validate_capture
 
 
 def capture(

@@ -36,7 +36,7 @@ from .sampler import Samples, banned_tokens, check_generator, check_sampling, de
 
 if TYPE_CHECKING:
     from .hf.cache import BranchCache
-    from .state import PromptState
+    from .prompt_state import PromptState
 
 
 class Branch:

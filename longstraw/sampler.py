@@ -24,7 +24,7 @@ from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
 
 if TYPE_CHECKING:
-    from .state import PromptState
+    from .prompt_state import PromptState
 
 
 @dataclass

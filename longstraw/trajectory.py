@@ -39,7 +39,7 @@ from .kinds import (
     RecurrentBranchLayer,
 )
 from .ops.logprobs import chunked_logprobs
-from .state import PromptState, Replay, as_ids, check_length
+from .prompt_state import PromptState, Replay, as_ids, check_length
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
         ROOT / "tests" / "README.md", ROOT / "CHANGELOG.md"]
-#: a repository path in backticks: `longstraw/state.py`, `bench/results/x.{json,md}`, `tests/test_x.py::test_y`
+#: a repository path in backticks: `longstraw/prompt_state.py`, `bench/results/x.{json,md}`, `tests/test_x.py::test_y`
 PATH = re.compile(r"`((?:longstraw|bench|tests|docs|examples|csrc|\.ci)/[^`\s]*)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

@@ -87,7 +87,7 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
     from transformers import AutoConfig
 
     from longstraw.model.chunking import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
-    from longstraw.state import default_chunk_size
+    from longstraw.prompt_state import default_chunk_size
 
     small = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)

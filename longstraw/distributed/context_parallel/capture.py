@@ -19,7 +19,7 @@ from ...model.capability import layer_states
 from ...ops import quant
 from ...ops.attention import DEFAULT_BLOCK
 from ...ops.quant import QUANT_BLOCK
-from ...state import first_trainable_layer, run_decoder
+from ...prompt_state import first_trainable_layer, run_decoder
 from ..collectives import Group, digest
 from .full_attention import SliceKVState
 from .kinds import SERVED, SLICED, capture_branch

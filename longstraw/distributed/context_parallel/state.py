@@ -11,8 +11,8 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 from ...hf.cache import BranchCache
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...kinds.sliding_window import SlidingKVState
+from ...prompt_state import PromptState, as_ids, check_length, run_decoder
 from ...sampler import sample, sampling_fields
-from ...state import PromptState, as_ids, check_length, run_decoder
 from ..collectives import Group
 from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
 from .kinds import capture_branch, replay_branch, sample_branch

@@ -370,7 +370,8 @@ def first_trainable_layer(parts: ModelParts) -> int:
 
 
 def __getattr__(name: str):
-    """`longstraw.state.capture` moved to `longstraw.capture` (`longstraw.api`): the old name works for one release."""
+    """`longstraw.state.capture` (this module's old path) moved to `longstraw.capture` (`longstraw.api`): the old name
+    works for one release."""
     if name == "capture":
         import warnings
 
