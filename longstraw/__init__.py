@@ -23,7 +23,7 @@ from .prompt_state import PromptState, Replay
 from .self_check import CheckReport, check
 
 __version__ = "0.1.0"
-_install_moved()  # the old paths of the modules moved into longstraw.train (one release, with a warning)
+_install_moved()  # the old paths of moved modules (one release, with a warning): longstraw/_moved.py
 
 __all__ = [
     "CheckReport",

@@ -209,7 +209,7 @@ class Trainer:
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
-            from ..agent import AgentSettings, EnvironmentRollout
+            from ..agent.rollout import AgentSettings, EnvironmentRollout
 
             kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
             rollout_func = EnvironmentRollout(
