@@ -77,7 +77,7 @@ def chunk_bytes_per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
     return own_per_token, act, ffn, recurrence
 
 
-#: what `auto_chunk_size` lets one capture chunk's transients take (`Plan.capture_transient`)
+#: what `auto_chunk_size` lets one capture chunk's transients take (the planner's `Plan.capture_transient`)
 AUTO_CHUNK_BUDGET = 512 << 20
 #: the chunk sizes it chooses among, largest first: 4,096 is the fastest measured on both real models (dense
 #: SmolLM2-135M and sliding-window Gemma 3 270M, docs/capture speed table), and below 512 the per-chunk

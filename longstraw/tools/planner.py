@@ -33,12 +33,8 @@ from pathlib import Path
 from ..kinds.sizes import state_bytes
 from ..model.capability import layer_plan
 from ..model.chunking import (
-    AUTO_CHUNK_BUDGET as AUTO_CHUNK_BUDGET,  # re-exported where they were (the planner's, before model/chunking.py)
-)
-from ..model.chunking import (
-    AUTO_CHUNKS as AUTO_CHUNKS,
-)
-from ..model.chunking import (
+    AUTO_CHUNK_BUDGET,  # noqa: F401 - the planner's before model/chunking.py: kept here for one release
+    AUTO_CHUNKS,  # noqa: F401 - likewise
     ELEMENT_BYTES,
     GROWING_KINDS,
     auto_chunk_size,
