@@ -43,7 +43,7 @@ def main() -> None:
 
     import longstraw
     from longstraw.train.config import TrainConfig
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
     from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.tasks.archive_tools import write_archive_task
     from longstraw.tasks.jsonl import load_jsonl

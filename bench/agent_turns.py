@@ -2,7 +2,7 @@
 
 A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tokens, each followed by a tool reply of
 `--tool-tokens` tokens (the last turn is the answer). Three ways to get the gradient of its masked log-prob sum
-(LoRA on the dense benchmark model, `longstraw.compare.bench_model("dense")`), each in a fresh process:
+(LoRA on the dense benchmark model, `longstraw.tools.compare.bench_model("dense")`), each in a fresh process:
 
 - `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one policy turn's graph at a time;
 - `exact`: the same with `prompt_grad="exact"` (the gradient also through the earlier turns, the tool output and the
@@ -40,7 +40,7 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
     import torch
 
     import longstraw
-    from longstraw.compare import bench_model
+    from longstraw.tools.compare import bench_model
     from longstraw.train.memory import MemoryMeter
     from longstraw.trajectory import replay_segments
 

@@ -32,7 +32,7 @@ def worker(layers: int, steps: int, repeats: int) -> dict:
     from transformers import DynamicCache
 
     import longstraw
-    from longstraw.models import tiny_model
+    from longstraw.testing.models import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model("llama", num_hidden_layers=layers)

@@ -1,9 +1,9 @@
 """DeepSeek-V4 compressed attention: one GRPO step's memory and time against P and G, and the durable state
 against the bytes-per-token formula of docs/models.md.
 
-Model: `longstraw.models.BENCH_DSV4` (a tiny `deepseek_v4`: CSA / HCA / CSA / HCA at rates 4 and 128, window
+Model: `longstraw.testing.models.BENCH_DSV4` (a tiny `deepseek_v4`: CSA / HCA / CSA / HCA at rates 4 and 128, window
 128, indexer top-64, MoE), LoRA on the attention projections, R = 64, one torch thread. Each configuration
-runs in a fresh process (`longstraw.compare.measure_in_fresh_process`); step memory = peak RSS during the
+runs in a fresh process (`longstraw.tools.compare.measure_in_fresh_process`); step memory = peak RSS during the
 step − RSS just before it. Per row, `formula_bytes` is the durable state the formula of docs/models.md gives for P − 1
 captured tokens (window keys once, entries, tails, CSA overlaps; see `expected_bytes`), and `g_spread` (on
 the G-largest row of each P and method) the step memory's change from the smallest G: max(5 %, 8 MiB) is
@@ -22,14 +22,14 @@ from pathlib import Path
 from _bench import finish, record
 from memory_step import plot
 
-from longstraw.compare import format_table, measure_in_fresh_process
+from longstraw.tools.compare import format_table, measure_in_fresh_process
 
 
 def expected_bytes(P: int, dtype_bytes: int = 4) -> int:
     """Durable bytes of `BENCH_DSV4` after capturing P − 1 tokens: per CSA layer (head_dim + index_head_dim) per
     complete window of 4, per HCA layer head_dim per window of 128, plus per layer the last W − 1 keys, the raw
     tail of the current window (kv and gate) and, for CSA, the overlap half of the last window (kv and gate)."""
-    from longstraw.models import BENCH_DSV4 as cfg
+    from longstraw.testing.models import BENCH_DSV4 as cfg
 
     c, d, di, w = P - 1, cfg["head_dim"], cfg["index_head_dim"], cfg["sliding_window"]
     total = 0

@@ -1,6 +1,6 @@
 """Context parallelism: capture and step time on 1 rank vs N ranks (gloo, processes of one torch thread each).
 
-The dense benchmark model (`longstraw.compare.bench_model("dense")`: qwen3, hidden 128, 4 layers), a prompt of P
+The dense benchmark model (`longstraw.tools.compare.bench_model("dense")`: qwen3, hidden 128, 4 layers), a prompt of P
 tokens, G responses of R tokens. 1 rank: `longstraw.capture(model, prompt)` in one process, then a step = G serial
 replays with backward. N ranks: `capture(..., group=WORLD)` in N processes, a step = G/N replays per rank (each a
 collective) with backward. Each configuration runs in fresh processes in the same invocation, one after the other;
@@ -43,7 +43,7 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
 
     torch.set_num_threads(1)
     import longstraw
-    from longstraw.compare import bench_model
+    from longstraw.tools.compare import bench_model
     from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb, trim_heap
 
     group = None
@@ -122,8 +122,8 @@ def memory_grid(a) -> None:
 
 def write_memory(rows: list[dict], out: Path) -> None:
     """The memory grid's JSON and markdown table, with the planner's capture figure for each row."""
-    from longstraw.compare import bench_model
-    from longstraw.plan import PlanConfig, plan
+    from longstraw.tools.compare import bench_model
+    from longstraw.tools.planner import PlanConfig, plan
 
     lines = ["| model | ranks | P | G | R | replays per rank | step memory per rank (MiB) | state per rank (MiB) "
              "| capture memory per rank (MiB) | planner: capture transient + state per rank (MiB) |",
@@ -154,7 +154,7 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "context_parallel"))
     ap.add_argument("--memory-G", type=int, nargs="*", default=None, help="step memory per rank for these G")
     ap.add_argument("--P-list", type=int, nargs="*", default=None, help="--memory-G: these prompt lengths (else --P)")
-    ap.add_argument("--model", default="dense", help="longstraw.compare.bench_model's name (dense, hybrid, mla, ...)")
+    ap.add_argument("--model", default="dense", help="longstraw.tools.compare.bench_model's name (dense, hybrid, mla, ...)")
     ap.add_argument("--malloc-default", action="store_true",
                     help="keep glibc's adaptive mmap threshold (by default the ranks run with it fixed at 128 KiB, so "
                          "that freed temporaries leave RSS, as in bench/stress.py and bench/plan_accuracy.py)")

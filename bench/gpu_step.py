@@ -211,7 +211,7 @@ def worker(args) -> None:
                                   reverse_peak_mib=mib(rev.peak - base),
                                   step_peak_mib=mib(max(cap.peak, rep.peak, rev.peak) - base)))
                 else:
-                    from longstraw.reference import full_sequence_logprobs
+                    from longstraw.model.oracles import full_sequence_logprobs
 
                     for gcount in gs:
                         with Clock(device) as fb:

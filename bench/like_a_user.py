@@ -30,8 +30,8 @@ def main() -> None:
     import torch
 
     import longstraw
-    from longstraw.models import UnsupportedArchitectureError
-    from longstraw.reference import full_sequence_logprobs
+    from longstraw.errors import UnsupportedArchitectureError
+    from longstraw.model.oracles import full_sequence_logprobs
     from tests import test_like_a_user as t
     from tests.conftest import tie_free_tokens
     from tests.test_support import UNTESTED, untested_model

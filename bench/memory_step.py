@@ -3,7 +3,7 @@
 Grid: tiny dense (qwen3: hidden 128, 4 layers, 2 KV heads of 32) and hybrid (qwen3_next-like: 3 gated
 DeltaNet + 1 full attention layer, MoE) models, P ∈ {4096, 16384, 32768}, G ∈ {2, 8, 32}, R = 64,
 LoRA trainable, one torch thread. Each configuration runs in a fresh process
-(`longstraw.compare.measure_in_fresh_process`); step memory = peak RSS during the step − RSS just
+(`longstraw.tools.compare.measure_in_fresh_process`); step memory = peak RSS during the step − RSS just
 before it. Naive batched configurations whose estimate (G × the measured naive-serial step memory at
 the same P) exceeds `--limit-gb` are skipped and listed, and so are naive configurations that process
 more than `--max-naive-tokens` tokens (G·(P+R)), to keep the grid near an hour on 2 cores (their
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from _bench import finish, record
 
-from longstraw.compare import METHODS, format_table, measure_in_fresh_process
+from longstraw.tools.compare import METHODS, format_table, measure_in_fresh_process
 
 
 def plot(rows, path: Path) -> None:

@@ -1,7 +1,7 @@
 """The planner against measured steps: predicted step memory vs peak RSS of one GRPO step, side by side.
 
 Each configuration (model family, P, G, detached / exact) is measured in a fresh process with
-`longstraw.compare` (one torch thread, R = 64, chunk 4096, LoRA r = 8 on the attention projections,
+`longstraw.tools.compare` (one torch thread, R = 64, chunk 4096, LoRA r = 8 on the attention projections,
 glibc's mmap threshold fixed at 64 KiB so RSS follows live tensors): step memory = peak RSS during the
 step − RSS before it, i.e. what the step adds to a loaded model (`Plan.step`). The planner sees only the
 model's config.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from _bench import record
 
-from longstraw.compare import bench_model, measure_in_fresh_process
-from longstraw.plan import PlanConfig, plan
+from longstraw.tools.compare import bench_model, measure_in_fresh_process
+from longstraw.tools.planner import PlanConfig, plan
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from transformers import CONFIG_MAPPING
 
-from longstraw.plan import PlanConfig, plan
+from longstraw.tools.planner import PlanConfig, plan
 
 HERE = Path(__file__).resolve().parent
 

@@ -28,7 +28,7 @@ def worker(model_name: str, p: int) -> dict:
     import torch
 
     import longstraw
-    from longstraw.compare import bench_model
+    from longstraw.tools.compare import bench_model
 
     torch.set_num_threads(1)
     model = bench_model(model_name).eval()

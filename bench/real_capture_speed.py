@@ -4,7 +4,7 @@
 
 For SmolLM2-135M-Instruct (dense) and Gemma 3 270M (five of six layers in a 512-token sliding window), fp32,
 2 threads, a prompt of P tokens of real text: the time of `longstraw.capture` at several chunk sizes (and the
-automatic choice, `longstraw.plan.auto_chunk_size`) divided by the time of transformers' decoder forward of the same
+automatic choice, `longstraw.model.chunking.auto_chunk_size`) divided by the time of transformers' decoder forward of the same
 prompt without the LM head (`model.model(ids)` under `no_grad`, sdpa), both in this process, alternated, the fastest
 of `--repeats`. `untiled` is the capture with the blockwise kernel's query tiles switched off (a windowed part walks
 every key for every query, as before they existed): the cost a sliding-window capture chunk had.
@@ -56,8 +56,8 @@ def main() -> None:
 
     import longstraw
     from longstraw.ops.kernels import blockwise
-    from longstraw.real_models import model_path
-    from longstraw.state import default_chunk_size
+    from longstraw.tools.real_models import model_path
+    from longstraw.prompt_state import default_chunk_size
 
     torch.set_num_threads(args.threads)
     rows: list[dict] = []

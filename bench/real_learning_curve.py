@@ -70,7 +70,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from longstraw.train.config import TrainConfig
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
     from longstraw.tasks.documents import write_document_task
     from longstraw.tasks.jsonl import load_jsonl
     from longstraw.train.trainer import Trainer

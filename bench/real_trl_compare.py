@@ -51,7 +51,7 @@ def run_longstraw(P: int, G: int, R: int, threads: int) -> dict:
     from transformers import AutoTokenizer
 
     from longstraw.train.config import TrainConfig
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
     from longstraw.train.trainer import Trainer
 
     path = model_path("smollm2")
@@ -74,7 +74,7 @@ def run_trl(P: int, G: int, R: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
     from longstraw.tasks.base import contains_answer
 
     path = model_path("smollm2")

@@ -4,7 +4,7 @@ One replay of R response tokens with backward against a captured prompt (P = 409
 LoRA, one torch thread), `replay(checkpoint_layers=False|True)`, each configuration in a fresh process.
 Replay memory = peak RSS during the replay and its backward − RSS just before (the capture and a warm-up
 replay of 8 tokens come first, so the durable state is not counted; glibc's mmap threshold is fixed at
-64 KiB so that RSS follows live tensors, see `longstraw.compare.measure_in_fresh_process`). Models:
+64 KiB so that RSS follows live tensors, see `longstraw.tools.compare.measure_in_fresh_process`). Models:
 `dense` (qwen3), `hybrid` (qwen3_next-like, MoE), `dsa` (glm_moe_dsa: MLA + DSA, MoE).
 
     python bench/replay_checkpoint.py          # → bench/results/replay_checkpoint.{json,md,png}
@@ -27,7 +27,7 @@ def one(model_name: str, R: int, ckpt: bool, P: int) -> dict:
     import torch
 
     import longstraw
-    from longstraw.compare import bench_model
+    from longstraw.tools.compare import bench_model
     from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
 
     torch.set_num_threads(1)

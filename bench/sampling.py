@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _bench import finish, memory_time_figure, record
 
-from longstraw.compare import SAMPLERS, format_table, measure_in_fresh_process
+from longstraw.tools.compare import SAMPLERS, format_table, measure_in_fresh_process
 
 
 def plot(rows, path: Path) -> None:

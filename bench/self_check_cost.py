@@ -33,10 +33,10 @@ def _build(name: str):
     from transformers import AutoModelForCausalLM
 
     if name.startswith("tiny-"):
-        from longstraw.models import tiny_model
+        from longstraw.testing.models import tiny_model
 
         return tiny_model(name[5:], num_hidden_layers=6 if name != "tiny-qwen3_next" else 4)
-    from longstraw.real_models import model_path
+    from longstraw.tools.real_models import model_path
 
     return AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32)
 
@@ -45,8 +45,8 @@ def measure(name: str, adapter: bool, repeats: int, threads: int) -> dict:
     import torch
 
     from longstraw import self_check
-    from longstraw.reference import full_sequence_logprobs
-    from longstraw.support import model_parts
+    from longstraw.model.oracles import full_sequence_logprobs
+    from longstraw.model.capability import model_parts
 
     torch.set_num_threads(threads)
     model = _build(name)

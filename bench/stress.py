@@ -1,6 +1,6 @@
 """The published 2.1M positions on this machine: one full GRPO step of the tiny hybrid at millions of tokens.
 
-The model: the benchmarks' tiny hybrid (`longstraw.compare`'s "hybrid": 3 gated-DeltaNet layers per
+The model: the benchmarks' tiny hybrid (`longstraw.tools.compare`'s "hybrid": 3 gated-DeltaNet layers per
 full-attention layer, hidden 128, LoRA r = 8 on the attention projections), with its full-attention layer
 narrowed so that the state of a few million tokens stays small: 2 query heads / 1 KV head of 16, at
 P = 2,097,152 (the fp8 run) and at P = 1,048,576 (the exact run).
@@ -11,7 +11,7 @@ One step = capture (chunks of 2,048 for the fp8 run, 65,536 for the exact run), 
 threads unless --threads; time per stage (and the process's CPU time and the
 machine's load average, since wall time on a shared machine includes what others ran), the durable state,
 and step memory = peak RSS during the step − RSS before it, against the planner's figures
-(`longstraw.plan`) for the same configuration.
+(`longstraw.tools.planner`) for the same configuration.
 
     python bench/stress.py                       # both runs, one after the other (tens of minutes each)
     python bench/stress.py --runs fp8_2m         # one of them
@@ -46,8 +46,8 @@ G, R = 8, 128
 
 
 def model_for(run: dict):
-    from longstraw.compare import bench_model
-    from longstraw.models import BENCH_HYBRID
+    from longstraw.tools.compare import bench_model
+    from longstraw.testing.models import BENCH_HYBRID
 
     fields = dict(BENCH_HYBRID, num_attention_heads=run["heads"], num_key_value_heads=run["kv_heads"],
                   head_dim=run["head_dim"], max_position_embeddings=run["P"] + R + 16)
@@ -67,7 +67,7 @@ def child(name: str, run: dict, threads: int, out: Path) -> None:
 
     import longstraw
     from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
-    from longstraw.plan import PlanConfig, plan
+    from longstraw.tools.planner import PlanConfig, plan
 
     torch.set_num_threads(threads)
     model = model_for(run)

@@ -26,7 +26,7 @@ ARCH = {"dense": "qwen3", "hybrid": "qwen3_next"}
 
 
 def _model_overrides(name: str) -> dict:
-    from longstraw.models import BENCH_DENSE, BENCH_HYBRID
+    from longstraw.testing.models import BENCH_DENSE, BENCH_HYBRID
 
     fields = dict(BENCH_DENSE if name == "dense" else BENCH_HYBRID)
     fields.pop("vocab_size")
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         m, name, P, G, R = args.worker
         print(json.dumps(worker(m, name, int(P), int(G), int(R))))
         return
-    from longstraw.compare import format_table
+    from longstraw.tools.compare import format_table
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,13 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Train
 from ._moved import install as _install_moved
 from .api import capture
 from .errors import UnsupportedArchitectureError
-from .prepare import prepare, unprepare
+from .model.capability import tested_families
+from .model.prepare import prepare, unprepare
+from .prompt_state import PromptState, Replay
 from .self_check import CheckReport, check
-from .state import PromptState, Replay
-from .support import tested_families
 
 __version__ = "0.1.0"
-_install_moved()  # the old paths of the modules moved into longstraw.train (one release, with a warning)
+_install_moved()  # the old paths of moved modules (one release, with a warning): longstraw/_moved.py
 
 __all__ = [
     "CheckReport",

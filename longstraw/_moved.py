@@ -13,6 +13,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 #: old module name → new module name (moved in 0.1.0 → removed in the next release); a moved package's submodules
@@ -42,6 +43,18 @@ MOVED = {
     },
     "longstraw.hf_attention": "longstraw.hf.cache",
     "longstraw.parallel": "longstraw.distributed.ranks",
+    # the tiers (docs/design.md): layer kinds, what longstraw knows about a model, the tools above the trainer
+    "longstraw.layers": "longstraw.kinds",
+    "longstraw.support": "longstraw.model.capability",
+    "longstraw.prepare": "longstraw.model.prepare",
+    "longstraw.observe": "longstraw.model.observe",
+    "longstraw.reference": "longstraw.model.oracles",
+    "longstraw.positions": "longstraw.model.positions",
+    "longstraw.plan": "longstraw.tools.planner",
+    "longstraw.compare": "longstraw.tools.compare",
+    "longstraw.real_models": "longstraw.tools.real_models",
+    "longstraw.models": "longstraw.testing.models",
+    "longstraw.state": "longstraw.prompt_state",
 }
 
 
@@ -64,12 +77,36 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(
             f"{spec.name} moved to {new}; the old name goes in the next release", DeprecationWarning, stacklevel=2
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        spec.loader_state = module.__spec__  # the import system sets the old name's spec on it: put it back after
+        return module
 
     def exec_module(self, module):
-        """Nothing to run: the module is the one at the new path, already imported."""
+        """Nothing to run: the module is the one at the new path, already imported; it keeps its own `__spec__`
+        (relative imports inside its functions resolve against it)."""
+        module.__spec__ = module.__spec__.loader_state
+
+
+class _Package(types.ModuleType):
+    """The class of the `longstraw` module: an old name is an attribute too (`longstraw.support`, as after
+    `import longstraw` before the move), and importing an old path never replaces a public function of the same name
+    (`import longstraw.prepare` would bind the module to `longstraw.prepare`, hiding `longstraw.prepare(model)`)."""
+
+    def __getattr__(self, name: str):
+        if new_name(f"{self.__name__}.{name}") is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f"{self.__name__}.{name}")
+
+    def __setattr__(self, name: str, value) -> None:
+        current = self.__dict__.get(name)
+        if isinstance(value, types.ModuleType) and callable(current) and not isinstance(current, types.ModuleType):
+            return
+        super().__setattr__(name, value)
 
 
 def install() -> None:
     if not any(isinstance(f, _Alias) for f in sys.meta_path):
         sys.meta_path.insert(0, _Alias())
+    package = sys.modules[__name__.rsplit(".", 1)[0]]
+    if not isinstance(package, _Package):
+        package.__class__ = _Package

@@ -1,15 +1,15 @@
 """The one entry point of a capture, `longstraw.capture`. It validates, prepares the model, runs the self-check where
-the model departs from what was tested, then captures in this process (`longstraw.state.capture_local`) or as a
+the model departs from what was tested, then captures in this process (`longstraw.prompt_state.capture_local`) or as a
 collective of a process group (`longstraw.distributed.context_parallel`). Every check of a capture's arguments and of
 the model runs here, once, for both."""
 
 from __future__ import annotations
 
+from .model.capability import untested_because
+from .model.prepare import prepare
 from .ops.attention import DEFAULT_BLOCK
-from .prepare import prepare
+from .prompt_state import PromptState, capture_local, default_chunk_size, validate_capture
 from .self_check import ensure_verified
-from .state import PromptState, capture_local, default_chunk_size, validate_capture
-from .support import untested_because
 
 
 def capture(
@@ -25,14 +25,14 @@ def capture(
     progress=None,
 ) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
-    (None: chosen for the model, `longstraw.plan.auto_chunk_size` — 4,096 unless one chunk's transients would pass
-    512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
+    (None: chosen for the model, `longstraw.model.chunking.auto_chunk_size` — 4,096 unless one chunk's transients would
+    pass 512 MiB; the chunk changes the order of the arithmetic only, not the result beyond rounding).
 
     `model`: a transformers causal LM, optionally wrapped by PEFT. `prompt_grad`: "detached" (the state is a constant)
     or "exact" (the gradient reaches the prompt through `PromptState.backward()`; also keeps the linear-attention
     states at each chunk boundary). `block_size`: key block of the split attention.
 
-    `model` is served when longstraw can represent each of its decoder layers (`longstraw.support`);
+    `model` is served when longstraw can represent each of its decoder layers (`longstraw.model.capability`);
     `state_dtype`: "fp8" (`torch.float8_e4m3fn`) or "int8" keeps the states that grow with P (full-attention
     K/V, MLA latents) in 8 bits with a float32 scale per 64 tokens × head (`longstraw.ops.quant`), quantized once
     here and dequantized tile by tile inside the attention; detached mode only. None: the model's dtype.

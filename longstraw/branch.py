@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from .hf.decoder import run_decoder
-from .layers import AttentionBranchLayer
+from .kinds import AttentionBranchLayer
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sampling_fields
 
 if TYPE_CHECKING:
     from .hf.cache import BranchCache
-    from .state import PromptState
+    from .prompt_state import PromptState
 
 
 class Branch:

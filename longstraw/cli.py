@@ -93,8 +93,8 @@ def real_demo_config(overrides: dict | None = None, length: int = REAL_DEMO_LENG
     for every step, `eval_examples` held-out rows of other seeds) unless it is there from an earlier run."""
     from transformers import AutoTokenizer
 
-    from .real_models import model_path
     from .tasks.documents import write_document_task
+    from .tools.real_models import model_path
     from .train.config import TrainConfig
 
     values = {**REAL_DEMO_CONFIG, **(overrides or {})}
@@ -310,7 +310,7 @@ def cmd_train(args) -> int:
 
 
 def _tiny_names():
-    from .models import TINY_CONFIGS
+    from .testing.models import TINY_CONFIGS
 
     return TINY_CONFIGS
 
@@ -386,8 +386,8 @@ def cmd_compare(args) -> int:
     import torch
 
     import longstraw
-    from longstraw.compare import bench_model, format_table, measure_in_fresh_process
-    from longstraw.reference import full_sequence_logprobs
+    from longstraw.model.oracles import full_sequence_logprobs
+    from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
 
     print(
         f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
@@ -434,7 +434,7 @@ def cmd_check(args) -> int:
     import torch
 
     import longstraw
-    from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+    from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.model in TINY_CONFIGS or args.model in TINY_MULTIMODAL:
@@ -458,7 +458,7 @@ def cmd_check(args) -> int:
         print(f"longstraw check: refused: {err}")
         return 1
     print(report)
-    from .positions import coverage, position_note
+    from .model.positions import coverage, position_note
 
     c = coverage(model.config)
     if c.native is not None:
@@ -471,8 +471,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Per-rank memory breakdown of a run from a model's config (see `longstraw.plan`)."""
-    from longstraw.plan import PlanConfig, plan
+    """Per-rank memory breakdown of a run from a model's config (see `longstraw.tools.planner`)."""
+    from longstraw.tools.planner import PlanConfig, plan
 
     result = plan(
         PlanConfig(
@@ -497,7 +497,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_real(args) -> int:
-    from .real_models import model_path
+    from .tools.real_models import model_path
 
     try:
         print(model_path(args.name))
@@ -617,7 +617,7 @@ def main(argv=None) -> int:
         dest="chunk_size",
         type=int,
         default=None,
-        help="capture chunk in tokens (default: chosen for the model, `longstraw.plan.auto_chunk_size`)",
+        help="capture chunk in tokens (default: chosen for the model, `longstraw.model.chunking.auto_chunk_size`)",
     )
     pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
     pl.add_argument("--fsdp", type=int, default=1)

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .hf.decoder import run_decoder
-from .layers import AttentionBranchLayer
+from .kinds import AttentionBranchLayer
 
 if TYPE_CHECKING:
-    from .state import PromptState
+    from .prompt_state import PromptState
 
 
 @dataclass

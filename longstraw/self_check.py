@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models import UnsupportedArchitectureError, base_model
-from .reference import full_sequence_logprobs
-from .state import capture_local
-from .support import attention_module, layer_plan, model_parts
+from .errors import UnsupportedArchitectureError
+from .hf.parts import base_model
+from .model.capability import attention_module, layer_plan, model_parts
+from .model.oracles import full_sequence_logprobs
+from .prompt_state import capture_local
 
 #: max abs log-prob difference allowed in float32 / float64 (float32's epsilon × 2^10)
 FULL_TOLERANCE = 1e-4

@@ -10,7 +10,7 @@ on one branch cache forked from the prompt state (`longstraw.branch`):
 
 With a detached prompt state the gradient is the detached one, turn by turn: each policy segment's log-probs are
 differentiated through that segment's own computation, the prompt and the earlier segments held as constants, as a
-transformers cache filled without grad would hold them (`longstraw.reference.segmented_reference_logprobs` is that
+transformers cache filled without grad would hold them (`longstraw.model.oracles.segmented_reference_logprobs` is that
 reference). With `prompt_grad="exact"` it is the full-sequence gradient (`_replay_exact`): through the earlier turns,
 the tool output and the prompt, as one forward + backward of [prompt + trajectory] would send it. The values are the
 model's either way: each token's log-prob equals the full-sequence forward's.
@@ -31,7 +31,7 @@ import torch
 from .branch import detach_own
 from .hf.cache import snapshot
 from .hf.decoder import run_decoder
-from .layers import (
+from .kinds import (
     AttentionBranchLayer,
     CompressedBranchLayer,
     LatentBranchLayer,
@@ -39,7 +39,7 @@ from .layers import (
     RecurrentBranchLayer,
 )
 from .ops.logprobs import chunked_logprobs
-from .state import PromptState, Replay, as_ids, check_length
+from .prompt_state import PromptState, Replay, as_ids, check_length
 
 
 @dataclass(frozen=True)

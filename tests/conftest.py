@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from longstraw.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 
 ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 
@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _real(name: str):
-    from longstraw.real_models import installed
+    from longstraw.tools.real_models import installed
 
     path = installed(name)
     if path is None:
@@ -45,7 +45,7 @@ def _real(name: str):
 
 @pytest.fixture(scope="session")
 def real_smollm2():
-    """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.real_models`), when it is in the
+    """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.tools.real_models`), when it is in the
     cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it."""
     return _real("smollm2")
 
@@ -65,7 +65,7 @@ def _deterministic():
 @pytest.fixture(autouse=True)
 def _nan_poisoned_state(monkeypatch):
     """Fresh durable-state buffers start as NaN: a slot capture never writes makes replays NaN, not plausible."""
-    from longstraw.layers import base
+    from longstraw.kinds import base
 
     monkeypatch.setattr(base, "empty_state", lambda like, shape: like.new_full(shape, float("nan")))
 
@@ -148,11 +148,11 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     another machine."""
     import longstraw
     from longstraw.archs import family
-    from longstraw.layers.latent_attention import indexer_inputs
+    from longstraw.kinds.latent_attention import indexer_inputs
     from longstraw.ops.latent_attention import index_scores
 
-    base = longstraw.models.base_model(model)
-    layers = longstraw.models.decoder_of(base).layers
+    base = longstraw.hf.parts.base_model(model)
+    layers = longstraw.hf.parts.decoder_of(base).layers
     if any(getattr(getattr(getattr(b, "self_attn", None), "compressor", None), "indexer", None) is not None
            for b in layers):
         return _assert_compressed_tie_free(model, layers, ids, margin)
@@ -176,7 +176,7 @@ def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
 def _assert_compressed_tie_free(model, layers, ids, margin: float) -> int:
     """DeepSeek-V4 CSA: the same top-k gap check over the indexer's compressed entries (a query at t sees the
     entries whose window closed by t), on the scores recomputed from each indexer's inputs."""
-    from longstraw.layers.compressed_attention import full_indexer_scores
+    from longstraw.kinds.compressed_attention import full_indexer_scores
 
     seen = _indexer_calls(model, layers, ids,
                           lambda block: getattr(getattr(block.self_attn, "compressor", None), "indexer", None))

@@ -7,7 +7,7 @@ import torch
 
 from longstraw.agent import AgentSettings, EnvironmentRollout, ToolCall, parse_tool_calls, tool_message_ids
 from longstraw.agent.environment import call_tool, environment_tools
-from longstraw.reference import full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.model.oracles import full_sequence_logprobs, segmented_reference_logprobs
 from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import TurnSampler
 from longstraw.train.trainer import Trainer
@@ -211,7 +211,7 @@ def test_tool_calls_are_parsed_from_the_chat_format():
 def test_tool_message_tokens_follow_the_chat_template():
     from transformers import AutoTokenizer
 
-    from longstraw.real_models import installed
+    from longstraw.tools.real_models import installed
 
     path = installed("smollm2")
     if path is None:

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.models import tiny_model
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.testing.models import tiny_model
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import lora, tokens
 

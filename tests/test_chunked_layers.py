@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.models import decoder_of, tiny_model
+from longstraw.hf.parts import decoder_of
+from longstraw.testing.models import tiny_model
 
-prep = importlib.import_module("longstraw.prepare")  # the module (`longstraw.prepare` is also the function)
+prep = importlib.import_module("longstraw.model.prepare")  # the module (`longstraw.prepare` is also the function)
 
 EPS = torch.finfo(torch.float32).eps
 #: the recurrent layer in chunks against one call, relative (and absolute): each output is a running sum of ≤ 11

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.layers.compressed_attention import Stream, full_indexer_scores
-from longstraw.models import base_model, decoder_of
+import longstraw.testing.models
+from longstraw.kinds.compressed_attention import Stream, full_indexer_scores
+from longstraw.hf.parts import base_model, decoder_of
 from longstraw.ops.attention import split_attention
 from longstraw.ops.compressed_attention import (
     apply_sinks,
@@ -25,7 +26,7 @@ from longstraw.ops.compressed_attention import (
     reference_pool,
 )
 from longstraw.ops.latent_attention import select_topk
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import assert_grads_close, assert_tie_free, make_model, tie_free_tokens, tokens
 
@@ -61,7 +62,7 @@ class _Pooler(torch.nn.Module):
 def test_streamed_pooling_equals_reference(monkeypatch, overlap, rate, pieces):
     """Pushing a sequence in pieces that split windows (tails, overlaps carried) gives every window's pooled
     entry as the whole-sequence reference does; gradients to kv, gate and bias too (fp64)."""
-    import longstraw.layers.compressed_attention as mod
+    import longstraw.kinds.compressed_attention as mod
 
     monkeypatch.setattr(mod, "_rope", lambda module: lambda x, cos, sin: x)
     d = 5
@@ -253,7 +254,7 @@ def test_bf16_model_agrees_loosely():
     pool and score in float32 but round projections differently (and so may select another entry where index scores
     nearly tie at bf16's rounding): each within its relative rounding 2^-8 of |log p| (≈ 5.5 here), the two within
     bf16's epsilon 2^-7 × the largest |log p| (≈ 0.045; measured 2.3e-2)."""
-    model = longstraw.models.tiny_model("deepseek_v4", dtype=torch.bfloat16)
+    model = longstraw.testing.models.tiny_model("deepseek_v4", dtype=torch.bfloat16)
     prompt, response = tokens(40, 1), tokens(7, 2)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response).float()

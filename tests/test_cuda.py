@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import longstraw
+import longstraw.testing.models
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
-from longstraw.reference import _response_logprobs, cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import _response_logprobs, cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import assert_grads_close, lora, rel_err, tie_free_tokens, tokens
 
@@ -45,7 +46,7 @@ TF32_EPS = 2**-10
 
 
 def _model(arch, dtype=torch.float32, use_lora=False):
-    model = longstraw.models.tiny_model(arch)
+    model = longstraw.testing.models.tiny_model(arch)
     model = (lora(model) if use_lora else model).to(CUDA)
     return model.to(dtype) if dtype != torch.float32 else model
 

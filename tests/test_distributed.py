@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import longstraw
+import longstraw.testing.models
 from longstraw.distributed import slice_bounds
-from longstraw.observe import observe_attention
+from longstraw.model.observe import observe_attention
 
 from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 from .test_distributed_trainer import EPS32, GRAD_TOL
@@ -54,7 +55,7 @@ def _advantage(rank: int, length: int) -> torch.Tensor:
 def _tie_free_seed(arch: str, p: int, n: int) -> int:
     """DSA: the first prompt seed whose full sequences with every rank's responses have no top-k near-tie (a near-tie
     may select differently under any change of summation order; `conftest.assert_tie_free`)."""
-    from longstraw.models import tiny_model
+    from longstraw.testing.models import tiny_model
 
     model = tiny_model(arch)
     for seed in range(1, 40):
@@ -85,8 +86,9 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     from longstraw.distributed import CollectiveError, MismatchError
-    from longstraw.layers import base
-    from longstraw.models import base_model, decoder_of, tiny_model
+    from longstraw.kinds import base
+    from longstraw.hf.parts import base_model, decoder_of
+    from longstraw.testing.models import tiny_model
 
     # as in conftest: fresh state buffers start as NaN, so a slot capture never writes cannot look plausible
     base.empty_state = lambda like, shape: like.new_full(shape, float("nan"))
@@ -197,7 +199,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
 
 def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[dict]:
     spawn_ranks(_worker, (n, str(tmp_path / "init"), str(tmp_path), tuple(cases), check_timeout, tuple(exact_cases)), n,
-                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models",
+                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.testing.models",
                  "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
                  "transformers.models.qwen3_next.modeling_qwen3_next",
                  "transformers.models.deepseek_v3.modeling_deepseek_v3",
@@ -209,9 +211,9 @@ def _run(n: int, tmp_path, cases, check_timeout=False, exact_cases=()) -> list[d
 def _reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block: int = 4):
     """Single-process capture of the same prompt; per round, every rank's replay log-probs and the gradient summed over
     the n branches; the state's bytes, and those of its layers whose state grows with P (full attention)."""
-    from longstraw.layers import IndexedLatentState, KVState, LatentState
+    from longstraw.kinds import IndexedLatentState, KVState, LatentState
 
-    model = longstraw.models.tiny_model(arch)
+    model = longstraw.testing.models.tiny_model(arch)
     model = lora(model) if use_lora else model
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=chunk, block_size=block)
@@ -240,7 +242,7 @@ def _replay_branches(state, n: int, round_: int = 0) -> list[torch.Tensor]:
 
 def _exact_reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block: int = 4):
     """Single-process exact mode over the same branches: every rank's replay log-probs, the summed gradient."""
-    model = longstraw.models.tiny_model(arch)
+    model = longstraw.testing.models.tiny_model(arch)
     model = lora(model) if use_lora else model
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=chunk, block_size=block,
@@ -413,7 +415,7 @@ def test_slice_bounds():
 def test_group_needs_initialized_distributed():
     if dist.is_initialized():
         pytest.skip("a process group is initialized in this process")
-    model = longstraw.models.tiny_model(ARCH)
+    model = longstraw.testing.models.tiny_model(ARCH)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         longstraw.capture(model, tokens(8, 0), group=object())
 
@@ -458,7 +460,7 @@ def _quant_worker(rank: int, n: int, init: str, out_dir: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    from longstraw.models import tiny_model
+    from longstraw.testing.models import tiny_model
 
     result = {}
     for arch, p, dtype in QUANT_CASES:
@@ -485,15 +487,15 @@ def test_context_parallel_8bit_state(tmp_path):
     replay log-probs' and the summed detached gradients' error against the full-precision state is at most
     `QUANT_BOUND` × one process's with the same 8-bit state (dense K/V, MLA latents, DSA latents), and every rank
     samples alike."""
-    from longstraw.layers import IndexedLatentState, KVState, LatentState
+    from longstraw.kinds import IndexedLatentState, KVState, LatentState
 
     n = 2
     spawn_ranks(_quant_worker, (n, str(tmp_path / "init"), str(tmp_path)), n,
-                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.models"], 3 * TIMEOUT_S,
+                ["torch", "torch.distributed", "longstraw", "longstraw.distributed", "longstraw.testing.models"], 3 * TIMEOUT_S,
                 "the 8-bit cases")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     for arch, p, dtype in QUANT_CASES:
-        model = longstraw.models.tiny_model(arch)
+        model = longstraw.testing.models.tiny_model(arch)
         prompt = _prompt(p, arch=arch, n=n)
         grads = {}
         for name, kw in (("8-bit", dict(state_dtype=dtype)), ("full", {})):

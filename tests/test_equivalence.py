@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
-from longstraw.support import layer_plan
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.capability import layer_plan
 
 from .conftest import ARCHS, make_model, tie_free_tokens, tokens
 
@@ -261,7 +261,7 @@ def test_transformers_activation_checkpointing_is_replaced(arch):
         state.backward()
         grads.append([None if p.grad is None else p.grad.clone() for p in params])
         model.zero_grad(set_to_none=True)
-    layers = longstraw.models.base_model(model).model.layers
+    layers = longstraw.hf.parts.base_model(model).model.layers
     assert all(layer.gradient_checkpointing for layer in layers)
     pairs = [(a, b) for a, b in zip(*grads) if b is not None]
     assert len(pairs) >= len(params) // 2 and all(a is not None for a, _ in pairs)

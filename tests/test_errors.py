@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import longstraw
-from longstraw.models import UnsupportedArchitectureError, tiny_model
+from longstraw.errors import UnsupportedArchitectureError
+from longstraw.testing.models import tiny_model
 
 from .conftest import tokens
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import ARCHS, assert_grads_close, assert_tie_free, make_model, rel_err, tokens
 from .test_equivalence import FLOOR_FACTOR, FP32_GRAD_TOL
@@ -84,7 +84,7 @@ def test_exact_mode_replays_are_unchanged_and_state_grad_is_the_directional_deri
     rounding of the replay's log-probs and of each value the difference quotient reads; the analytic derivative
     against itself from a capture in other chunks (the same state, rounded otherwise) bounds its own rounding.
     """
-    from longstraw.models import tiny_model
+    from longstraw.testing.models import tiny_model
 
     model = tiny_model("qwen3_5_text", dtype=torch.float64)  # hybrid, no MoE (grouped_mm has no float64)
     prompt, response = tokens(17, 5), tokens(6, 6)
@@ -166,7 +166,7 @@ def test_constant_early_layers_get_no_gradient_buffer():
     """LoRA on the full-attention layer only: the linear layers before it hold constant states."""
     from peft import LoraConfig, get_peft_model
 
-    from longstraw.models import tiny_model
+    from longstraw.testing.models import tiny_model
 
     torch.manual_seed(0)
     model = get_peft_model(tiny_model("qwen3_next"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],

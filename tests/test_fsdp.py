@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw
+import longstraw.testing.models
 
 from .conftest import lora, rel_err, spawn_ranks, tokens
 from .test_distributed import REORDERED
@@ -42,7 +43,7 @@ def _advantage(rank: int, k: int, length: int) -> torch.Tensor:
 
 
 def _model(arch: str, use_lora: bool):
-    model = longstraw.models.tiny_model(arch)
+    model = longstraw.testing.models.tiny_model(arch)
     return lora(model) if use_lora else model
 
 
@@ -120,7 +121,7 @@ def _reference(arch, use_lora, prompt_grad, chunk=4, block=4):
 def test_fsdp2_sharded_layers_equal_one_process(tmp_path):
     spawn_ranks(_worker, (str(tmp_path / "init"), str(tmp_path)), N,
                 ["torch", "torch.distributed", "torch.distributed.fsdp", "longstraw", "longstraw.distributed",
-                 "longstraw.models", "transformers.models.llama.modeling_llama",
+                 "longstraw.testing.models", "transformers.models.llama.modeling_llama",
                  "transformers.models.deepseek_v3.modeling_deepseek_v3"], 3 * TIMEOUT_S, "the FSDP2 cases")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(N)]
     for case in CASES:

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
+import longstraw.testing.models
 from longstraw.ops.latent_attention import (
     absorb_query,
     absorbed_weights,
@@ -25,7 +26,7 @@ from longstraw.ops.latent_attention import (
     select_topk,
     sparse_latent_attention,
 )
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
 from .conftest import assert_tie_free as _assert_tie_free
 from .conftest import lora, rel_err, tokens
@@ -51,7 +52,7 @@ FP32_TOL = 1e-4
 
 
 def _model(arch, use_lora=False, **overrides):
-    model = longstraw.models.tiny_model(arch, **overrides)
+    model = longstraw.testing.models.tiny_model(arch, **overrides)
     return lora(model) if use_lora else model
 
 
@@ -243,7 +244,7 @@ def test_bf16_models_agree_loosely(arch):
     accumulate attention and indexer scores in float32 but round projections differently (and so may select another
     key where DSA index scores nearly tie at bf16's rounding): each within its relative rounding 2^-8 of |log p|
     (≈ 5.5 here), the two within bf16's epsilon 2^-7 × the largest |log p| (≈ 0.045)."""
-    model = longstraw.models.tiny_model(arch, dtype=torch.bfloat16)
+    model = longstraw.testing.models.tiny_model(arch, dtype=torch.bfloat16)
     prompt, response = tokens(40, 1), tokens(7, 2)
     with torch.no_grad():
         ref = full_sequence_logprobs(model, prompt, response).float()

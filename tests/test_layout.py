@@ -128,50 +128,136 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     assert private == [("pkg.d", "pkg.a", "_hidden")]
 
 
-#: the modules above the trainer: the command line, the tools, and the agent rollouts the trainer runs as a stage
-ABOVE_TRAIN = {"longstraw.__main__", "longstraw.cli", "longstraw.compare", "longstraw.agent", "longstraw.agent.rollout",
-               "longstraw.agent.environment"}
+#: The package's tiers, top to bottom (docs/design.md, "The tiers"): a module imports modules of its own tier or of a
+#: lower one, never of a higher one. A module's tier is that of the entry naming it or its nearest enclosing package;
+#: `longstraw` itself (the package's `__init__`: the public surface) is named on its own. A new module must be placed.
+TIERS: list[tuple[str, ...]] = [
+    ("longstraw.__main__", "longstraw.cli"),  # the command line
+    ("longstraw.tools",),  # the planner, one step three ways, the real models: each behind a command
+    ("longstraw.train", "longstraw.agent"),  # the trainer and its stages (agent rollouts are one)
+    # apart: what the trainer, the tools and the command line are given (losses, tasks and the environment
+    # convention their tools follow, the tiny and benchmark models); the engine below imports none of them
+    ("longstraw.losses", "longstraw.tasks", "longstraw.agent.environment", "longstraw.testing"),
+    ("longstraw", "longstraw.api"),  # the public surface; `capture`, the one dispatcher
+    ("longstraw.self_check",),
+    ("longstraw.distributed",),  # context parallelism, FSDP2, collectives, ranks
+    ("longstraw.trajectory",),  # segmented replay of a multi-turn trajectory
+    ("longstraw.prompt_state",),  # PromptState, capture_local
+    ("longstraw.branch",),  # one trajectory's own state on top of a prompt
+    ("longstraw.sampler",),  # G responses from one state (reads the decoder, not the state)
+    ("longstraw.model",),  # capability, preparation, observation, chunking, positions, oracles
+    ("longstraw.archs",),  # family specs (one names a kind's stand-in: Jamba's mixer)
+    ("longstraw.kinds",),  # one module per layer kind
+    ("longstraw.hf",),  # the bridge to transformers' internals
+    ("longstraw.ops",),  # pure tensor math and kernels
+    ("longstraw.errors", "longstraw.paths", "longstraw._moved"),  # leaves
+]
+ROOT_PACKAGE = "longstraw"
 
 
-def test_nothing_below_the_trainer_imports_it():
-    """The engine (capture, the prompt state, sampling, replay, layer kinds, the bridge to transformers, the
-    distributed parts) never imports `longstraw.train`: the trainer is built on it, not the other way round."""
-    upward = imports_of_the_trainer(import_graph()[0])
-    assert not upward, f"(module, trainer module it imports): {upward}"
+def tier_of(module: str, tiers=TIERS) -> int | None:
+    """The index in `tiers` (0: the top) of the entry naming `module` or its nearest enclosing package; None: unplaced."""
+    entry = tier_entry(module, tiers)
+    return None if entry is None else entry[0]
 
 
-def imports_of_the_trainer(graph) -> list[tuple[str, str]]:
-    """(module below the trainer, trainer module it imports)."""
-    return sorted((m, d) for m, deps in graph.items() if not m.startswith("longstraw.train") and m not in ABOVE_TRAIN
-                  for d in deps if d.startswith("longstraw.train"))
+def tier_entry(module: str, tiers=TIERS) -> tuple[int, str] | None:
+    """(tier index, the entry of `tiers` that places `module`)."""
+    best: tuple[int, str] | None = None
+    for i, names in enumerate(tiers):
+        for name in names:
+            inside = name != ROOT_PACKAGE and module.startswith(name + ".")
+            if (module == name or inside) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return best
 
 
-def imports_above_the_ops(graph) -> list[tuple[str, str]]:
-    """(op module, module above the ops that it imports)."""
-    return sorted((m, d) for m, deps in graph.items() if m.startswith("longstraw.ops")
-                  for d in deps if not d.startswith("longstraw.ops") and d not in OPS_MAY_IMPORT)
+def runtime_imports(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
+    """(module, module that importing it runs, the package whose `__init__` runs it or ""): each module it imports,
+    and what the `__init__` of each package enclosing one of those imports (Python runs a package's `__init__`
+    before its submodule: `from ..agent.environment import ToolCall` runs `longstraw/agent/__init__.py` too), except
+    the packages that enclose the importer as well (already run) and the root package."""
+    out = []
+    for m, deps in graph.items():
+        for d in sorted(deps):
+            out.append((m, d, ""))
+            parts = d.split(".")
+            for k in range(2, len(parts)):
+                package = ".".join(parts[:k])
+                if package in graph and not (m == package or m.startswith(package + ".")):
+                    out += [(m, x, package) for x in sorted(graph[package]) if x != m]
+    return out
 
 
-def test_the_tier_checks_see_an_upward_import(tmp_path):
-    """The two tier checks themselves, on a package with one upward import each (one of them function-local) and
-    one allowed downward import (the trainer reading the state)."""
+def upward_imports(graph: dict[str, set[str]], tiers=TIERS) -> list[str]:
+    """Every import of a module of a higher tier than the importer's, as "importer (tier) → imported (tier)"."""
+    found = []
+    for m, d, via in runtime_imports(graph):
+        em, ed = tier_entry(m, tiers), tier_entry(d, tiers)
+        if em is not None and ed is not None and ed[0] < em[0]:
+            how = f" (run by {via}/__init__.py)" if via else ""
+            found.append(f"{m} (tier {em[0]}: {em[1]}) → {d} (tier {ed[0]}: {ed[1]}){how}")
+    return sorted(set(found))
+
+
+def unplaced(graph: dict[str, set[str]], tiers=TIERS) -> list[str]:
+    return sorted(m for m in graph if tier_of(m, tiers) is None)
+
+
+def test_every_import_goes_down_the_tiers():
+    """No module imports one of a higher tier (function-local imports count): nothing below the trainer imports it,
+    the engine imports neither the tools nor `longstraw.testing`, the losses nor the tasks, the ops import only
+    themselves and the leaves, and so on down `TIERS`."""
+    upward = upward_imports(import_graph()[0])
+    assert not upward, "imports of a higher tier:\n" + "\n".join(upward)
+
+
+def test_every_module_has_a_tier():
+    missing = unplaced(import_graph()[0])
+    assert not missing, f"modules that no entry of TIERS (tests/test_layout.py) places: {missing}"
+
+
+def test_the_tier_check_sees_an_upward_import(tmp_path):
+    """The check itself, on a small package named like the real one: one upward import (function-local), one run by
+    a package's `__init__`, one module no tier places; allowed: the trainer reading the state, a module importing
+    another of its tier, the ops importing a leaf."""
     pkg = tmp_path / "longstraw"
-    (pkg / "train").mkdir(parents=True)
-    for f in ("__init__.py", "state.py", "train/__init__.py"):
-        (pkg / f).write_text("")
-    (pkg / "train" / "trainer.py").write_text("from ..state import x\n")
-    (pkg / "sampler.py").write_text("def f():\n    from .train.trainer import Trainer\n")
-    (pkg / "ops").mkdir()
-    (pkg / "ops" / "__init__.py").write_text("")
-    (pkg / "ops" / "attention.py").write_text("from ..sampler import f\n")
+    for d in ("train", "ops", "agent", "tasks"):
+        (pkg / d).mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "prompt_state.py": "from .branch import Branch\n",
+        "branch.py": "Branch = object\n",
+        "sampler.py": "def f():\n    from .train.trainer import Trainer\n",
+        "train/__init__.py": "",
+        "train/trainer.py": "from ..prompt_state import Branch\nTrainer = object\n",
+        "ops/__init__.py": "",
+        "ops/attention.py": "from ..errors import *\n",
+        "agent/__init__.py": "from .rollout import run\n",
+        "agent/rollout.py": "from ..train.trainer import Trainer\nrun = Trainer\n",
+        "agent/environment.py": "",
+        "tasks/__init__.py": "",
+        "tasks/tools.py": "from ..agent.environment import *\n",
+        "stray.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
     graph, _ = import_graph(pkg)
-    assert imports_of_the_trainer(graph) == [("longstraw.sampler", "longstraw.train.trainer")]
-    assert imports_above_the_ops(graph) == [("longstraw.ops.attention", "longstraw.sampler")]
+    sampler, train, tasks = (tier_of(f"longstraw.{m}") for m in ("sampler", "train", "tasks"))
+    assert upward_imports(graph) == [
+        f"longstraw.sampler (tier {sampler}: longstraw.sampler) → longstraw.train.trainer (tier {train}: longstraw.train)",
+        f"longstraw.tasks.tools (tier {tasks}: longstraw.tasks) → longstraw.agent.rollout (tier {train}: longstraw.agent)"
+        " (run by longstraw.agent/__init__.py)",
+    ]
+    assert unplaced(graph) == ["longstraw.stray"]
 
 
 def test_moved_modules_keep_their_old_import_path():
-    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object and warns once
-    with a DeprecationWarning naming the new path; in a fresh interpreter, so that nothing is imported yet."""
+    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object, which keeps its
+    own `__spec__`, and warns once with a DeprecationWarning naming the new path; importing the old path
+    `longstraw.prepare` leaves the public function `longstraw.prepare` in place; in a fresh interpreter, so that
+    nothing is imported yet."""
     import subprocess
     import sys
 
@@ -186,19 +272,10 @@ def test_moved_modules_keep_their_old_import_path():
             "    assert a is importlib.import_module(new), old\n"
             "    assert [str(x.message) for x in w if x.category is DeprecationWarning] == "
             "[f'{old} moved to {new}; the old name goes in the next release'], (old, [str(x.message) for x in w])\n"
+            "    assert a.__spec__.name == new, (old, a.__spec__.name)\n"
+            "import longstraw, types\n"
+            "assert isinstance(longstraw.prepare, types.FunctionType), longstraw.prepare\n"
             "print(len(MOVED))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(len(MOVED))
-
-
-#: what the pure tensor ops may import besides each other: the leaf modules (exceptions, where builds are kept)
-OPS_MAY_IMPORT = {"longstraw.errors", "longstraw.paths"}
-
-
-def test_the_ops_import_nothing_of_the_models():
-    """`longstraw.ops` (split attention, latent and compressed attention, log-probs, 8-bit tokens, kernels) is the
-    bottom tier: it imports only itself and the leaf modules, never a layer kind, the prompt state or the bridge to
-    transformers."""
-    upward = imports_above_the_ops(import_graph()[0])
-    assert not upward, f"(op module, module above it that it imports): {upward}"

@@ -12,8 +12,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import longstraw
-from longstraw.models import TINY_CONFIGS, UnsupportedArchitectureError, tiny_model
-from longstraw.reference import full_sequence_logprobs
+from longstraw.errors import UnsupportedArchitectureError
+from longstraw.testing.models import TINY_CONFIGS, tiny_model
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import tie_free_tokens
 
@@ -103,7 +104,7 @@ def test_a_stray_window_on_a_model_without_windows_is_served_as_the_model(arch):
     for first two dimensions of batch2 tensor`): the attention calls pass no window, so none is applied."""
     model = _build(arch, {"sliding_window": 7}, None)
     assert _outcome(model) == "equal"
-    from longstraw.support import model_plan
+    from longstraw.model.capability import model_plan
 
     assert "sliding_attention" not in model_plan(model)
 

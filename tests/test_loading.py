@@ -5,7 +5,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import longstraw
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import make_model, tokens
 from .test_equivalence import FP32_GRAD_TOL

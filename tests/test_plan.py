@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.layers.sizes import state_bytes
-from longstraw.plan import PlanConfig, plan
-from longstraw.support import layer_plan
+import longstraw.testing.models
+from longstraw.kinds.sizes import state_bytes
+from longstraw.tools.planner import PlanConfig, plan
+from longstraw.model.capability import layer_plan
 
 from .conftest import ARCHS, make_model, tokens
 
@@ -29,7 +30,7 @@ def test_state_formulas_equal_the_captured_state(arch, state_dtype):
 
 
 def test_verdict_and_knobs():
-    cfg = longstraw.models.tiny_config("llama", num_hidden_layers=16, num_key_value_heads=8, head_dim=128,
+    cfg = longstraw.testing.models.tiny_config("llama", num_hidden_layers=16, num_key_value_heads=8, head_dim=128,
                                        num_attention_heads=32, hidden_size=4096, intermediate_size=14336)
     big = plan(PlanConfig(cfg, 2_097_152, dtype="bf16", device_memory_gib=80))
     assert big.durable_state == 16 * 2 * 8 * 128 * 2 * 2_097_151
@@ -69,7 +70,7 @@ def test_bad_plan_config(kwargs, match):
 def test_plan_command(tmp_path, capsys):
     from longstraw.cli import main
 
-    longstraw.models.tiny_config("qwen3").save_pretrained(tmp_path)
+    longstraw.testing.models.tiny_config("qwen3").save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--P", "65536", "--G", "8", "--device-memory-gib", "0.01"]) == 1
     out = capsys.readouterr().out
     assert "durable state" in out and "does NOT fit" in out
@@ -85,8 +86,8 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
     plan estimates it) fits the budget, capped at the prompt; `capture` and `plan` use it."""
     from transformers import AutoConfig
 
-    from longstraw.plan import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
-    from longstraw.state import default_chunk_size
+    from longstraw.model.chunking import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
+    from longstraw.prompt_state import default_chunk_size
 
     small = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
@@ -111,9 +112,9 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
 
 
 def test_every_layer_kind_has_a_byte_formula():
-    """The planner predicts each layer kind's durable state from the config alone (`longstraw.layers.sizes`): a kind
+    """The planner predicts each layer kind's durable state from the config alone (`longstraw.kinds.sizes`): a kind
     registered without a formula would be planned as nothing."""
-    from longstraw.layers import registered_layer_types
-    from longstraw.layers.sizes import kinds_with_formulas
+    from longstraw.kinds import registered_layer_types
+    from longstraw.kinds.sizes import kinds_with_formulas
 
     assert registered_layer_types() == kinds_with_formulas()

@@ -4,9 +4,9 @@ model takes RoPE scaling from `model_overrides`."""
 import pytest
 from transformers import AutoConfig
 
-from longstraw.models import tiny_model
-from longstraw.plan import PlanConfig, plan
-from longstraw.positions import coverage, position_note
+from longstraw.testing.models import tiny_model
+from longstraw.tools.planner import PlanConfig, plan
+from longstraw.model.positions import coverage, position_note
 from longstraw.train.config import TrainConfig
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": 100000.0}

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import longstraw
+import longstraw.testing.models
 from longstraw.ops.attention import reference_attention, split_attention
 from longstraw.ops.quant import QUANT_BLOCK, QuantizedTokens
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import make_model, tokens
 from .test_latent_attention import _Outputs
@@ -140,7 +141,7 @@ def test_replay_with_a_compressed_state(arch, dtype):
     torch.testing.assert_close(got, ref.logprobs, atol=REPLAY_TOL, rtol=0)
     assert small.nbytes < full.nbytes
     if arch in CONTINUOUS:
-        model = longstraw.models.tiny_model(arch, **CONTINUOUS[arch])
+        model = longstraw.testing.models.tiny_model(arch, **CONTINUOUS[arch])
         with torch.no_grad():
             exact = longstraw.capture(model, prompt, chunk_size=45).replay(response).logprobs
             got = longstraw.capture(model, prompt, chunk_size=45, state_dtype=dtype).replay(response).logprobs

@@ -1,4 +1,4 @@
-"""The project's real models (`longstraw.real_models`): their wheels assemble into the GGUF they name, and on the
+"""The project's real models (`longstraw.tools.real_models`): their wheels assemble into the GGUF they name, and on the
 models themselves longstraw equals the unmodified transformers model — Gemma 3 270M's real sliding windows over a
 prompt three windows long, and SmolLM2-135M-Instruct's exact-mode gradients at P = 2,048 against naive
 full-sequence GRPO. The `real` tests skip where the models are not in the cache (`longstraw real smollm2`,
@@ -12,7 +12,7 @@ import torch
 
 import longstraw
 from longstraw import real_models
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import assert_grads_close
 from .test_equivalence import FP32_GRAD_TOL

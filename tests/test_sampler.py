@@ -106,7 +106,7 @@ def test_sampled_logprobs_equal_replay_under_lora(arch):
 def test_sliding_window_layers_keep_only_the_window_while_decoding(monkeypatch):
     """40 decode steps against window 5: sliding layers hold at most 4 own K/V per step (global layers keep all),
     and the result is unchanged: log-probs equal replay, greedy equals `generate`."""
-    from longstraw.layers import AttentionBranchLayer
+    from longstraw.kinds import AttentionBranchLayer
 
     model = make_model("gemma3_text")
     window = model.config.sliding_window

@@ -10,8 +10,8 @@ import torch
 
 import longstraw
 from longstraw import self_check
-from longstraw.models import tiny_model
-from longstraw.reference import full_sequence_logprobs
+from longstraw.testing.models import tiny_model
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import lora
 

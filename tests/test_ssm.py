@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.models import tiny_model
-from longstraw.reference import _response_logprobs, cache_reference_logprobs
+from longstraw.testing.models import tiny_model
+from longstraw.model.oracles import _response_logprobs, cache_reference_logprobs
 
 from .conftest import assert_grads_close, make_model, tokens
 

@@ -9,9 +9,10 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import longstraw
 from longstraw import self_check, support
-from longstraw.models import UnsupportedArchitectureError, tiny_model
+from longstraw.errors import UnsupportedArchitectureError
+from longstraw.testing.models import tiny_model
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
-from longstraw.reference import full_sequence_logprobs
+from longstraw.model.oracles import full_sequence_logprobs
 
 from .conftest import lora, tokens
 from .test_equivalence import FP32_GRAD_TOL
@@ -130,7 +131,7 @@ def test_an_attention_argument_longstraw_does_not_implement_is_refused(monkeypat
 
 def test_check_report_names_the_layer_kind_that_reads_its_state_wrongly(monkeypatch):
     """A sliding-window layer that keeps one key too few: the report names the first sliding layer."""
-    from longstraw.layers import SlidingKVState
+    from longstraw.kinds import SlidingKVState
 
     monkeypatch.setattr(SlidingKVState, "_keep", lambda self: self.window - 2)
     report = longstraw.check(tiny_model("ministral"))

@@ -1,13 +1,13 @@
 """Trajectories that grow after the prompt: a `Branch` forked from the prompt state (extend by tool output, sample
 the next turn) and segmented replay (one policy turn at a time against the prompt and the earlier turns), held to the
 unmodified model: its full-sequence log-probs and the detached cache reference per turn
-(`longstraw.reference.segmented_reference_logprobs`). One model per layer kind."""
+(`longstraw.model.oracles.segmented_reference_logprobs`). One model per layer kind."""
 
 import pytest
 import torch
 
 import longstraw
-from longstraw.reference import cache_reference_logprobs, full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs, segmented_reference_logprobs
 from longstraw.trajectory import replay_segments, segments
 
 from .conftest import make_model, tie_free_tokens

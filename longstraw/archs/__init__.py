@@ -4,7 +4,7 @@ A family spec holds what longstraw knows about a transformers `model_type` beyon
 says: how its layer types map to longstraw layer kinds where the name alone does not say what the
 layer keeps (MLA layers are called "full_attention"), the rotary function of its latent attention,
 and a tiny random config that the tests build it from. Support itself is decided by capability
-(`longstraw.support`): a model whose family is not here is served when its layers map to layer kinds
+(`longstraw.model.capability`): a model whose family is not here is served when its layers map to layer kinds
 and the self-check (`longstraw.check`) holds; the families here are the ones the test suite covers.
 
 Adding a family: one module here that calls `register(Family(...))`, imported below (the tests build their list

@@ -8,10 +8,10 @@ nothing; Falcon-H1's `hybrid` layers run attention and an SSM side by side (both
 
 Jamba's Mamba mixer (transformers 5.24, `JambaMambaMixer`) runs a multi-token forward without the cached
 SSM state (`mamba_selective_scan` takes no initial state): inside transformers a chunked prefill restarts
-the scan from zero. Inside longstraw `longstraw.layers.jamba.JambaMixer` continues it from the state.
+the scan from zero. Inside longstraw `longstraw.kinds.jamba.JambaMixer` continues it from the state.
 """
 
-from ..layers.jamba import JambaMixer
+from ..kinds.jamba import JambaMixer
 from .base import Family, register
 
 #: a small Mamba-2 mixer: 4 heads of 16 (or 32), state 8, conv 4, SSD chunks of 8 (so the tests' prompts

@@ -44,10 +44,11 @@ Capture (collective)
 Every rank runs the unmodified decoder over its whole slice in one forward, so all ranks are at the same layer at the
 same time (layer-synchronous, as in ring attention). What reads nothing of the other ranks runs `chunk_size` positions
 at a time within that forward, so its intermediates are a chunk's: every layer's feed-forward module
-(`longstraw.prepare.ChunkedFeedForward`) and the recurrent (linear-attention) decoder layers, whose only input from
-earlier positions is their state (relayed from rank r − 1, below, then carried chunk to chunk). In each full-attention
-layer rank r attends with the queries of its slice to its own slice (causal, local) and to the slices of ranks j < r.
-Each such cross block (rank r's n queries × rank j's n keys) is shared by its two ranks so that the work is even:
+(`longstraw.model.prepare.ChunkedFeedForward`) and the recurrent (linear-attention) decoder layers, whose only input
+from earlier positions is their state (relayed from rank r − 1, below, then carried chunk to chunk). In each
+full-attention layer rank r attends with the queries of its slice to its own slice (causal, local) and to the slices of
+ranks j < r. Each such cross block (rank r's n queries × rank j's n keys) is shared by its two ranks so that the work is
+even:
 - keys to queries, for the first half of rank r's query rows: the ranks all-gather their K/V `chunk_size` positions
   per step (step c: positions [c·C, (c+1)·C) of every slice, padded) and rank r folds its first-half rows against
   each earlier slice's chunk, in the order (step, rank);

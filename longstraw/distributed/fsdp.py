@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 import torch
 from torch import nn
 
-from ..models import base_model, decoder_of
+from ..hf.parts import base_model, decoder_of
 
 if TYPE_CHECKING:  # torch.distributed is imported where it is used
     from torch.distributed.fsdp import FSDPModule
@@ -66,7 +66,7 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
     forward, their gradients reduced in float32 (FSDP2's `MixedPrecisionPolicy`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..prepare import prepare
+    from ..model.prepare import prepare
 
     if sharded_layers(model):
         raise ValueError("the model's decoder layers are already sharded (longstraw.distributed.shard was called)")

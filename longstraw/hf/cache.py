@@ -55,8 +55,8 @@ class BranchCache(Cache):
         #: (size, decoder layer indices): those layers run `size` positions at a time (`longstraw.prepare`; the
         #: context-parallel capture sets it for its recurrent layers); None: every layer runs on the whole forward
         self.layer_chunks = None
-        #: positions per call of the decoder layers' feed-forward modules (`longstraw.prepare.ChunkedFeedForward`);
-        #: None: the whole forward at once
+        #: positions per call of the decoder layers' feed-forward modules
+        #: (`longstraw.model.prepare.ChunkedFeedForward`); None: the whole forward at once
         self.ffn_chunk = None
         #: ids of recurrent-state copies handed to the model (and the copies, so the ids stay theirs)
         self._written: set[int] = set()

@@ -17,7 +17,7 @@ def run_decoder(
 ):
     """Hidden states `[B, T, hidden]` of the unmodified decoder (of a prepared model) over `input_ids` `[B, T]`
     (positions `[T]`, shared by the B rows) against `cache`; `checkpoint_layers`: recompute each decoder
-    layer in backward instead of keeping its graph (`longstraw.prepare.CheckpointedLayer`), which also
+    layer in backward instead of keeping its graph (`longstraw.model.prepare.CheckpointedLayer`), which also
     stands in for transformers' own activation checkpointing when the model has it on in training mode."""
     cache.checkpoint_layers = checkpoint_layers
     cache.configs = parts.configs

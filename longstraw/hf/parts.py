@@ -42,14 +42,14 @@ class ModelParts:
     lm_head: torch.nn.Module
     config: PreTrainedConfig
     final_logit_softcapping: float | None
-    #: every config the model's modules read (`longstraw.prepare.model_configs`): a longstraw forward names its
+    #: every config the model's modules read (`longstraw.model.prepare.model_configs`): a longstraw forward names its
     #: attention implementation on them for its duration
     configs: Sequence[PreTrainedConfig] = ()
     #: factor the causal-LM class multiplies the logits by before softcapping (Cohere's `logit_scale`,
     #: 1 / Granite's `logits_scaling`); None: 1
     logit_scale: float | None = None
-    #: the longstraw layer kind of each decoder layer (`longstraw.support.model_plan`: the config's plan corrected by
-    #: what the attention modules pass)
+    #: the longstraw layer kind of each decoder layer (`longstraw.model.capability.model_plan`: the config's plan
+    #: corrected by what the attention modules pass)
     plan: Sequence[str] = ()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,5 +8,5 @@
 - `logprobs`: token log-probs and entropies through the LM head in chunks;
 - `quant`: 8-bit prompt tokens with per-block scales.
 
-The layer kinds (`longstraw.layers`) and the prompt state call these; nothing here imports them.
+The layer kinds (`longstraw.kinds`) and the prompt state call these; nothing here imports them.
 """

@@ -8,6 +8,6 @@
 - `checkpoint`, `export`: resumable checkpoints and the final model; `metrics`, `memory`, `plots`, `devices`: what a
   run reports and where it runs.
 
-Below it: `longstraw.capture` and the prompt state (`longstraw.api`, `longstraw.state`), `longstraw.distributed`;
+Below it: `longstraw.capture` and the prompt state (`longstraw.api`, `longstraw.prompt_state`), `longstraw.distributed`;
 above it only the command line (`longstraw.cli`) and the tools.
 """

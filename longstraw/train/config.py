@@ -33,7 +33,7 @@ class TrainConfig:
     model_overrides: dict = _f(
         {},
         "config fields over the model's: of a built-in tiny model over "
-        "`longstraw.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
+        "`longstraw.testing.models.TINY_CONFIGS` (vocab_size comes from the task tokenizer), or of "
         "a local model over its config.json — e.g. RoPE scaling for prompts past its "
         "positions: {rope_parameters: {rope_type: yarn, factor: 4, "
         "original_max_position_embeddings: 8192, rope_theta: 100000}, "
@@ -154,7 +154,7 @@ class TrainConfig:
     chunk_size: int | None = _f(
         None,
         "capture chunk size in tokens (null: chosen for the model, 4,096 unless "
-        "one chunk's transients would pass 512 MiB; longstraw.plan.auto_chunk_size)",
+        "one chunk's transients would pass 512 MiB; longstraw.model.chunking.auto_chunk_size)",
     )
     state_dtype: str | None = _f(
         None,

@@ -27,8 +27,8 @@ import torch
 
 from ..api import capture
 from ..losses import combine_rewards, group_advantages
+from ..prompt_state import PromptState
 from ..sampler import Samples, sample
-from ..state import PromptState
 from ..tasks import Example
 from .memory import MemoryMeter
 from .rewards import RewardSet

@@ -39,8 +39,8 @@ import torch
 
 from ..distributed.ranks import setup_ranks
 from ..losses import combine_rewards, make_loss
-from ..models import TINY_CONFIGS, tiny_config
 from ..tasks import Example, build_tokenizer
+from ..testing.models import TINY_CONFIGS, tiny_config
 from .checkpoint import (
     SHARDED_WEIGHTS,
     latest_name,
@@ -199,7 +199,7 @@ class Trainer:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
         if self.sharded:
             from ..distributed.fsdp import shard
-            from ..models import base_model, decoder_of
+            from ..hf.parts import base_model, decoder_of
 
             layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
             in_layers = [p for p in layers.parameters() if p.requires_grad]
@@ -209,7 +209,7 @@ class Trainer:
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
-            from ..agent import AgentSettings, EnvironmentRollout
+            from ..agent.rollout import AgentSettings, EnvironmentRollout
 
             kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
             rollout_func = EnvironmentRollout(

@@ -31,8 +31,8 @@ import torch
 from ..api import capture
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
+from ..model.capability import model_parts
 from ..ops.logprobs import chunked_logprobs
-from ..support import model_parts
 from ..tasks import Example
 from ..trajectory import replay_segments
 from .memory import MemoryMeter

@@ -4,7 +4,7 @@
 gets a `ContextParallelState` holding the durable state of its own slice of the prompt. `state.replay(response_ids)` is
 then a collective in which every rank brings its own branch.
 
-One file per layer kind, as in `longstraw.layers` and `longstraw.ops`: `full_attention` (the sliced K/V and the
+One file per layer kind, as in `longstraw.kinds` and `longstraw.ops`: `full_attention` (the sliced K/V and the
 attention across slices), `latent_attention` (MLA / DSA latents and indexer keys), `sliding_window` (the replicated
 final window), `linear_attention` (the recurrent state relayed rank to rank); `kinds` says which kinds are served and
 which branch layers read them, `capture` the collective capture, `state` the state and its collective replay,

@@ -11,15 +11,15 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
-from ...layers import LayerState, layer_kind
-from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
-from ...layers.sliding_window import SlidingKVState
-from ...models import ModelParts, base_model
+from ...hf.parts import ModelParts, base_model
+from ...kinds import LayerState, layer_kind
+from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
+from ...kinds.sliding_window import SlidingKVState
+from ...model.capability import layer_states
 from ...ops import quant
 from ...ops.attention import DEFAULT_BLOCK
 from ...ops.quant import QUANT_BLOCK
-from ...state import first_trainable_layer, run_decoder
-from ...support import layer_states
+from ...prompt_state import first_trainable_layer, run_decoder
 from ..collectives import Group, digest
 from .full_attention import SliceKVState
 from .kinds import SERVED, SLICED, capture_branch

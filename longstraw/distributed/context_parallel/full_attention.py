@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ...layers import base
-from ...layers.base import LayerState
-from ...layers.full_attention import AttentionBranchLayer
+from ...kinds import base
+from ...kinds.base import LayerState
+from ...kinds.full_attention import AttentionBranchLayer
 from ...ops.attention import Part, part_backward, part_forward
 from ...ops.quant import QuantizedTokens
 from ..collectives import Group

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ...layers.full_attention import KVState
-from ...layers.latent_attention import IndexedLatentState, LatentState
-from ...layers.linear_attention import RecurrentState
-from ...layers.sliding_window import SlidingKVState
+from ...kinds.full_attention import KVState
+from ...kinds.latent_attention import IndexedLatentState, LatentState
+from ...kinds.linear_attention import RecurrentState
+from ...kinds.sliding_window import SlidingKVState
 from ..collectives import Group
 from .full_attention import CaptureBranchLayer, ReplayBranchLayer, ReplayInfo, SampleBranchLayer, SliceKVState
 from .latent_attention import (

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ...layers import base
-from ...layers.latent_attention import LatentOwn
+from ...kinds import base
+from ...kinds.latent_attention import LatentOwn
 from ...ops.quant import QuantizedTokens
 from ..merge import fold as _fold
 from ..sparse import SparseCaptureAttention, SparseReplayAttention, as_selection, select, slice_partials, sparse_partial
@@ -69,7 +69,7 @@ class SliceIndexedLatentState(SliceLatentState):
 
 
 class _LatentOwn(LatentOwn):
-    """What `longstraw.layers.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
+    """What `longstraw.kinds.latent_attention.LatentAttention` reads of a branch layer, for the context-parallel branch
     layers of MLA layers: the branch's own latents are its keys and its values (one tensor), there is no local prompt
     part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch.
     """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...hf.cache import BranchCache
-from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
+from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..collectives import Group
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layers.full_attention import AttentionBranchLayer
+from ...kinds.full_attention import AttentionBranchLayer
 from ...ops.attention import Part, part_backward, part_forward
 from ..collectives import Group
 from ..merge import fold as _fold

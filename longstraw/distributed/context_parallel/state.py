@@ -9,10 +9,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...hf.cache import BranchCache
-from ...layers.linear_attention import RecurrentBranchLayer, RecurrentState
-from ...layers.sliding_window import SlidingKVState
+from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
+from ...kinds.sliding_window import SlidingKVState
+from ...prompt_state import PromptState, as_ids, check_length, run_decoder
 from ...sampler import sample, sampling_fields
-from ...state import PromptState, as_ids, check_length, run_decoder
 from ..collectives import Group
 from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
 from .kinds import capture_branch, replay_branch, sample_branch

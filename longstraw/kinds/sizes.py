@@ -1,4 +1,4 @@
-"""Durable-state bytes per layer kind, from the config alone (what `longstraw.plan` predicts and the tests hold
+"""Durable-state bytes per layer kind, from the config alone (what `longstraw.tools.planner` predicts and the tests hold
 equal to a captured `PromptState.nbytes`).
 
 `state_bytes(kind, config, layer_idx, tokens, elem, state_dtype)`: bytes one decoder layer of `kind` keeps

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .hf.parts import base_model
-from .support import config_layer_types, model_layer_types
+from ..hf.parts import base_model
+from .capability import config_layer_types, model_layer_types
 
 
 def _response_logprobs(logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,8 @@ STEPWISE_REFERENCE = frozenset({"jamba"})
 
 def _cache_config(model):
     """The config transformers' `DynamicCache` is built from: the model's own where it lists `layer_types` that say
-    what the layers do; otherwise a copy whose `layer_types` do (`longstraw.support.model_layer_types`). Without
+    what the layers do; otherwise a copy whose `layer_types` do (`longstraw.model.capability.model_layer_types`).
+    Without
     `layer_types` transformers 5.24's cache infers them from `sliding_window` / `attention_chunk_size`
     (`cache_utils.get_layer_types_and_kwargs`), so a field a Llama never reads would make it keep only that many
     keys."""

@@ -53,7 +53,8 @@ class LayerState(ABC):
     #: transformers `config.layer_types` names this kind serves.
     layer_types: tuple[str, ...] = ()
     #: whether the layer's attention math goes through transformers' attention interface (`ALL_ATTENTION_FUNCTIONS`),
-    #: where longstraw's attention takes its place; `longstraw.support` refuses a module of such a layer that does not
+    #: where longstraw's attention takes its place; `longstraw.model.capability` refuses a module of such a layer that
+    #: does not
     uses_attention_interface: bool = False
 
     @classmethod

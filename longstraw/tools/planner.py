@@ -6,7 +6,7 @@ per rank, in bytes:
 - `optimizer`: trainable parameters, their gradients and AdamW's two float32 moments (LoRA: float32
   adapters of rank r on every linear layer of the decoder; full fine-tuning: gradients in the model dtype,
   moments in float32; ÷ FSDP ranks);
-- `durable_state`: what capture keeps (`longstraw.layers.sizes`, the same formulas the tests hold equal to
+- `durable_state`: what capture keeps (`longstraw.kinds.sizes`, the same formulas the tests hold equal to
   `PromptState.nbytes`); states that grow with P are split over the context-parallel ranks;
 - `state_grad`: exact mode's gradient buffer the size of the state, plus the boundary states of
   linear-attention and sliding layers kept per chunk;
@@ -30,14 +30,20 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .layers.sizes import state_bytes
-from .ops.attention import TILE_ELEMENTS
-from .positions import position_note
-from .support import layer_plan
-
-_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-_GROWING = ("full_attention", "latent_attention", "indexed_attention")
-_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
+from ..kinds.sizes import state_bytes
+from ..model.capability import layer_plan
+from ..model.chunking import (
+    AUTO_CHUNK_BUDGET,  # noqa: F401 - the planner's before model/chunking.py: kept here for one release
+    AUTO_CHUNKS,  # noqa: F401 - likewise
+    ELEMENT_BYTES,
+    GROWING_KINDS,
+    auto_chunk_size,
+    chunk_bytes_per_token,
+    config_value,
+    dimensions,
+)
+from ..model.positions import position_note
+from ..ops.attention import TILE_ELEMENTS
 
 
 @dataclass
@@ -78,7 +84,7 @@ class PlanConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank must be an int >= 0 (0: full)")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
-        need(self.dtype in _ELEM, f"dtype must be one of {sorted(_ELEM)}")
+        need(self.dtype in ELEMENT_BYTES, f"dtype must be one of {sorted(ELEMENT_BYTES)}")
         need(self.state_dtype in (None, "fp8", "int8"), "state_dtype must be None, 'fp8' or 'int8'")
         need(self.state_dtype is None or self.prompt_grad == "detached", "a quantized state needs prompt_grad detached")
         need(self.device_memory_gib is None or self.device_memory_gib > 0, "device_memory_gib must be > 0")
@@ -88,7 +94,7 @@ def load_config(model):
     """A transformers text config from a config object, a folder / config.json, or a tiny family name."""
     from transformers import AutoConfig, PreTrainedConfig
 
-    from .models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
+    from ..testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
 
     if isinstance(model, PreTrainedConfig):
         cfg = model
@@ -110,43 +116,19 @@ def load_config(model):
     return cfg.get_text_config(decoder=True)
 
 
-def _get(cfg, name, default=0):
-    try:
-        value = getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4): read layer 0's
-        value = getattr(cfg.per_layer_config[0], name, None)
-    return default if value is None else value
-
-
-def _dims(cfg) -> dict:
-    h = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    head_dim = _get(cfg, "head_dim", h // heads) or h // heads
-    kv = _get(cfg, "num_key_value_heads", heads)
-    dense_i = _get(cfg, "intermediate_size", 4 * h)
-    moe_i = _get(cfg, "moe_intermediate_size", 0)
-    topk = _get(cfg, "num_experts_per_tok", 0)
-    shared = _get(cfg, "shared_expert_intermediate_size", 0) or moe_i * _get(cfg, "n_shared_experts", 0)
-    routed = moe_i * topk + shared
-    return dict(
-        h=h,
-        q=heads * head_dim,
-        kv=kv * head_dim,
-        i=max(dense_i, routed),
-        vocab=cfg.vocab_size,
-        layers=cfg.num_hidden_layers,
-    )
-
-
 def _params(cfg, lora_rank: int) -> tuple[int, int]:
     """(all parameters, LoRA parameters) estimated from the config: embeddings, LM head, attention and MLP
     projections (MoE: every expert), norms ignored."""
-    d = _dims(cfg)
+    d = dimensions(cfg)
     h, layers = d["h"], d["layers"]
     attn = [(h, d["q"]), (h, d["kv"]), (h, d["kv"]), (d["q"], h)]
-    experts = _get(cfg, "num_experts", 0) or _get(cfg, "n_routed_experts", 0) or _get(cfg, "num_local_experts", 0)
-    moe_i = _get(cfg, "moe_intermediate_size", 0) or _get(cfg, "intermediate_size", 0)
-    dense_i = _get(cfg, "intermediate_size", 4 * h)
+    experts = (
+        config_value(cfg, "num_experts", 0)
+        or config_value(cfg, "n_routed_experts", 0)
+        or config_value(cfg, "num_local_experts", 0)
+    )
+    moe_i = config_value(cfg, "moe_intermediate_size", 0) or config_value(cfg, "intermediate_size", 0)
+    dense_i = config_value(cfg, "intermediate_size", 4 * h)
     mlp = [(h, dense_i), (h, dense_i), (dense_i, h)]
     per_layer = sum(a * b for a, b in attn) + (3 * h * moe_i * experts if experts else sum(a * b for a, b in mlp))
     total = layers * per_layer + 2 * d["vocab"] * h
@@ -205,64 +187,15 @@ def _durable(cfg, plan_kinds, tokens_local: int, elem: int, state_dtype) -> int:
     q = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[state_dtype]
     total = 0
     for i, kind in enumerate(plan_kinds):
-        total += state_bytes(kind, cfg, i, tokens_local, elem, q if kind in _GROWING else None)
+        total += state_bytes(kind, cfg, i, tokens_local, elem, q if kind in GROWING_KINDS else None)
     return total
-
-
-def _per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
-    """Bytes per prompt token of one capture chunk, without autograd: (own K/V or latents of every layer, one
-    layer's live activations, the MLP's gate / up, a recurrent layer's chunked recurrence)."""
-    d = _dims(cfg)
-    # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
-    own_per_token = sum(
-        state_bytes(k, cfg, i, 1, elem) if k in _ATTENTION + _GROWING else 0 for i, k in enumerate(kinds)
-    )
-    # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
-    # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
-    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"])
-    ffn = elem * 2 * d["i"]  # the MLP's gate / up
-    if "latent_attention" in kinds or "indexed_attention" in kinds:
-        # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
-        # attention output; DSA gathers top-k latents instead)
-        factor = 5 if "latent_attention" in kinds else 3
-        act += elem * cfg.num_attention_heads * factor * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    recurrence = 0
-    if "linear_attention" in kinds and getattr(cfg, "linear_num_value_heads", None):
-        # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
-        # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
-        # live in transformers 5.24's torch path
-        recurrence = (
-            2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
-        )
-    return own_per_token, act, ffn, recurrence
-
-
-#: what `auto_chunk_size` lets one capture chunk's transients take (`Plan.capture_transient`)
-AUTO_CHUNK_BUDGET = 512 << 20
-#: the chunk sizes it chooses among, largest first: 4,096 is the fastest measured on both real models (dense
-#: SmolLM2-135M and sliding-window Gemma 3 270M, docs/capture speed table), and below 512 the per-chunk
-#: overhead of a forward shows
-AUTO_CHUNKS = (4096, 2048, 1024, 512)
-
-
-def auto_chunk_size(cfg, prompt_length: int | None = None, dtype: str = "bf16") -> int:
-    """The capture chunk for a model config when the user sets none: the largest of `AUTO_CHUNKS` whose capture
-    transient (one chunk through one layer at a time, as `plan` estimates it) fits `AUTO_CHUNK_BUDGET`, and no
-    larger than the prompt. `dtype`: "fp32", "bf16" or "fp16" (the model's)."""
-    kinds = layer_plan(cfg)
-    own, act, ffn, rec = _per_token(cfg, kinds, _ELEM.get(dtype, 2))
-    per_token = own + act + ffn + rec
-    chunk = next((c for c in AUTO_CHUNKS if c * per_token <= AUTO_CHUNK_BUDGET), AUTO_CHUNKS[-1])
-    if prompt_length is not None:
-        chunk = max(1, min(chunk, prompt_length - 1))
-    return chunk
 
 
 def plan(pc: PlanConfig) -> Plan:
     cfg = load_config(pc.model)
     kinds = layer_plan(cfg)
-    elem = _ELEM[pc.dtype]
-    d = _dims(cfg)
+    elem = ELEMENT_BYTES[pc.dtype]
+    d = dimensions(cfg)
     captured = pc.prompt_length - 1
     chunk_size = pc.chunk_size or auto_chunk_size(cfg, pc.prompt_length, pc.dtype)
     local = math.ceil(captured / pc.context_parallel)
@@ -276,15 +209,15 @@ def plan(pc: PlanConfig) -> Plan:
         chunks = math.ceil(captured / chunk_size)
         state_grad = state
         for i, kind in enumerate(kinds):
-            if kind not in _GROWING:  # boundary states kept per chunk (linear attention, sliding windows)
+            if kind not in GROWING_KINDS:  # boundary states kept per chunk (linear attention, sliding windows)
                 state_grad += chunks * state_bytes(kind, cfg, i, min(local, 1 << 30), elem)
-    own_per_token, act, ffn, recurrence = _per_token(cfg, kinds, elem)
+    own_per_token, act, ffn, recurrence = chunk_bytes_per_token(cfg, kinds, elem)
     c = min(chunk_size, captured) if captured else 1
     chunk = c
     if pc.context_parallel > 1:
         # the context-parallel capture runs each rank's whole slice through an attention layer at once, and its
         # exact-mode reverse pass keeps the slice's whole graph (`longstraw.distributed`): the slice, not the chunk,
-        # bounds them; recurrent layers still run a chunk at a time (`longstraw.prepare._forward_in_chunks`)
+        # bounds them; recurrent layers still run a chunk at a time (`longstraw.model.prepare._forward_in_chunks`)
         c = local
     # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
     # `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
@@ -296,7 +229,7 @@ def plan(pc: PlanConfig) -> Plan:
         # the exchange's float32 accumulators, partials and gathered chunks over the whole slice, and the slice's K/V
         # held twice while committed: 1.5 × the one-process terms per position (measured 1.2-1.5 ×:
         # bench/results/cp_capture_{dense,hybrid}_memory.md, 2 ranks, P = 16K / 32K); the feed-forward modules and
-        # recurrent layers run a chunk at a time (`longstraw.prepare.ChunkedFeedForward`, `_forward_in_chunks`)
+        # recurrent layers run a chunk at a time (`longstraw.model.prepare.ChunkedFeedForward`, `_forward_in_chunks`)
         capture_transient = 3 * c * (own_per_token + act) // 2 + chunk * (ffn + recurrence) + attn_tile
     else:
         capture_transient = c * (own_per_token + act + ffn + recurrence) + attn_tile

@@ -39,7 +39,7 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
     parameter trainable (full fine-tuning), no adapter."""
     from peft import LoraConfig, get_peft_model
 
-    from .models import (
+    from ..testing.models import (
         BENCH_DENSE,
         BENCH_DSA,
         BENCH_DSV4,
@@ -76,7 +76,7 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
 def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int = 4096) -> dict:
     """Run one step's forward and backward (gradients accumulate in `.grad`); returns details."""
     import longstraw
-    from longstraw.reference import full_sequence_logprobs
+    from longstraw.model.oracles import full_sequence_logprobs
 
     info: dict = {}
     if method == "naive_batched":
@@ -91,7 +91,7 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
             (-(a * lp).sum()).backward()
     elif method in ("longstraw", "longstraw_exact", "longstraw_ckpt"):
         mode = "exact" if method == "longstraw_exact" else "detached"
-        from .train.memory import peak_rss_mb
+        from ..train.memory import peak_rss_mb
 
         with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
@@ -137,7 +137,7 @@ def measure(
 def _measured(row: dict, fn) -> dict:
     """`row` plus the step memory (peak RSS − RSS before, peak reset first) and wall time of `fn()`,
     and what `fn` reports (durable state in MiB, ...)."""
-    from .train.memory import peak_rss_mb, reset_peak, rss_mb
+    from ..train.memory import peak_rss_mb, reset_peak, rss_mb
 
     before = rss_mb()
     reset_peak()
@@ -241,7 +241,7 @@ def measure_in_fresh_process(
     cmd = [
         sys.executable,
         "-m",
-        "longstraw.compare",
+        "longstraw.tools.compare",
         model_name,
         method,
         str(P),

@@ -1,9 +1,10 @@
-"""How to reach a model's parts, and tiny random configs (from the family specs) for tests and demos.
+"""Tiny random models (one config per tested family, from the family specs) and the benchmarks' model configs, for
+tests, demos and benchmarks: `tiny_config(arch, **overrides)`, `tiny_model(arch, ...)`, `TINY_CONFIGS`,
+`TINY_MULTIMODAL`, `BENCH_*`.
 
-longstraw runs the unmodified transformers model code; what it needs from a model is its decoder
-(the stack that returns hidden states), its LM head with whatever the causal-LM class applies to the
-logits (`ModelParts`), and per decoder layer a layer kind that keeps its durable state
-(`longstraw.support.layer_plan`).
+The engine never imports this module (`tests/test_layout.py`). How to reach a model's parts (`ModelParts`,
+`base_model`, `decoder_of`, `text_config`) lives in `longstraw.hf.parts` and the exceptions in `longstraw.errors`:
+they are re-exported here only for the module's old path, `longstraw.models` (one release).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
-from .archs import FAMILIES, tiny_fields
-from .errors import UnsupportedArchitectureError
-from .hf.parts import ModelParts, base_model, decoder_of, text_config
+from ..archs import FAMILIES, tiny_fields
+from ..errors import UnsupportedArchitectureError
+from ..hf.parts import ModelParts, base_model, decoder_of, text_config
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
@@ -210,6 +211,8 @@ def tiny_model(
     return model.eval()
 
 
+#: `ModelParts` ... `text_config`: re-exported for the old path `longstraw.models` (their home: `longstraw.hf.parts`,
+#: `longstraw.errors`)
 __all__ = [
     "ModelParts",
     "UnsupportedArchitectureError",

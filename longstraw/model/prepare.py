@@ -1,14 +1,14 @@
 """Prepare a model for longstraw once: its attention implementation, and stand-ins installed by subclassing.
 
 `prepare(model)` (called by `capture`) checks that longstraw can represent every decoder layer
-(`longstraw.support.check_capability`), then installs, once per model:
+(`longstraw.model.capability.check_capability`), then installs, once per model:
 - nothing for attention itself: each longstraw forward names the "longstraw" implementation on the
   model's configs for its duration (`longstraw.hf.cache.running`); `prepare` asks transformers
   once to switch and verifies the switch on every config the model's modules read (a refused switch
   would otherwise only log a warning and replays would silently ignore the prompt), then switches back;
 - on MLA attention modules, `LatentAttention` in front of their class (attends in latent space
   inside a longstraw forward, the module's own forward outside); on DeepSeek-V4 CSA / HCA attention
-  modules, `CompressedAttention` likewise (attends to compressed entries, `longstraw.layers.compressed_attention`);
+  modules, `CompressedAttention` likewise (attends to compressed entries, `longstraw.kinds.compressed_attention`);
 - on every decoder layer, `CheckpointedLayer` in front of its class: inside a longstraw forward it runs
   the layer under longstraw's activation checkpointing when the branch asks for it (or when
   transformers' own checkpointing is on, which would drop the cache), and the plain layer otherwise;
@@ -30,13 +30,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .archs import family
-from .errors import UnsupportedArchitectureError
-from .hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
-from .hf.parts import base_model, decoder_of, model_configs
-from .hf.stand_ins import install, is_stand_in
-from .layers import layer_kind
-from .support import check_capability, model_plan
+from ..archs import family
+from ..errors import UnsupportedArchitectureError
+from ..hf.cache import ATTN_IMPLEMENTATION, active_cache, running, snapshot
+from ..hf.parts import base_model, decoder_of, model_configs
+from ..hf.stand_ins import install, is_stand_in
+from ..kinds import layer_kind
+from .capability import check_capability, model_plan
 
 
 @contextmanager

@@ -9,7 +9,7 @@ window only through the mask they build (Phi-3.5-MoE in transformers 5.24 passes
 the call's keyword arguments and the mask it was given, and returns zeros of the output's shape, computing no
 attention), and returns per decoder layer what its attention module was handed: the `sliding_window` argument, the
 window or attention chunk its mask shows, `scaling`, `softcap`, whether it passed attention sinks (`s_aux`), and any
-other argument that is set. `longstraw.support.layer_plan` reconciles the config's layer plan with it.
+other argument that is set. `longstraw.model.capability.layer_plan` reconciles the config's layer plan with it.
 
 The probe is 2 tokens longer than the longest window or attention chunk the config declares (at least 8 tokens, at
 most `MAX_PROBE`), so a window in the mask shows; its cost is one forward of that many tokens without attention,
@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .hf.parts import attention_module, base_model, decoder_of, model_configs, model_device
+from ..hf.parts import attention_module, base_model, decoder_of, model_configs, model_device
 
 PROBE_IMPLEMENTATION = "longstraw_probe"
 #: shortest probe forward

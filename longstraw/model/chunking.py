@@ -1,0 +1,98 @@
+"""The capture chunk a model gets when the user sets none, and the per-token byte terms it is chosen from.
+
+`auto_chunk_size(cfg, P, dtype)`: the largest of `AUTO_CHUNKS` whose capture transient (one chunk through one layer
+at a time) fits `AUTO_CHUNK_BUDGET`. The terms are the planner's (`longstraw.tools.planner`, which imports them from
+here): the capture reads them from the config alone, below the planner, so that the prompt state needs no tool.
+"""
+
+from __future__ import annotations
+
+from ..kinds.sizes import state_bytes
+from .capability import layer_plan
+
+#: bytes per element of each model dtype
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: kinds whose durable state grows with P (split over context-parallel ranks, quantizable)
+GROWING_KINDS = ("full_attention", "latent_attention", "indexed_attention")
+#: kinds whose branch appends its own K/V per token
+OWN_KV_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def config_value(cfg, name, default=0):
+    """`cfg.name`, or `default` where the config does not set it."""
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4): read layer 0's
+        value = getattr(cfg.per_layer_config[0], name, None)
+    return default if value is None else value
+
+
+def dimensions(cfg) -> dict:
+    """The widths the byte terms use: hidden, query, key / value, MLP (the larger of dense and routed), vocabulary,
+    layers."""
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    head_dim = config_value(cfg, "head_dim", h // heads) or h // heads
+    kv = config_value(cfg, "num_key_value_heads", heads)
+    dense_i = config_value(cfg, "intermediate_size", 4 * h)
+    moe_i = config_value(cfg, "moe_intermediate_size", 0)
+    topk = config_value(cfg, "num_experts_per_tok", 0)
+    shared = config_value(cfg, "shared_expert_intermediate_size", 0) or moe_i * config_value(cfg, "n_shared_experts", 0)
+    routed = moe_i * topk + shared
+    return dict(
+        h=h,
+        q=heads * head_dim,
+        kv=kv * head_dim,
+        i=max(dense_i, routed),
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+    )
+
+
+def chunk_bytes_per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
+    """Bytes per prompt token of one capture chunk, without autograd: (own K/V or latents of every layer, one
+    layer's live activations, the MLP's gate / up, a recurrent layer's chunked recurrence)."""
+    d = dimensions(cfg)
+    # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
+    own_per_token = sum(
+        state_bytes(k, cfg, i, 1, elem) if k in OWN_KV_KINDS + GROWING_KINDS else 0 for i, k in enumerate(kinds)
+    )
+    # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
+    # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
+    act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"])
+    ffn = elem * 2 * d["i"]  # the MLP's gate / up
+    if "latent_attention" in kinds or "indexed_attention" in kinds:
+        # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
+        # attention output; DSA gathers top-k latents instead)
+        factor = 5 if "latent_attention" in kinds else 3
+        act += elem * cfg.num_attention_heads * factor * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    recurrence = 0
+    if "linear_attention" in kinds and getattr(cfg, "linear_num_value_heads", None):
+        # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
+        # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
+        # live in transformers 5.24's torch path
+        recurrence = (
+            2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
+        )
+    return own_per_token, act, ffn, recurrence
+
+
+#: what `auto_chunk_size` lets one capture chunk's transients take (the planner's `Plan.capture_transient`)
+AUTO_CHUNK_BUDGET = 512 << 20
+#: the chunk sizes it chooses among, largest first: 4,096 is the fastest measured on both real models (dense
+#: SmolLM2-135M and sliding-window Gemma 3 270M, docs/capture speed table), and below 512 the per-chunk
+#: overhead of a forward shows
+AUTO_CHUNKS = (4096, 2048, 1024, 512)
+
+
+def auto_chunk_size(cfg, prompt_length: int | None = None, dtype: str = "bf16") -> int:
+    """The capture chunk for a model config when the user sets none: the largest of `AUTO_CHUNKS` whose capture
+    transient (one chunk through one layer at a time, as `plan` estimates it) fits `AUTO_CHUNK_BUDGET`, and no
+    larger than the prompt. `dtype`: "fp32", "bf16" or "fp16" (the model's)."""
+    kinds = layer_plan(cfg)
+    own, act, ffn, rec = chunk_bytes_per_token(cfg, kinds, ELEMENT_BYTES.get(dtype, 2))
+    per_token = own + act + ffn + rec
+    chunk = next((c for c in AUTO_CHUNKS if c * per_token <= AUTO_CHUNK_BUDGET), AUTO_CHUNKS[-1])
+    if prompt_length is not None:
+        chunk = max(1, min(chunk, prompt_length - 1))
+    return chunk
