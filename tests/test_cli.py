@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from longstraw import cli
+from longstraw.commands import demo, flags
 from longstraw.train.config import TrainConfig
 
 
@@ -29,11 +30,11 @@ def test_help_documents_every_field(capsys):
 )
 def test_flag_values_take_the_field_type(name, text, value):
     field = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
-    assert cli._parse_value(field, text) == value
+    assert flags.parse_value(field, text) == value
 
 
 def test_demo_config_is_valid_and_overridable():
-    cfg = cli.demo_config({"output_dir": "/tmp/x", "threads": 1})
+    cfg = demo.demo_config({"output_dir": "/tmp/x", "threads": 1})
     assert cfg.stage_length(0) == 22 and cfg.stage_length(cfg.num_steps - 1) == 1024
     assert cfg.sft_warmup_steps < cfg.num_steps
 

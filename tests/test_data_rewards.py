@@ -35,13 +35,13 @@ def short_reward(prompts, completions, **kwargs):
 
 def _model_folder(tmp_path, chat_template=CHAT_TEMPLATE):
     """A local model folder: tiny llama + the task tokenizer, with a chat template."""
-    from longstraw.train.trainer import _tiny_base
+    from longstraw.train.build import tiny_base
 
     tok = build_tokenizer(num_keys=16, num_values=8)
     tok.chat_template = chat_template
     cfg = TrainConfig(model="llama", task_options={"num_keys": 16, "num_values": 8, "num_pairs": 2})
     folder = tmp_path / "base_model"
-    _tiny_base(cfg, tok).save_pretrained(folder)
+    tiny_base(cfg, tok).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -132,7 +132,7 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
 #: lower one, never of a higher one. A module's tier is that of the entry naming it or its nearest enclosing package;
 #: `longstraw` itself (the package's `__init__`: the public surface) is named on its own. A new module must be placed.
 TIERS: list[tuple[str, ...]] = [
-    ("longstraw.__main__", "longstraw.cli"),  # the command line
+    ("longstraw.__main__", "longstraw.cli", "longstraw.commands"),  # the command line and its commands
     ("longstraw.tools",),  # the planner, one step three ways, the real models: each behind a command
     ("longstraw.train", "longstraw.agent"),  # the trainer and its stages (agent rollouts are one)
     # apart: what the trainer, the tools and the command line are given (losses, tasks and the environment

@@ -1,10 +1,12 @@
 """The GRPO trainer: wires the stages of a run, one optimizer step per batch.
 
+    build      (`build`)       the model and tokenizer, the reward functions, the learning-rate schedule
     rollout    (`rollout`)     capture each prompt → sample G → reward → reference log-probs → advantages
     update     (`update`)      loss normalizer → serial replay, loss, backward per response
     optimizer                  clip, one AdamW step (skipped on a non-finite loss or gradient); trainable bf16
                                weights step on float32 masters (`precision`)
     checkpoint (`checkpoint`)  atomic, resumable; the final model via `export`
+    evaluation (`evaluation`)  held-out greedy accuracy per prompt length (`Trainer.evaluate`)
 
 (modules of `longstraw.train`)
 
@@ -38,9 +40,10 @@ from typing import cast
 import torch
 
 from ..distributed.ranks import setup_ranks
-from ..losses import combine_rewards, make_loss
-from ..tasks import Example, build_tokenizer
-from ..testing.models import TINY_CONFIGS, tiny_config
+from ..losses import make_loss
+from ..tasks import Example
+from ..testing.models import TINY_CONFIGS
+from .build import build_model_and_tokenizer, generator, lr_lambda, reward_set, tiny_base
 from .checkpoint import (
     SHARDED_WEIGHTS,
     latest_name,
@@ -52,122 +55,19 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import build_data
+from .evaluation import HELD_OUT_KEY, Evaluation
 from .export import export_model
 from .memory import MemoryMeter
 from .metrics import MetricsWriter
 from .precision import MasterWeights
-from .rewards import RewardFunctionError, RewardSet, resolve_callable, resolve_reward
+from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
-
-EVAL_SEED_OFFSET = 1_000_000
-#: `evaluate()` key of the accuracy on held-out JSONL rows
-HELD_OUT_KEY = "held-out rows"
 
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
 
 
-# ---------------------------------------------------------------------------------------------- setup
-
-
-def _tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
-    """The built-in tiny model of `cfg`, random weights drawn from cfg.seed (the same every call)."""
-    from transformers import AutoModelForCausalLM
-
-    mcfg = tiny_config(
-        cfg.model,
-        **{
-            **cfg.model_overrides,
-            "vocab_size": len(tok),
-            "pad_token_id": tok.pad_token_id,
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-        },
-    )
-    torch.manual_seed(cfg.seed)
-    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32).to(dtype)
-
-
-def build_model_and_tokenizer(cfg: TrainConfig):
-    """(model, tokenizer): a built-in tiny model with the task tokenizer, or a local folder; LoRA-wrapped
-    with `lora: true`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-    from .devices import resolve_device, resolve_dtype
-
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    tok: PreTrainedTokenizerBase  # the task's word-level tokenizer, or the model folder's
-    if cfg.model in TINY_CONFIGS:
-        opts = cfg.task_options
-        tok = build_tokenizer(
-            num_keys=opts.get("num_keys", 64),
-            num_values=opts.get("num_values", 16),
-            num_filler=opts.get("num_filler", 32),
-        )
-        model = _tiny_base(cfg, tok, dtype)
-    else:
-        path = Path(cfg.model)
-        if not path.is_dir():
-            raise ValueError(
-                f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} nor a local folder"
-            )
-        tok = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path)
-        # a field the config does not have would be kept and never read (a silent no-op): refused by name
-        unknown = sorted(k for k in cfg.model_overrides if k not in config.to_dict())
-        if unknown:
-            raise ValueError(f"model_overrides {unknown}: not fields of {path}'s {config.model_type} config")
-        for key, value in cfg.model_overrides.items():  # e.g. RoPE scaling for prompts past the model's positions
-            setattr(config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
-    model = model.to(device)
-    if tok.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token: responses could never stop")
-    if cfg.lora:
-        from peft import LoraConfig, get_peft_model
-
-        extra = ["embed_tokens", "lm_head"] if cfg.train_embeddings else None
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, modules_to_save=extra
-            ),
-        )
-    return model.train(), tok
-
-
-def reward_set(cfg: TrainConfig, data, custom=None) -> RewardSet:
-    """`custom` callables (TRL signature) if given, else the config's entries (names or import paths), else
-    the task's own reward."""
-    entries = list(custom or cfg.reward_funcs or [data.task.reward if data.task is not None else "exact_match"])
-    funcs = [resolve_reward(e) for e in entries]
-    return RewardSet(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
-
-
-def _lr_lambda(cfg: TrainConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_scheduler == "constant":
-            return 1.0
-        progress = (step - cfg.warmup_steps) / max(cfg.num_steps - cfg.warmup_steps, 1)
-        return max(0.0, 1 - progress) if cfg.lr_scheduler == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-def _generator(seed: int, *parts: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on the model's device (sampling draws where the logits are)."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + hash(parts)) % (2**63))
-    return g
-
-
-# ---------------------------------------------------------------------------------------------- trainer
-
-
-class Trainer:
+class Trainer(Evaluation):
     """Runs `TrainConfig`: `train()` for the whole run (resuming from the latest checkpoint).
 
     `reward_funcs`: callables `(prompts, completions, **kwargs) -> list[float]` (TRL's signature) to use
@@ -175,7 +75,8 @@ class Trainer:
     the config's `rollout_func` import path.
     """
 
-    #: keyword arguments of the command line's evaluation table (`before`, `counts`), set by `cli.run_training`
+    #: keyword arguments of the command line's evaluation table (`before`, `counts`), set by
+    #: `longstraw.commands.training.run_training`
     eval_summary: dict
 
     def __init__(self, cfg: TrainConfig, reward_funcs=None, rollout_func=None):
@@ -236,7 +137,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(
             self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(cfg))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
         self.step = 0
         self.eos = self.tok.eos_token_id
@@ -250,7 +151,7 @@ class Trainer:
             self.policy,
             self.rewards,
             SamplingSettings.from_config(cfg),
-            lambda step, b: _generator(cfg.seed, step, b, device=device),
+            lambda step, b: generator(cfg.seed, step, b, device=device),
             chunk_size=cfg.chunk_size,
             prompt_grad=cfg.prompt_grad,
             state_dtype=cfg.state_dtype,
@@ -423,92 +324,6 @@ class Trainer:
             self.masters.copy_to_model()
         self.sched.step()
 
-    # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
-        """Greedy responses (token ids, stop token included) of the current model, one per example (`bar`: a
-        progress bar advanced per example)."""
-        from ..api import capture
-
-        out = []
-        # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it
-        unused = torch.Generator(device=next(self.model.parameters()).device) if self.ranks.size > 1 else None
-        for ex in examples:
-            with capture(
-                self.model,
-                self.encode(ex.prompt),
-                chunk_size=self.cfg.chunk_size,
-                state_dtype=self.cfg.state_dtype,
-                group=self.ranks.pg,
-            ) as state:
-                s = state.sample(
-                    1,
-                    self.cfg.max_completion_length,
-                    temperature=0,
-                    stop_token_ids=[self.eos],
-                    allowed_token_ids=self.allowed,
-                    generator=unused,
-                )
-            out.append(s.tokens[0].tolist())
-            if bar is not None:
-                bar.update(1)
-        return out
-
-    def score_examples(self, examples: list[Example], bar=None) -> list[dict]:
-        """The current model's greedy completion of each example and its weighted reward: {prompt, completion,
-        completion_ids, reward} per example (eval mode is the caller's)."""
-        out = []
-        for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
-            text = self.tok.decode(ids, skip_special_tokens=False)
-            score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
-            out.append(dict(prompt=ex.prompt, completion=text, completion_ids=ids, reward=score))
-        return out
-
-    def eval_examples(self, length: str, n: int) -> list[Example]:
-        held = self.data.eval_rows
-        if held is not None:
-            return held[:n]
-        return [self.data.example(EVAL_SEED_OFFSET + k, int(length)) for k in range(n)]
-
-    def evaluate(self, lengths=None, n: int | None = None, samples: list | None = None) -> dict:
-        """Greedy accuracy (mean weighted reward) on held-out examples per prompt length (`{"64": ...}`); for
-        JSONL data, on up to `n` held-out rows (`{"held-out rows": ...}`). `samples`, if a list, receives
-        {length, prompt, completion, completion_ids, reward} per example. With `progress`, rank 0 shows a bar over
-        the examples."""
-        cfg = self.cfg
-        lengths = [str(int(x)) for x in (lengths or cfg.eval_lengths or [cfg.prompt_length])]
-        n = n or cfg.eval_examples
-        if self.data.eval_rows is not None:
-            lengths = [HELD_OUT_KEY]
-        was_training = self.model.training
-        self.model.eval()
-        result = {}
-        todo = {length: self.eval_examples(length, n) for length in lengths}
-        bar = None
-        if cfg.progress and self.ranks.main:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example", dynamic_ncols=True
-            )
-        for length, examples in todo.items():
-            seen = self.score_examples(examples, bar)
-            if samples is not None:
-                samples.extend(dict(length=length, **s) for s in seen)
-            result[length] = sum(s["reward"] for s in seen) / len(seen)
-        if bar is not None:
-            bar.close()
-        self.model.train(was_training)
-        return result
-
-    def baselines(self) -> dict:
-        """Accuracies without real retrieval, where they apply (built-in retrieval tasks with exact-match
-        rewards): context-blind 1/V and positional shortcut 1/K."""
-        t = self.data.task
-        if t is None or t.reward != "exact_match" or self.cfg.reward_funcs not in ([], [t.reward]):
-            return {}
-        return {"context_blind": 1 / t.num_values, "positional": 1 / t.num_pairs}
-
     # ------------------------------------------------------------------ checkpoints and outputs
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -591,7 +406,7 @@ class Trainer:
         base_model = base_path = None
         if self.cfg.lora:
             if self.cfg.model in TINY_CONFIGS:
-                base_model = _tiny_base(self.cfg, self.tok)
+                base_model = tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
         model = self._unsharded_copy() if self.sharded else self.model

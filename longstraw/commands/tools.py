@@ -1,0 +1,132 @@
+"""The commands about a model rather than a run, each behind a tool (`longstraw.tools`) or the self-check:
+`longstraw compare`, `check`, `plan` and `real`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def cmd_compare(args) -> int:
+    import torch
+
+    import longstraw
+    from longstraw.model.oracles import full_sequence_logprobs
+    from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
+
+    print(
+        f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
+        f"R={args.R}, LoRA, {args.threads} thread(s)), each method in a fresh process; "
+        "step memory = peak RSS during the step - RSS before it.\n"
+    )
+    rows = []
+    for method in ("naive_batched", "naive_serial", "longstraw"):
+        print(f"  measuring {method} ...", flush=True)
+        rows.append(
+            measure_in_fresh_process(
+                args.model,
+                method,
+                args.P,
+                args.G,
+                args.R,
+                args.threads,
+                limit_gb=args.limit_gb if method.startswith("naive") else None,
+            )
+        )
+    print()
+    print(format_table(rows))
+    ok = {r["method"]: r for r in rows if "step_mem_mb" in r}
+    if "longstraw" in ok and "naive_serial" in ok:
+        ls, ns = ok["longstraw"], ok["naive_serial"]
+        print(
+            f"\nlongstraw vs naive serial: {ns['step_mem_mb'] / max(ls['step_mem_mb'], 0.1):.1f}x less step memory, "
+            f"{ns['wall_s'] / ls['wall_s']:.1f}x faster."
+        )
+    model = bench_model(args.model).eval()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (min(args.P, 2048),), generator=g)
+    response = torch.randint(0, model.config.vocab_size, (args.R,), generator=g)
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        with longstraw.capture(model, prompt, chunk_size=512) as state:
+            diff = (state.replay(response).logprobs - ref).abs().max().item()
+    print(f"check: replay log-probs vs one full-sequence forward (P={prompt.numel()}): max |diff| = {diff:.2e}")
+    return 0 if len(ok) == len(rows) else 1
+
+
+def cmd_check(args) -> int:
+    """Self-check of a local model folder (or a built-in tiny family) against the unmodified model."""
+    import torch
+
+    import longstraw
+    from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.model in TINY_CONFIGS or args.model in TINY_MULTIMODAL:
+        model = tiny_model(args.model, dtype=dtype)
+    else:
+        path = Path(args.model)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"{path} is neither a model folder with a config.json nor a built-in tiny "
+                f"family ({', '.join(longstraw.tested_families())})"
+            )
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = model.to(args.device).eval()
+    if not args.gradients:
+        model.requires_grad_(False)
+    try:
+        report = longstraw.check(model)
+    except longstraw.UnsupportedArchitectureError as err:
+        print(f"longstraw check: refused: {err}")
+        return 1
+    print(report)
+    from ..model.positions import coverage, position_note
+
+    c = coverage(model.config)
+    if c.native is not None:
+        scaled = f", RoPE scaling {c.rope_type} × {c.factor:g} covering {c.covered:,}" if c.factor > 1 else ""
+        print(f"  positions: pretrained {c.native:,}{scaled}")
+    note = position_note(model.config, args.P) if args.P else None
+    if note is not None:
+        print(f"  note: {note}")
+    return 0 if report.ok else 1
+
+
+def cmd_plan(args) -> int:
+    """Per-rank memory breakdown of a run from a model's config (see `longstraw.tools.planner`)."""
+    from longstraw.tools.planner import PlanConfig, plan
+
+    result = plan(
+        PlanConfig(
+            args.model,
+            args.P,
+            num_generations=args.G,
+            completion_length=args.R,
+            prompt_grad=args.prompt_grad,
+            dtype=args.dtype,
+            state_dtype=args.state_dtype,
+            state_offload=args.offload,
+            lora_rank=args.lora_rank,
+            chunk_size=args.chunk_size,
+            context_parallel=args.context_parallel,
+            fsdp=args.fsdp,
+            checkpoint_layers=args.checkpoint_layers,
+            device_memory_gib=args.device_memory_gib,
+        )
+    )
+    print(result.to_json() if args.json else result)
+    return 1 if result.fits is False else 0
+
+
+def cmd_real(args) -> int:
+    from ..tools.real_models import model_path
+
+    try:
+        print(model_path(args.name))
+    except RuntimeError as err:
+        print(f"longstraw: error: {err}", file=sys.stderr)
+        return 1
+    return 0
