@@ -25,17 +25,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from .branch import detach_own
-from .hf.cache import snapshot
+from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import (
     AttentionBranchLayer,
     CompressedBranchLayer,
     LatentBranchLayer,
     MixerlessBranchLayer,
+    PromptBranchLayer,
     RecurrentBranchLayer,
 )
 from .ops.logprobs import chunked_logprobs
@@ -199,30 +201,33 @@ class _Carry:
     def _slice(t: torch.Tensor, dim: int, start: int, end: int | None = None) -> torch.Tensor:
         return t.narrow(dim % t.dim(), start, (t.shape[dim] if end is None else end) - start)
 
-    def enter(self, cache, j: int, start: int) -> None:
+    def enter(self, cache: BranchCache, j: int, start: int) -> None:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
         for i, attrs in self.appended.items():
-            layer = cache.layers[i]
+            layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`_APPENDED`)
             if isinstance(layer, AttentionBranchLayer):
                 layer.trim, layer.own_offset = False, 0
             for name, dim in attrs:
                 buf = self.buffers.get((i, name))
                 setattr(layer, name, None if start == 0 or buf is None else self._slice(buf, dim, 0, start))
-            if getattr(layer, "values_alias", False):
+            if layer.values_alias:
                 layer.values = layer.keys
         for i in self.recurrent:
+            layer_r = cast(RecurrentBranchLayer, cache.layers[i])
             if j == 0:
                 fresh = snapshot(self.initial[i])
-                for name in ("conv_states", "recurrent_states", "has_previous_state"):
-                    setattr(cache.layers[i], name, dict(getattr(fresh, name)))
+                layer_r.conv_states = dict(fresh.conv_states)
+                layer_r.recurrent_states = dict(fresh.recurrent_states)
+                layer_r.has_previous_state = dict(fresh.has_previous_state)
                 continue
-            layer = cache.layers[i]
             for (li, which, idx), leaf in self.boundaries[j].items():
                 if li == i:
-                    getattr(layer, f"{which}_states")[idx] = leaf
-                    layer.has_previous_state[idx] = True
+                    _states(layer_r, which)[idx] = leaf
+                    layer_r.has_previous_state[idx] = True
 
-    def leave(self, cache, j: int, start: int, end: int, first_pass: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def leave(
+        self, cache: BranchCache, j: int, start: int, end: int, first_pass: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """After segment j's forward: on the first pass, store what it produced (into the buffers, its end states as
         the leaves of boundary j + 1); on the reverse pass, the (produced tensor, accumulated gradient) pairs to
         back-propagate."""
@@ -249,18 +254,23 @@ class _Carry:
         if first_pass:
             nxt = {}
             for i in self.recurrent:
-                layer = cache.layers[i]
+                layer_r = cast(RecurrentBranchLayer, cache.layers[i])
                 for which in ("conv", "recurrent"):
-                    for idx, t in getattr(layer, f"{which}_states").items():
+                    for idx, t in _states(layer_r, which).items():
                         if t is not None:
                             nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
             self.boundaries.append(nxt)
         else:
             for (i, which, idx), leaf in self.boundaries[j + 1].items():
-                produced = getattr(cache.layers[i], f"{which}_states")[idx]
+                produced = _states(cast(RecurrentBranchLayer, cache.layers[i]), which)[idx]
                 if leaf.grad is not None and produced is not None and produced.requires_grad:
                     out.append((produced, leaf.grad))
         return out
+
+
+def _states(layer: RecurrentBranchLayer, which: str) -> dict[int, torch.Tensor | None]:
+    """The conv (`which` "conv") or recurrent ("recurrent") states of `layer`, by state index."""
+    return layer.conv_states if which == "conv" else layer.recurrent_states
 
 
 def _replay_exact(

@@ -23,7 +23,7 @@ import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
@@ -32,11 +32,16 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..ops.attention import DEFAULT_BLOCK, split_attention
 
+if TYPE_CHECKING:  # the branch layers' types (`longstraw.kinds` sits above this bridge: annotations only)
+    from ..kinds.base import BranchLayer, CollectiveAttention
+    from ..kinds.full_attention import AttentionBranchLayer
+
 ATTN_IMPLEMENTATION = "longstraw"
 
 
 class BranchCache(Cache):
-    """transformers `Cache` over one branch's layers (`LayerState.branch()` of every decoder layer).
+    """transformers `Cache` over one branch's layers (`LayerState.branch()` of every decoder layer, each a
+    `longstraw.kinds.base.BranchLayer`).
 
     `block`: key block size of the split attention (memory O(heads · R · block) per block).
     `checkpoint_layers`: run each decoder layer under activation checkpointing (`longstraw.prepare`).
@@ -115,7 +120,8 @@ class BranchCache(Cache):
         is saved as a further copy, so the model's in-place update of it leaves the saved value intact. Without
         autograd, or without a layer that has recurrent states, there is nothing to protect and no hook is set."""
         written = self._written
-        if not torch.is_grad_enabled() or not any(hasattr(layer, "recurrent_states") for layer in self.layers):
+        recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.layers)
+        if not torch.is_grad_enabled() or not recurrent:
             try:
                 yield
             finally:
@@ -140,8 +146,7 @@ class BranchCache(Cache):
     def batch_select_indices(self, indices) -> None:
         """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
         for layer in self.layers:
-            # ignored below: every longstraw branch layer defines it, transformers' base layer classes do not
-            layer.batch_select_indices(indices)  # type: ignore[union-attr]
+            cast("BranchLayer", layer).batch_select_indices(indices)
 
 
 _ACTIVE: ContextVar[BranchCache | None] = ContextVar("longstraw_active_cache", default=None)
@@ -202,7 +207,9 @@ class UnsupportedAttentionError(NotImplementedError):
     """An attention argument that changes the math and that longstraw's split attention does not implement."""
 
 
-def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
+def longstraw_attention(
+    module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
+) -> tuple[torch.Tensor, None]:
     """Attention of a branch's queries `[B, H, R, D]` over [prompt K/V | its own K/V]: `[B, R, H, Dv]`.
 
     Reads `scaling`, `dropout`, `sliding_window`, `softcap` and `s_aux` (`[H]` attention sinks of gpt-oss
@@ -228,7 +235,9 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
     if dropout:
         raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
     layer_idx = module.layer_idx if module.layer_idx >= 0 else cache.last_updated  # Zamba2: see BranchCache.update
-    layer = cache.layers[layer_idx]
+    # a module that dispatches through the attention interface runs in an attention layer
+    # (`LayerState.uses_attention_interface`): its branch layer is an `AttentionBranchLayer`
+    layer = cast("AttentionBranchLayer", cache.layers[layer_idx])
     if sliding_window is not None and layer.window != sliding_window:
         raise RuntimeError(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
@@ -236,9 +245,8 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
         )
     # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
-    attend = getattr(layer, "attend", None)
-    if attend is not None:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
-        out = attend(
+    if layer.is_collective:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
+        out = cast("CollectiveAttention", layer).attend(
             module,
             query,
             key,
@@ -264,7 +272,7 @@ def longstraw_attention(module, query, key, value, attention_mask, **kwargs):
         scale=scaling,
         window=layer.window,
         softcap=softcap,
-        chunk=getattr(layer, "chunk", None),
+        chunk=layer.chunk,
         sinks=sinks,
         block=cache.block,
     )

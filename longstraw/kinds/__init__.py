@@ -1,6 +1,16 @@
 """Layer kinds: one module per kind of durable state (see `base.LayerState`)."""
 
-from .base import LayerState, PromptBranchLayer, layer_kind, register_layer_kind, registered_layer_types
+from .base import (
+    BranchLayer,
+    CollectiveAttention,
+    CollectiveSparseAttention,
+    LatentBranch,
+    LayerState,
+    PromptBranchLayer,
+    layer_kind,
+    register_layer_kind,
+    registered_layer_types,
+)
 from .compressed_attention import CompressedAttention, CompressedBranchLayer, CompressedKVState
 from .full_attention import AttentionBranchLayer, KVState
 from .hybrid import HybridBranchLayer, HybridState
@@ -12,7 +22,10 @@ from .sliding_window import ChunkedKVState, SlidingKVState
 
 __all__ = [
     "AttentionBranchLayer",
+    "BranchLayer",
     "ChunkedKVState",
+    "CollectiveAttention",
+    "CollectiveSparseAttention",
     "CompressedAttention",
     "CompressedBranchLayer",
     "CompressedKVState",
@@ -21,6 +34,7 @@ __all__ = [
     "IndexedLatentState",
     "KVState",
     "LatentAttention",
+    "LatentBranch",
     "LatentBranchLayer",
     "LatentState",
     "LayerState",

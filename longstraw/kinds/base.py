@@ -8,15 +8,25 @@ branch into the durable state.
 
 Adding a layer kind (MLA, DSA, ...) means one new module with a `LayerState` subclass registered
 under the transformers `layer_types` name it serves (`register_layer_kind`).
+
+What a branch layer offers is written down as protocols, so that readers call members instead of probing for them:
+`BranchLayer` (every branch layer), `LatentBranch` (what latent attention reads and appends), and the context-parallel
+capabilities `CollectiveAttention` / `CollectiveSparseAttention`, declared by a prompt branch layer's flags
+`is_collective` / `is_collective_sparse` (a flag, not an `isinstance` against the protocol: the attention reads it on
+every call of every layer, and `longstraw.hf` sits below this module).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
+
+from ..ops.latent_attention import Selection
+from ..ops.quant import QuantizedTokens
 
 
 def empty_state(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -26,12 +36,149 @@ def empty_state(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return like.new_empty(shape)
 
 
+@runtime_checkable
+class BranchLayer(Protocol):
+    """What every branch layer is: one decoder layer's entry in a branch's `longstraw.hf.cache.BranchCache`, made by
+    `LayerState.branch()` (or `reverse_branch()` in exact mode). It reads the durable state and never writes it; what
+    the branch adds (its own K/V, latents, newer recurrent states) it keeps itself, with batch B (the branch's rows)
+    where the prompt part has batch 1 (shared by the rows).
+
+    These members are what `BranchCache` and transformers' `Cache` ask of every layer. Beyond them a branch layer
+    answers the cache calls of the modules its decoder layer runs: `update` (K/V attention: `PromptBranchLayer`, a
+    transformers `CacheLayerMixin`) or `update_conv_state` / `update_recurrent_state` (linear attention, SSM, short
+    convolutions: `RecurrentBranchLayer`, a transformers `LinearAttentionCacheLayerMixin`), or none
+    (`MixerlessBranchLayer`). Implementations: `AttentionBranchLayer` (full, sliding, chunked attention) and its
+    subclasses `CompressedBranchLayer` and `HybridBranchLayer` (attention + SSM), `LatentBranchLayer` (MLA, DSA),
+    `RecurrentBranchLayer`, `MixerlessBranchLayer`, and the context-parallel layers of
+    `longstraw.distributed.context_parallel`.
+    """
+
+    #: transformers' `Cache.is_sliding`: whether the layer keeps a sliding window of keys (longstraw attention builds
+    #: its masks from positions; this only describes the layer)
+    is_sliding: bool
+
+    @property
+    def is_compileable(self) -> bool:
+        """transformers' `Cache.is_compileable`: False for a branch layer (its tensors are rebound as it grows)."""
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the branch rows `indices` `[B']` (of the B rows so far) of the branch's own tensors, e.g. own keys
+        `[B, Hkv, T, D]` → `[B', Hkv, T, D]`: finished sequences leave the batch. What the rows share (the prompt part,
+        batch 1 or expanded views of it) stays as it is."""
+
+    def get_max_length(self) -> int:
+        """-1: no maximum length (transformers' `CacheLayerMixin.get_max_length`)."""
+
+
+@runtime_checkable
+class LatentBranch(BranchLayer, Protocol):
+    """What `longstraw.kinds.latent_attention.LatentAttention` (MLA, DSA) reads and appends of its branch layer:
+    `LatentBranchLayer`, and the context-parallel latent layers (which read the prompt through
+    `CollectiveAttention` / `CollectiveSparseAttention` and have no local prompt part). r: `kv_lora_rank`, dr:
+    `qk_rope_head_dim`, Di: `index_head_dim`; P prompt tokens, T own tokens so far, S tokens of the forward."""
+
+    #: prompt tokens before the branch's own: the absolute position of its first own latent
+    prompt_length: int
+    #: prompt latents `[1, 1, P, r + dr]` (`[c | k_rot]`), 8-bit `QuantizedTokens`, or None (no prompt here)
+    prompt: torch.Tensor | QuantizedTokens | None
+    #: DSA indexer keys of the prompt `[1, P, Di]`, or None (MLA, "shared" DSA layers, context parallel)
+    prompt_index: torch.Tensor | None
+    #: (W_k, W_v): the absorbed up-projections, read once per branch when running without grad; None until then
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None
+    #: whether the prompt part is read through `CollectiveAttention.attend` (context parallel)
+    is_collective: bool
+    #: whether DSA's selection and sparse attention go through `CollectiveSparseAttention` (context parallel)
+    is_collective_sparse: bool
+
+    def append(self, latent: torch.Tensor) -> torch.Tensor:
+        """Append the forward's latents `[B, 1, S, r + dr]` to the branch's own; return all own latents
+        `[B, 1, T, r + dr]`."""
+
+    def append_index(self, keys: torch.Tensor) -> torch.Tensor:
+        """Append the forward's DSA indexer keys `[B, S, Di]` to the branch's own; return all of them `[B, T, Di]`."""
+
+
+@runtime_checkable
+class CollectiveAttention(BranchLayer, Protocol):
+    """A branch layer that attends its prompt part itself: context parallel (`longstraw.distributed.context_parallel`),
+    where each rank holds a slice of the prompt's K/V or latents and the attention over them is a collective. Such a
+    layer declares `is_collective = True`; the longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) and
+    `LatentAttention` (MLA: the latents as the one key head and as the values) then call `attend` instead of the
+    split attention over a local prompt part."""
+
+    def attend(
+        self,
+        module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_start: int,
+        own_start: int,
+        scale: float | None,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        block: int,
+    ) -> torch.Tensor:
+        """Attention of the queries `q` `[B, H, R, D]` (positions from `q_start`) over [the prompt's slices | the
+        branch's own keys `k` `[B, Hkv, S, D]` and values `v` `[B, Hkv, S, Dv]` (positions from `own_start`)]: the
+        output `[B, H, R, Dv]` in q's dtype. `module`: the attention module; `scale` (None: D^−0.5), `window`,
+        `softcap`, `sinks` `[H]` and `block` (keys per tile) as `longstraw.ops.attention.split_attention` takes them."""
+
+
+@runtime_checkable
+class CollectiveSparseAttention(CollectiveAttention, Protocol):
+    """A `CollectiveAttention` of a DSA layer: the indexer's top-k selection and the sparse attention over the selected
+    latents run across the ranks too (`longstraw.distributed.sparse`). Declares `is_collective_sparse = True`. Shapes
+    as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
+
+    def select_sparse(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        own_keys: torch.Tensor,
+        topk: int,
+        *,
+        q_start: int,
+        own_start: int,
+        block: int,
+    ) -> Selection:
+        """Each query's `topk` keys over [the prompt's slices | the own indexer keys `own_keys` `[B, T, Di]`], from the
+        indexer queries `q` `[B, S, Hi, Di]` and head weights `weights` `[B, S, Hi]`, as
+        `longstraw.ops.latent_attention.select_topk` chooses them: indices `[B, S, K]` into [prompt | own]."""
+
+    def attend_sparse(
+        self,
+        query: torch.Tensor,
+        own: torch.Tensor,
+        selection: Selection,
+        *,
+        q_start: int,
+        own_start: int,
+        scale: float,
+        block: int,
+    ) -> torch.Tensor:
+        """Latent attention of the absorbed queries `query` `[B, H, S, r + dr]` over the keys `selection` chose, in
+        the prompt's slices and the own latents `own` `[B, 1, T, r + dr]`: `[B, H, S, r + dr]` in query's dtype (the
+        caller keeps the first r)."""
+
+
 class PromptBranchLayer(CacheLayerMixin):
     """What every attention-like branch layer reports to transformers: `prompt_length` prompt tokens read from
     the durable state, then `own_length` tokens of the branch's own (longstraw attention builds its masks from
-    positions; these sizes only describe the layout)."""
+    positions; these sizes only describe the layout). A `BranchLayer`; the defaults below are what a layer without
+    the capability declares."""
 
     prompt_length: int = 0
+    is_sliding: bool = False
+    #: whether `values` names the own keys too (one tensor read as keys and as values: context-parallel latents)
+    values_alias: bool = False
+    #: whether the layer attends its prompt part itself (`CollectiveAttention`: context parallel)
+    is_collective: bool = False
+    #: whether it also selects and attends DSA's sparse keys itself (`CollectiveSparseAttention`: context parallel)
+    is_collective_sparse: bool = False
 
     @property
     def own_length(self) -> int:
@@ -77,7 +224,7 @@ class LayerState(ABC):
         self.length = 0
 
     @abstractmethod
-    def branch(self, batch: int = 1):
+    def branch(self, batch: int = 1) -> BranchLayer:
         """A fresh transformers cache layer reading this state, for `batch` sequences that share it;
         the state itself is never written."""
 
@@ -119,7 +266,7 @@ class LayerState(ABC):
         of every replay (one buffer the size of the state)."""
         raise NotImplementedError(f"{type(self).__name__} does not support prompt_grad='exact'")
 
-    def reverse_branch(self, chunk: int, start: int):
+    def reverse_branch(self, chunk: int, start: int) -> BranchLayer:
         """Exact mode: a branch layer that recomputes chunk `chunk` (first token at `start`) with grad,
         reading everything before `start` from leaves that collect the gradients flowing there."""
         raise NotImplementedError

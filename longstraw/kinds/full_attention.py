@@ -25,6 +25,10 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     is_sliding = False
     is_croppable = False
+    #: sliding-window attention: keys after (query position − window) only; None: every earlier key
+    window: int | None = None
+    #: chunked local attention: the attention chunk size (keys of the query's own chunk only); None: none
+    chunk: int | None = None
 
     def __init__(
         self,
@@ -36,7 +40,6 @@ class AttentionBranchLayer(PromptBranchLayer):
         chunk: int | None = None,
     ):
         super().__init__()
-        #: chunked local attention: the attention chunk size (keys of the query's own chunk only)
         self.chunk = chunk
         self.prompt_k, self.prompt_v = prompt_k, prompt_v
         self.prompt_length = prompt_length

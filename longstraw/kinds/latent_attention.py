@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import cast
 
 import torch
 
 from ..hf.cache import active_cache
 from ..hf.stand_ins import install
 from ..ops.latent_attention import (
+    Selection,
     absorb_query,
     absorbed_weights,
     expand_output,
@@ -33,7 +35,14 @@ from ..ops.latent_attention import (
 )
 from ..ops.quant import QuantizedTokens
 from . import base
-from .base import LayerState, PromptBranchLayer, register_layer_kind
+from .base import (
+    CollectiveAttention,
+    CollectiveSparseAttention,
+    LatentBranch,
+    LayerState,
+    PromptBranchLayer,
+    register_layer_kind,
+)
 
 
 @functools.cache
@@ -43,14 +52,18 @@ def _returns_selection(cls) -> bool:
 
 
 class LatentOwn:
-    """The branch's own latents `[B, 1, T, r + dr]` (`keys`) and DSA indexer keys `[B, T, Di]` (`index_keys`),
-    appended as the branch runs."""
+    """The latent side of a branch layer (`LatentBranch`): the branch's own latents `[B, 1, T, r + dr]` (`keys`) and
+    DSA indexer keys `[B, T, Di]` (`index_keys`), appended as the branch runs; the prompt part it reads locally
+    (`prompt`, `prompt_index`: none unless a subclass sets them) and the absorbed up-projections cached per branch."""
 
     #: whether `values` names the own latents too (the context-parallel layers read them as keys and as values)
     values_alias = False
     keys: torch.Tensor | None
     values: torch.Tensor | None
-    index_keys: torch.Tensor | None
+    index_keys: torch.Tensor | None = None
+    prompt: torch.Tensor | QuantizedTokens | None = None
+    prompt_index: torch.Tensor | None = None
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def append(self, latent: torch.Tensor) -> torch.Tensor:
         self.keys = latent if self.keys is None else torch.cat([self.keys, latent], dim=-2)
@@ -129,7 +142,7 @@ class LatentAttention:
         m = self
         if m.training and m.attention_dropout:
             raise NotImplementedError("attention dropout is not supported by longstraw replay; set attention_dropout=0")
-        layer: LatentBranchLayer = cache.layers[m.layer_idx]
+        layer: LatentBranch = cache.layers[m.layer_idx]
         b, s, _ = hidden_states.shape
         h, dn, dr, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         if m.q_lora_rank is None:
@@ -156,7 +169,6 @@ class LatentAttention:
                 layer.absorbed = absorbed_weights(m.kv_b_proj, h, dn, m.v_head_dim)
             w_k, w_v = layer.absorbed
         query = absorb_query(q_nope, q_rot, w_k)
-        kw = dict(q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block)
         indexer = getattr(m, "indexer", None)
         selection = prev_topk_indices
         if indexer is not None:
@@ -173,46 +185,30 @@ class LatentAttention:
             )
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
-        attend = getattr(layer, "attend", None)
-        attend_sparse = getattr(layer, "attend_sparse", None)
-        if selection is not None and attend_sparse is not None:
-            # context parallel DSA: the selected keys live on several ranks (`longstraw.distributed.sparse`)
-            out = attend_sparse(
-                query, own, selection, q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block
-            )[..., :r]
-        elif selection is not None and attend is not None:
-            raise NotImplementedError(f"{type(layer).__name__} serves dense latent attention only, not DSA")
-        elif selection is None and attend is not None:
-            # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
-            # attention with the latents as the one key head and as the values, as `latent_attention` runs it
-            out = attend(
-                m,
-                query,
-                own,
-                own,
-                q_start=q_start,
-                own_start=own_start,
-                scale=m.scaling,
-                window=None,
-                softcap=None,
-                sinks=None,
-                block=cache.block,
-            )[..., :r]
-        elif selection is None:
-            out = latent_attention(query, own, layer.prompt, r, **kw)
-        else:
-            out = sparse_latent_attention(query, own, layer.prompt, selection, r, **kw)
+        out = _attend(
+            layer, m, query, own, selection, r, q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block
+        )
         out = m.o_proj(expand_output(out, w_v))
         return (out, None, selection) if _returns_selection(self.longstraw_base) else (out, None)
 
     @torch.no_grad()
-    def _select(self, indexer, hidden_states, q_resid, position_embeddings, layer, q_start, own_start, block, rotary):
+    def _select(
+        self,
+        indexer,
+        hidden_states,
+        q_resid,
+        position_embeddings,
+        layer: LatentBranch,
+        q_start: int,
+        own_start: int,
+        block: int,
+        rotary,
+    ) -> Selection:
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
         q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
         own_keys = layer.append_index(k)
-        select_sparse = getattr(layer, "select_sparse", None)
-        if select_sparse is not None:  # context parallel: the prompt's indexer keys live on several ranks
-            return select_sparse(
+        if layer.is_collective_sparse:  # context parallel: the prompt's indexer keys live on several ranks
+            return cast(CollectiveSparseAttention, layer).select_sparse(
                 q,
                 weights,
                 indexer.softmax_scale,
@@ -233,6 +229,55 @@ class LatentAttention:
             own_start=own_start,
             block=block,
         )
+
+
+def _attend(
+    layer: LatentBranch,
+    module,
+    query: torch.Tensor,
+    own: torch.Tensor,
+    selection: Selection | None,
+    rank: int,
+    *,
+    q_start: int,
+    own_start: int,
+    scale: float,
+    block: int,
+) -> torch.Tensor:
+    """Latent attention `[B, H, S, r]` (r = `rank`) of the absorbed queries `query` `[B, H, S, r + dr]` over [the
+    prompt | the own latents `own` `[B, 1, T, r + dr]`]: dense (`selection` None) or over DSA's `selection`, the prompt
+    read from `layer.prompt` or, context parallel, through the layer's collective (`CollectiveAttention`,
+    `CollectiveSparseAttention`)."""
+    if selection is not None and layer.is_collective_sparse:
+        # context parallel DSA: the selected keys live on several ranks (`longstraw.distributed.sparse`)
+        return cast(CollectiveSparseAttention, layer).attend_sparse(
+            query, own, selection, q_start=q_start, own_start=own_start, scale=scale, block=block
+        )[..., :rank]
+    if selection is not None and layer.is_collective:
+        raise NotImplementedError(f"{type(layer).__name__} serves dense latent attention only, not DSA")
+    if selection is None and layer.is_collective:
+        # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
+        # attention with the latents as the one key head and as the values, as `latent_attention` runs it
+        return cast(CollectiveAttention, layer).attend(
+            module,
+            query,
+            own,
+            own,
+            q_start=q_start,
+            own_start=own_start,
+            scale=scale,
+            window=None,
+            softcap=None,
+            sinks=None,
+            block=block,
+        )[..., :rank]
+    if selection is None:
+        return latent_attention(
+            query, own, layer.prompt, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+        )
+    return sparse_latent_attention(
+        query, own, layer.prompt, selection, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+    )
 
 
 def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary):

@@ -21,7 +21,9 @@ from .base import LayerState, register_layer_kind
 
 
 class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
-    """transformers linear-attention cache layer of one branch, starting from captured states."""
+    """transformers linear-attention cache layer of one branch, starting from captured states (a `BranchLayer`)."""
+
+    is_sliding = False
 
     def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int, conv_trim: int = 0):
         LinearAttentionCacheLayerMixin.__init__(self, number_of_states=number_of_states)

@@ -74,10 +74,6 @@ class _LatentOwn(LatentOwn):
     part (`prompt` None: the slices are read through `attend`), and the absorbed up-projections are cached per branch.
     """
 
-    prompt = None
-    prompt_index = None
-    absorbed = None
-    index_keys = None
     values_alias = True
 
 
@@ -89,6 +85,8 @@ class DsaCaptureBranchLayer(LatentCaptureBranchLayer):
     """`LatentCaptureBranchLayer` of a DSA layer: the selection and the sparse attention of this rank's slice, its
     rows `chunk` at a time (every rank steps alike), against the earlier slices collectively (`longstraw.distributed.
     sparse`) and its own keys locally. No gradient: detached capture only."""
+
+    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def steps(self):
         lengths = [e - s for s, e in self.bounds]
@@ -163,6 +161,8 @@ class DsaReplayBranchLayer(LatentReplayBranchLayer):
     """`LatentReplayBranchLayer` of a DSA layer: the branch's selection over every slice (merged on its owner) and
     the sparse attention as a collective autograd function (`SparseReplayAttention`)."""
 
+    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
+
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         layer, g = self.info.layer, self.info.group
         q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
@@ -192,6 +192,8 @@ class DsaReplayBranchLayer(LatentReplayBranchLayer):
 class DsaSampleBranchLayer(LatentSampleBranchLayer):
     """`LatentSampleBranchLayer` of a DSA layer: every rank has all the rows, so the slices' candidates and partials
     are all-gathered and merged alike on every rank."""
+
+    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         layer, g = self.layer, self.group
