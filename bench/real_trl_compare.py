@@ -88,12 +88,13 @@ def run_trl(P: int, G: int, R: int, threads: int) -> dict:
 
         class Measure(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                if state.global_step == 1:
-                    _measure(marks, True)
+                _measure(marks, True)
 
             def on_step_end(self, args, state, control, **kw):
-                if state.global_step == 2:
-                    _measure(marks, False)
+                _measure(marks, False)
+                if state.global_step == 1:  # printed at once: a run cut off in its second step keeps its first
+                    first = dict(step_mem_mb=round(marks["peak"] - marks["before"], 1), wall_s=round(marks["wall"], 2))
+                    print("FIRST " + json.dumps(first), flush=True)
 
         args = GRPOConfig(output_dir=d, max_steps=2, per_device_train_batch_size=G, num_generations=G,
                           max_completion_length=R, generation_kwargs={"min_new_tokens": R}, learning_rate=1e-4,
@@ -114,6 +115,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit-gb", type=float, default=20.0)
     ap.add_argument("--out", default=str(RESULTS), help="results path without suffix")
+    ap.add_argument("--methods", nargs="+", default=["longstraw", "trl"], choices=["longstraw", "trl"])
+    ap.add_argument("--keep", action="store_true", help="keep OUT.json's rows of other (method, P, G) and add these")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="a run still going after this is reported so")
     args = ap.parse_args(argv)
     if args.worker:
@@ -128,6 +131,9 @@ def main(argv=None) -> None:
         return
     rows: list[dict] = []
     out = Path(args.out)
+    if args.keep and out.with_suffix(".json").exists():
+        ran = {(m, P, G) for m in args.methods for P in args.P for G in args.G}
+        rows = [r for r in json.loads(out.with_suffix(".json").read_text()) if (r["method"], r["P"], r["G"]) not in ran]
     limit = int(args.limit_gb * 2**30)
 
     def cap():
@@ -135,17 +141,21 @@ def main(argv=None) -> None:
 
     for P in args.P:
         for G in args.G:
-            for method in ("longstraw", "trl"):
+            for method in args.methods:
                 cmd = [sys.executable, __file__, "--threads", str(args.threads), "--worker", method, str(P), str(G),
                        str(args.R)]
                 t0 = time.perf_counter()
                 try:
                     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                          preexec_fn=cap if method == "trl" else None, timeout=args.timeout_s)
-                except subprocess.TimeoutExpired:
-                    record(rows, dict(method=method, P=P, G=G, R=args.R, threads=args.threads,
-                                      error=f"two steps not done in {args.timeout_s:.0f} s", ran_s=args.timeout_s),
-                           out)
+                except subprocess.TimeoutExpired as cut:
+                    row = dict(method=method, P=P, G=G, R=args.R, threads=args.threads,
+                               error=f"two steps not done in {args.timeout_s:.0f} s", ran_s=args.timeout_s)
+                    text = cut.stdout.decode() if isinstance(cut.stdout, bytes) else cut.stdout or ""
+                    first = [line[6:] for line in text.splitlines() if line.startswith("FIRST ")]
+                    if first:  # the first step's figures (it includes one-time allocations: an upper bound)
+                        row["first_step"] = json.loads(first[0])
+                    record(rows, row, out)
                     continue
                 if res.returncode == 0:
                     row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -164,7 +174,11 @@ def _table(rows: list[dict]) -> str:
     lines = ["| P | prompt tokens | G | method | step memory (MiB) | step time (s) |", "|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         n = f"{tokens[r['P']]:,}" if r["P"] in tokens else ""
-        if "error" in r:
+        if "error" in r and "first_step" in r:
+            f = r["first_step"]
+            lines.append(f"| {r['P']:,} | {n} | {r['G']} | {r['method']} | {f['step_mem_mb']:,.0f} (first step; "
+                         f"{r['error']}) | {f['wall_s']:.1f} (first step) |")
+        elif "error" in r:
             lines.append(f"| {r['P']:,} | {n} | {r['G']} | {r['method']} | {r['error']} (after {r['ran_s']} s) | |")
         else:
             lines.append(f"| {r['P']:,} | {n} | {r['G']} | {r['method']} | {r['step_mem_mb']:,.0f} | {r['wall_s']:.1f} |")
