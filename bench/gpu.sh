@@ -42,7 +42,7 @@ for mod in ("fla", "liger_kernel"):
         print(mod, "not available:", str(e)[:100])
 PYEOF
 echo "# (a) CUDA tests"
-TESTS=(tests/test_kernels.py tests/test_cuda.py)
+TESTS=(tests/ops/test_kernels.py tests/test_cuda.py)
 if [ -n "${SMOKE:-}" ]; then TESTS=(tests/test_cuda.py); fi
 PER_TEST=()  # a test that hangs (a kernel compiling for minutes) fails alone instead of ending the run
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 60); fi

@@ -3,8 +3,8 @@
     python bench/like_a_user.py              # → bench/results/like_a_user.{json,md}
 
 Every tested family (`longstraw.tested_families()`'s tiny configs) and the model types outside the list that the
-suite builds (`tests/test_support.py`'s `UNTESTED`), each with a `sliding_window` its architecture ignores, a stray
-`attention_chunk_size`, eager and sdpa attention, and a registered attention function that changes the math (an
+suite builds (`tests/model/test_support.py`'s `UNTESTED`), each with a `sliding_window` its architecture ignores, a
+stray `attention_chunk_size`, eager and sdpa attention, and a registered attention function that changes the math (an
 ALiBi-like bias): `longstraw.capture` + `replay` against the unmodified model's full-sequence log-probs (fp32). Each
 cell is `equal` (max abs log-prob error ≤ 1e-4, the error given), `refused` (`UnsupportedArchitectureError`), `skip`
 (transformers itself refuses the combination, or the unmodified model fails) or `WRONG` / `CRASH` (what must never
@@ -34,7 +34,7 @@ def main() -> None:
     from longstraw.model.oracles import full_sequence_logprobs
     from tests import test_like_a_user as t
     from tests.conftest import tie_free_tokens
-    from tests.test_support import UNTESTED, untested_model
+    from tests.model.test_support import UNTESTED, untested_model
 
     torch.set_num_threads(1)
     rows: list[dict] = []

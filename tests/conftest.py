@@ -139,7 +139,7 @@ def _indexer_calls(model, layers, ids: torch.Tensor, indexer_of) -> list:
 
 def assert_tie_free(model, ids: torch.Tensor, margin: float = 1e-4) -> int:
     """DSA models: run the full-sequence forward, recompute every indexer's scores from its inputs and check the
-    top-k boundary has a gap (tests/test_latent_attention.py says why); returns how many queries had more
+    top-k boundary has a gap (tests/kinds/test_latent_attention.py says why); returns how many queries had more
     visible keys than top-k. Other models: 0, nothing to check.
 
     The gap must exceed `margin` relative (+ 1e-7 absolute): longstraw's and the reference's index scores differ

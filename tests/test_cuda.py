@@ -32,12 +32,12 @@ FP32_TOL = 1e-4
 BF16_BOUND = 1.5
 #: the host-offloaded against the on-device state: the same kernels over the same values, read from host memory, so
 #: at most the order of their float32 sums differs, as for a replay over an 8-bit state against one over its
-#: dequantized copy (tests/test_quant.py's `REPLAY_TOL`, float32's epsilon × 2^6 on log-probs); × 4 for gradients
+#: dequantized copy (tests/ops/test_quant.py's `REPLAY_TOL`, float32's epsilon × 2^6 on log-probs); × 4 for gradients
 OFFLOAD_TOL = EPS * 2**6
 OFFLOAD_GRAD_TOL = OFFLOAD_TOL * 4
 #: the LM head, chunked against the plain log-softmax in the same dtype. float32: epsilon × 2^5 for values, logits
 #: over H = 64 and sums over V = 1,000 blocked differently (√(64 + 1000) ≈ 33 at random), × 4 for gradients (as in
-#: tests/test_logprobs.py). bf16: each path rounds each logit to bf16 once (≤ 2^-8, after sums blocked differently),
+#: tests/ops/test_logprobs.py). bf16: each path rounds each logit to bf16 once (≤ 2^-8, after sums blocked differently),
 #: carried by z_t and log Σ e^z: 4 × 2^-8 = epsilon × 2; gradients × 2 for their own bf16 rounding
 HEAD_TOL = {torch.float32: (EPS * 2**5, EPS * 2**7),
             torch.bfloat16: (torch.finfo(torch.bfloat16).eps * 2, torch.finfo(torch.bfloat16).eps * 4)}

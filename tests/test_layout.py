@@ -279,3 +279,43 @@ def test_moved_modules_keep_their_old_import_path():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(len(MOVED))
+
+
+#: The test files that stay at the top of `tests/`; every other one lies in `tests/<package>/`, the folder named after
+#: the package of `longstraw` it tests (tests/README.md lists them). These hold the public surface and the engine's
+#: top-level modules (`api`, `sampler`, `trajectory`, `self_check`: no package of their own to mirror), over every
+#: family, or the project as a whole (its docs, README, import graph, examples).
+TOP_LEVEL_TESTS = {
+    # the public surface and the engine
+    "test_equivalence.py", "test_exact.py", "test_bf16.py", "test_like_a_user.py", "test_errors.py",
+    "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
+    # the project as a whole
+    "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py",
+}
+TESTS = ROOT / "tests"
+
+
+def test_the_tests_mirror_the_packages():
+    """Every folder under `tests/` names a package of `longstraw` at the same path (`tests/ops/` ↔ `longstraw/ops/`)
+    and is a package itself (its files import `..conftest`); no test file lies at the top of `tests/` but those of
+    `TOP_LEVEL_TESTS`, which all exist; and no two test files share a name, since `tests/conftest.py` gives the
+    `numerics` and `multiprocess` markers by file name (every name in its sets is a test file)."""
+    from .conftest import MULTIPROCESS, NUMERICS
+
+    folders = sorted(d.relative_to(TESTS) for d in TESTS.rglob("*")
+                     if d.is_dir() and not any(p.startswith((".", "_")) for p in d.relative_to(TESTS).parts))
+    assert folders, "tests/ has no folder"
+    stray = [str(d) for d in folders if not (PACKAGE.joinpath(*d.parts) / "__init__.py").is_file()]
+    assert not stray, f"folders of tests/ that name no package of longstraw: {stray}"
+    bare = [str(d) for d in folders if not (TESTS.joinpath(*d.parts) / "__init__.py").is_file()]
+    assert not bare, f"folders of tests/ without an __init__.py: {bare}"
+    loose = sorted(f.name for f in TESTS.glob("test_*.py") if f.name not in TOP_LEVEL_TESTS)
+    assert not loose, f"test files at the top of tests/ (move each to the folder of its package): {loose}"
+    gone = sorted(TOP_LEVEL_TESTS - {f.name for f in TESTS.glob("test_*.py")})
+    assert not gone, f"TOP_LEVEL_TESTS names files that are not at the top of tests/: {gone}"
+    files = [f for f in TESTS.rglob("test_*.py") if "__pycache__" not in f.parts]
+    names = [f.stem for f in files]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"test files of the same name in two folders (markers go by name): {twice}"
+    unknown = sorted((NUMERICS | MULTIPROCESS) - set(names))
+    assert not unknown, f"tests/conftest.py marks files that do not exist: {unknown}"

@@ -135,7 +135,7 @@ bitwise the same everywhere, so the ranks never diverge. The attention against t
 split N ways; the rest of a decode step (projections, MLP, LM head, the own K/V) is repeated on every rank.
 
 Results do not depend on N except by rounding (the fold order is fixed: slice 0 first); measured ≤ 1e-6 in float32
-against the single-process replay (tests/test_distributed.py).
+against the single-process replay (tests/distributed/test_distributed.py).
 
 Consistency and failures (`longstraw.distributed.collectives`)
 --------------------------------------------------------------

@@ -9,7 +9,7 @@ score and value products keep 8 query rows × 32 keys (resp. 8 rows × 16 value 
 
 How it is built: once per kind of machine, with the C++ compiler at hand (`$CXX`, else `c++` or `g++`) and `-O3
 -march=native` (`$LONGSTRAW_NATIVE_ARCH` names another target: `x86-64-v3` builds the AVX2 + FMA code a machine without
-AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/test_native_kernel.py`), into
+AVX-512 gets, so that build is tested on any x86-64 machine; see `tests/ops/test_native_kernel.py`), into
 `$LONGSTRAW_CACHE` (default `~/.cache/longstraw`, else a folder in the temporary directory) under a name that hashes
 the source, the flags, the compiler's version and the CPU's model and feature flags (a home folder shared by different
 machines keeps one build per CPU kind). Written under a temporary name and renamed, so concurrent processes (torchrun

@@ -9,8 +9,8 @@ from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import Response
 from longstraw.train.trainer import Trainer
 
-from .test_distributed_trainer import EPS32
-from .test_equivalence import FLOOR_FACTOR
+from ..distributed.test_distributed_trainer import EPS32
+from ..test_equivalence import FLOOR_FACTOR
 from .test_trainer_gradient import _assert_within_floor
 
 TOOL_TOKENS = [7, 9, 11]  # "tool output" the policy did not write
@@ -44,7 +44,7 @@ def test_masked_tool_tokens_gradient_equals_naive_full_sequence(tmp_path):
                       task_options={"num_pairs": 4, "num_values": 8}, num_generations=3, prompts_per_step=2,
                       max_completion_length=8, ignore_eos=True, lora=False, loss_type="dapo", prompt_grad="exact",
                       importance_sampling_level="sequence", progress=False, threads=1,
-                      rollout_func="tests.test_agent_mask:two_turns")  # the YAML form: an import path
+                      rollout_func="tests.train.test_agent_mask:two_turns")  # the YAML form: an import path
     trainer = Trainer(cfg, reward_funcs=[lambda prompts, completions, completion_ids, **kw:
                                          [float(sum(ids) % 5) for ids in completion_ids]])
     model, params = trainer.model, trainer.params

@@ -14,7 +14,7 @@ from longstraw.train.trainer import Trainer
 from longstraw.train.update import loss_mask
 from longstraw.trajectory import segments
 
-from .test_equivalence import FP32_GRAD_TOL
+from ..test_equivalence import FP32_GRAD_TOL
 
 FILLER = " ".join(f"f{i % 32}" for i in range(40))
 
@@ -60,10 +60,10 @@ class EmptyEnv(LookupEnv):
     mode = "none"
 
 
-def _trainer(tmp_path, env="tests.test_agent:LookupEnv", **kw):
+def _trainer(tmp_path, env="tests.agent.test_agent:LookupEnv", **kw):
     cfg = dict(model="llama", output_dir=str(tmp_path / "run"), prompt_length=12, num_steps=1, num_generations=3,
                max_completion_length=160, max_turns=4, max_turn_tokens=3, max_tool_tokens=64, lora=False,
-               progress=False, threads=1, environment=env, tool_parser="tests.test_agent:parse_keys",
+               progress=False, threads=1, environment=env, tool_parser="tests.agent.test_agent:parse_keys",
                reward_funcs=["environment_reward"], task_options={"num_pairs": 4, "num_values": 8}, seed=3)
     cfg.update(kw)
     return Trainer(TrainConfig(**cfg))
@@ -97,7 +97,7 @@ def test_rollout_grows_each_trajectory_by_tool_replies(tmp_path):
 def _step_error(tmp_path, reference_logprobs, **kw) -> float:
     """Relative error of the trainer's accumulated gradient over one step of multi-turn trajectories against the same
     GRPO loss computed on `reference_logprobs(model, prompt, response)` `[R]` (with grad) per trajectory."""
-    trainer = _trainer(tmp_path, reward_funcs=["environment_reward", "tests.test_agent:length_reward"],
+    trainer = _trainer(tmp_path, reward_funcs=["environment_reward", "tests.agent.test_agent:length_reward"],
                        prompts_per_step=2, **kw)
     rollout = trainer.rollout(0)
     assert any(bool((r.mask == 0).any()) for r in rollout.responses) and bool((rollout.advantages != 0).any())
@@ -143,7 +143,7 @@ def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path):
 
 @pytest.mark.parametrize("env,failures", [("RaisingEnv", True), ("EmptyEnv", False)])
 def test_a_failing_or_silent_tool_is_an_observation_not_the_end_of_the_run(tmp_path, env, failures):
-    trainer = _trainer(tmp_path, env=f"tests.test_agent:{env}")
+    trainer = _trainer(tmp_path, env=f"tests.agent.test_agent:{env}")
     rollout = trainer.rollout(0)
     calls = sum(r.extra["tool_calls"] for r in rollout.responses)
     assert calls > 0

@@ -7,7 +7,7 @@ import longstraw
 from longstraw.testing.models import tiny_model
 from longstraw.model.oracles import _response_logprobs, cache_reference_logprobs
 
-from .conftest import assert_grads_close, make_model, tokens
+from ..conftest import assert_grads_close, make_model, tokens
 
 #: replay against the unmodified model in float32, absolute on log-probs and relative on gradients: the suite's fp32
 #: bound (tests/test_equivalence.py), float32's epsilon × 2^10 = 1.2e-4 taken as 1e-4: a thousand roundings adding

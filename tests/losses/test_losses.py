@@ -8,7 +8,7 @@ import torch
 from longstraw.losses import LOSS_TYPES, combine_rewards, group_advantages, make_loss
 from longstraw.losses.reference import batched_loss
 
-from .conftest import rel_err
+from ..conftest import rel_err
 
 OPTIONS = [
     pytest.param(dict(), id="defaults"),
@@ -96,7 +96,7 @@ def test_batched_reference_and_serial_equal_trl_compute_loss(tmp_path, loss_type
     """TRL 1.16's `_compute_loss` on the same per-token log-probs, old log-probs, advantages and masks
     (tool-output tokens as TRL's `tool_mask`). TRL's bnpo is one token mean over its micro-batch: the
     same as longstraw's per-group bnpo when the batch is one group."""
-    from .trl_oracle import trl_config, trl_loss
+    from ..trl_oracle import trl_config, trl_loss
 
     truncated = [False] * len(LENGTHS)
     logps, old, ref, adv, m = _batch(11, LENGTHS, truncated, False, env_tokens=True, shift=0.5)

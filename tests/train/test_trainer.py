@@ -11,7 +11,7 @@ import torch
 from longstraw.train.config import TrainConfig
 from longstraw.train.trainer import RewardFunctionError, Trainer
 
-from .conftest import full_and_resumed
+from ..conftest import full_and_resumed
 
 DETERMINISTIC = ("loss", "reward", "reward_std", "entropy", "clip_ratio", "grad_norm", "lr", "step", "prompt_length",
                  "completion_length", "kl", "durable_bytes", "rewards/exact_match/mean")

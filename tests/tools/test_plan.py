@@ -9,7 +9,7 @@ from longstraw.kinds.sizes import state_bytes
 from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.capability import layer_plan
 
-from .conftest import ARCHS, make_model, tokens
+from ..conftest import ARCHS, make_model, tokens
 
 
 @pytest.mark.parametrize("state_dtype", [None, "int8"], ids=["fp32", "int8"])

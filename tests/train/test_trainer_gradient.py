@@ -17,9 +17,9 @@ import torch
 from longstraw.train.config import TrainConfig
 from longstraw.train.trainer import Trainer
 
-from .conftest import rel_err
-from .test_equivalence import FLOOR_FACTOR
-from .trl_oracle import trl_config, trl_loss
+from ..conftest import rel_err
+from ..test_equivalence import FLOOR_FACTOR
+from ..trl_oracle import trl_config, trl_loss
 
 EPS, BETA, ENT = 0.2, 0.1, 0.01
 

@@ -34,7 +34,7 @@ PARTS = {
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 #: a kernel's error against the float64 reference, relative to the largest reference value (at least 1). float32:
 #: epsilon × 2^5 (3.8e-6): D ≤ 128-term logit dot products and sums over T ≤ 700 keys (and the CPU kernel's
-#: exponential, within 2.5 epsilon: tests/test_native_kernel.py), rounding errors adding at random as
+#: exponential, within 2.5 epsilon: tests/ops/test_native_kernel.py), rounding errors adding at random as
 #: √(128 + 700) ≈ 29 ≤ 2^5. bf16 / fp16: epsilon × 4: the fused kernels round the probabilities to the dtype for
 #: P · V (≤ 2^-8 or 2^-11 of max |v| ≈ 4) and the output (once more): ≤ 5 half-epsilons < 8
 TOL = {torch.float32: torch.finfo(torch.float32).eps * 2**5, torch.bfloat16: torch.finfo(torch.bfloat16).eps * 4,

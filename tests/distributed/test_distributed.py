@@ -22,9 +22,9 @@ import longstraw.testing.models
 from longstraw.distributed import slice_bounds
 from longstraw.model.observe import observe_attention
 
-from .conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
+from ..conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 from .test_distributed_trainer import EPS32, GRAD_TOL
-from .test_equivalence import FLOOR_FACTOR
+from ..test_equivalence import FLOOR_FACTOR
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank), MLA

@@ -14,9 +14,9 @@ import longstraw
 from longstraw import real_models
 from longstraw.model.oracles import full_sequence_logprobs
 
-from .conftest import assert_grads_close
-from .test_equivalence import FP32_GRAD_TOL
-from .test_exact import _grads
+from ..conftest import assert_grads_close
+from ..test_equivalence import FP32_GRAD_TOL
+from ..test_exact import _grads
 
 #: fp32 log-probs of a real model, absolute: DESIGN.md's fp32 bound, float32's epsilon × 2^10 (a thousand roundings
 #: adding up coherently through the depth and the sums)

@@ -28,8 +28,8 @@ from longstraw.ops.latent_attention import (
 )
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 
-from .conftest import assert_tie_free as _assert_tie_free
-from .conftest import lora, rel_err, tokens
+from ..conftest import assert_tie_free as _assert_tie_free
+from ..conftest import lora, rel_err, tokens
 
 MLA_ARCHS = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]

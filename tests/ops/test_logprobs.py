@@ -7,7 +7,7 @@ import torch
 
 from longstraw.ops.logprobs import chunked_logprobs
 
-from .conftest import rel_err
+from ..conftest import rel_err
 
 EPS = torch.finfo(torch.float32).eps
 #: chunked against the float64 log-softmax of the same float32 logits, norm-wise relative: float32's epsilon × 2^4

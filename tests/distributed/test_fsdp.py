@@ -5,7 +5,7 @@ of its own (the second with activation checkpointing, whose recompute gathers th
 off for the first backward and on for the last, and takes one AdamW step on its shards. The single-process reference
 replays all 2 · N branches on an unsharded copy: log-probs, summed gradients and the exact-mode gradient must agree
 within the single-process run's own rounding floor (the reference in other chunks and key blocks, as
-tests/test_distributed.py), and the weights after the step must be torch's AdamW applied to the ranks' own summed
+tests/distributed/test_distributed.py), and the weights after the step must be torch's AdamW applied to the ranks' own summed
 gradient on one tensor (its elementwise float32 arithmetic: one rounding, `replay_tol`). Compared with the reference's
 update directly, the step would measure AdamW's amplification instead: its first update g / (|g| + eps) turns the
 rounding of gradient elements near eps into a whole step.
@@ -23,10 +23,10 @@ import torch.distributed as dist
 import longstraw
 import longstraw.testing.models
 
-from .conftest import lora, rel_err, spawn_ranks, tokens
+from ..conftest import lora, rel_err, spawn_ranks, tokens
 from .test_distributed import REORDERED
 from .test_distributed_trainer import EPS32, GRAD_TOL, adamw_replay, replay_tol
-from .test_equivalence import FLOOR_FACTOR
+from ..test_equivalence import FLOOR_FACTOR
 
 N = 2
 TIMEOUT_S = 60

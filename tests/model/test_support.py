@@ -14,8 +14,8 @@ from longstraw.testing.models import tiny_model
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
 from longstraw.model.oracles import full_sequence_logprobs
 
-from .conftest import lora, tokens
-from .test_equivalence import FP32_GRAD_TOL
+from ..conftest import lora, tokens
+from ..test_equivalence import FP32_GRAD_TOL
 
 #: float64 log-probs, entropies and their gradients written out by hand vs chunked: float64's epsilon (2.2e-16)
 #: × 2^10, the fp32 bound's growth factor (a thousand roundings adding up coherently; the sums here are over 50

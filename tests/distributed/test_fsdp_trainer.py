@@ -1,7 +1,7 @@
 """The trainer with FSDP2 (`fsdp: true`) on 2 processes: gloo, 1 thread each, against one unsharded process.
 
 One spawn of 2 ranks runs three trainings with the decoder layers sharded:
-- "lora": run A of tests/test_distributed_trainer.py (a supervised full-sequence step, then 2 GRPO steps with a
+- "lora": run A of tests/distributed/test_distributed_trainer.py (a supervised full-sequence step, then 2 GRPO steps with a
   KL term; LoRA), interrupted after step 2 and resumed from its sharded checkpoint by a fresh trainer;
 - "full": full fine-tuning in fp32 with exact prompt gradients (the state's reverse pass is the step's last
   backward) and a replayed supervised step;
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from longstraw.train.checkpoint import CheckpointError
 from longstraw.train.trainer import Trainer
 
-from .conftest import spawn_ranks
+from ..conftest import spawn_ranks
 from .test_distributed_trainer import (
     GRAD_TOL,
     METRIC_TOL,

@@ -10,7 +10,7 @@ from longstraw.train.devices import resolve_device, resolve_dtype
 from longstraw.train.precision import MasterWeights
 from longstraw.train.trainer import Trainer
 
-from .conftest import full_and_resumed
+from ..conftest import full_and_resumed
 
 
 def test_auto_resolves_to_the_cpu_in_float32_here():

@@ -28,7 +28,7 @@ from longstraw.ops.compressed_attention import (
 from longstraw.ops.latent_attention import select_topk
 from longstraw.model.oracles import full_sequence_logprobs
 
-from .conftest import assert_grads_close, assert_tie_free, make_model, tie_free_tokens, tokens
+from ..conftest import assert_grads_close, assert_tie_free, make_model, tie_free_tokens, tokens
 
 #: the float64 pooling and attention parts against their plain references, absolute (values and gradients here are
 #: at most ~6 in size): epsilon × 2^5 for values. Each reorders sums over ≤ 2 × 5 window slots (pooling) or over
@@ -235,7 +235,7 @@ def test_no_tensor_spans_the_compressed_prompt():
     """At P = 1500 (374 CSA entries, more than any dimension of the tiny model), no tensor but the durable state
     and its views has a dimension of 374 or more: capture (chunks of 64) holds no chunk × entries indexer or
     attention scores, and a replay (forward and backward) no R × entries ones."""
-    from .test_latent_attention import _Outputs
+    from ..kinds.test_latent_attention import _Outputs
 
     model = make_model("deepseek_v4", use_lora=True)
     p = 1500

@@ -1,6 +1,6 @@
 """The trainer on N processes (`longstraw.distributed.ranks`): gloo, 2 processes of 1 thread.
 
-One spawn of 2 ranks (forkserver, `file://` rendezvous, as tests/test_distributed.py) trains run A for 3 steps (a
+One spawn of 2 ranks (forkserver, `file://` rendezvous, as tests/distributed/test_distributed.py) trains run A for 3 steps (a
 full-sequence supervised step, split over the ranks, then 2 GRPO steps of 2 prompts with G = 3 responses each, so
 rank 1 pads its replays, prompts recaptured for the update, beta > 0: reference log-probs) and run X (a replayed
 supervised step, then GRPO with 1 prompt of G = 4 whose state serves the update, exact prompt gradients), then run B
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from longstraw.train.config import TrainConfig
 from longstraw.train.trainer import Trainer
 
-from .conftest import spawn_ranks
+from ..conftest import spawn_ranks
 
 TIMEOUT_S = 60  # the group's collective timeout; each spawn must finish within 2 × this
 STEPS = 3
@@ -43,12 +43,12 @@ OTHER = dict(prompts_per_step=1, num_generations=4, sft_full_sequence=False, pro
 
 
 class CountingEnv:
-    """tests.test_agent's lookup environment, counting the instances this process made."""
+    """tests.agent.test_agent's lookup environment, counting the instances this process made."""
 
     made = 0
 
     def __init__(self):
-        from .test_agent import LookupEnv
+        from ..agent.test_agent import LookupEnv
 
         type(self).made += 1
         self.inner = LookupEnv()
@@ -67,8 +67,8 @@ class CountingEnv:
 #: run Y: agent trajectories (multi-turn, tool replies) from an environment, 2 GRPO steps of 2 prompts, G = 3
 AGENT = dict(prompt_length=12, num_steps=2, sft_warmup_steps=0, max_completion_length=160, max_turns=4,
              max_turn_tokens=3, max_tool_tokens=64, environment=f"{__name__}:CountingEnv",
-             tool_parser="tests.test_agent:parse_keys",
-             reward_funcs=["environment_reward", "tests.test_agent:length_reward"])
+             tool_parser="tests.agent.test_agent:parse_keys",
+             reward_funcs=["environment_reward", "tests.agent.test_agent:length_reward"])
 
 
 def _cfg(out: str, **kw) -> TrainConfig:

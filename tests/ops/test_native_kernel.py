@@ -7,6 +7,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def test_avx2_build_has_no_avx512_instruction_and_equals_float64(tmp_path):
     that build.)"""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler")
-    code = ("import torch; from longstraw.ops.kernels import native; from tests.test_native_kernel import _softmax; "
+    code = ("import torch; from longstraw.ops.kernels import native; "
+            "from tests.ops.test_native_kernel import _softmax; "
             "print(native.why_unavailable()); print(native.library_path()); g = torch.Generator().manual_seed(0); "
             "q, k, v = (torch.randn(1, 2, n, 32, generator=g) * s for n, s in ((19, 3), (700, 1), (700, 1))); "
             "out, lse = native.attend_full(q, k, v, 32 ** -0.5); "
@@ -88,7 +90,7 @@ def test_avx2_build_has_no_avx512_instruction_and_equals_float64(tmp_path):
             "for a, b, c in zip((out, lse), w64, w32)))")
     env = {**os.environ, "LONGSTRAW_NATIVE_ARCH": "x86-64-v3", "LONGSTRAW_CACHE": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=Path(__file__).resolve().parents[2])  # the repository root: `tests` importable
     assert res.returncode == 0, res.stderr
     why, path, excess = res.stdout.split("\n")[:3]
     assert why == "None" and path.startswith(str(tmp_path)), res.stdout
@@ -153,7 +155,7 @@ def test_capture_and_sampling_read_an_8bit_state_in_place(monkeypatch):
     import longstraw
     from longstraw import quant
 
-    from .conftest import make_model, tokens
+    from ..conftest import make_model, tokens
 
     calls, reads = [], []
     real_8bit, real_read = native.attend_full_8bit, quant.QuantizedTokens.read

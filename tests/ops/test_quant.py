@@ -11,13 +11,13 @@ from longstraw.ops.attention import reference_attention, split_attention
 from longstraw.ops.quant import QUANT_BLOCK, QuantizedTokens
 from longstraw.model.oracles import full_sequence_logprobs
 
-from .conftest import make_model, tokens
-from .test_latent_attention import _Outputs
+from ..conftest import make_model, tokens
+from ..kinds.test_latent_attention import _Outputs
 
 DTYPES = [pytest.param(torch.float8_e4m3fn, id="fp8"), pytest.param(torch.int8, id="int8")]
 EPS = torch.finfo(torch.float32).eps
 #: split attention over the 8-bit prompt against attention over its dequantized values (and the plain reference),
-#: relative and absolute: float32's epsilon × 2^4 for values, as in tests/test_attention.py (each side rounds
+#: relative and absolute: float32's epsilon × 2^4 for values, as in tests/ops/test_attention.py (each side rounds
 #: 16-term logit dot products and sums over 156 keys in its own order: √(16 + 156) ≈ 13 ≤ 2^4), × 4 for gradients
 #: (three more reductions chained onto the probabilities, √4 = 2 at random, × 2 for dS = P ∘ (dP − rowsum)'s
 #: cancellation)
