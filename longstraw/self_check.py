@@ -19,8 +19,8 @@ It never changes the model's weights, gradients or training state (it uses `torc
 in eval mode and puts the mode back, and forks the RNG).
 
 Cost: the reference's full-sequence forward, one capture chunk and one replay forward, and two backward passes over
-the replayed positions only (the prompt's share is cut) — 1.2–2× one training forward + backward of the same tokens,
-on the real models and the tiny ones (`bench/self_check_cost.py`).
+the replayed positions only (the prompt's share is cut) — 0.6–1.3× one training forward + backward of the same tokens
+on the real models, 1.6–2.1× on tiny ones, whose passes are mostly per-call overhead (`bench/self_check_cost.py`).
 
 In half precision two correct paths differ from each other by more than either differs from float32 (on
 SmolLM2-135M in bf16, transformers against longstraw 0.11 nats, each against float32 about 0.13), so a fixed bound
@@ -162,7 +162,7 @@ def _reach(cfg, plan: list[str] | None = None) -> int:
 MAX_CHECK_PROMPT = 16384
 #: shortest self-check prompt: long enough that the check's passes cost the model's arithmetic, not the per-call
 #: overhead of a few tokens (at 24 tokens a tiny model's check took 3.5× one forward + backward of its own tokens,
-#: the real SmolLM2 + LoRA 2.3×; at 512, 1.5× and 1.2×: `bench/self_check_cost.py`)
+#: the real SmolLM2 + LoRA 2.3×; at 512, 1.6× and 1.3×: `bench/self_check_cost.py`)
 MIN_CHECK_PROMPT = 512
 #: the prompt's last tokens, which the check's replay runs over before the response: the replay reads the captured
 #: state as the capture's next chunk would (the same branch view of the state), without the extra pass over the
