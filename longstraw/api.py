@@ -5,24 +5,32 @@ the model runs here, once, for both."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
 from .model.capability import untested_because
 from .model.prepare import prepare
 from .ops.attention import DEFAULT_BLOCK
-from .prompt_state import PromptState, capture_local, default_chunk_size, validate_capture
+from .prompt_state import PromptState, TokenIds, capture_local, default_chunk_size, validate_capture
 from .self_check import ensure_verified
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def capture(
-    model,
-    prompt_ids,
+    model: torch.nn.Module,
+    prompt_ids: TokenIds,
     chunk_size: int | None = None,
     prompt_grad: str = "detached",
     block_size: int = DEFAULT_BLOCK,
     verify: bool | None = None,
-    state_dtype=None,
-    state_device=None,
-    group=None,
-    progress=None,
+    state_dtype: torch.dtype | str | None = None,
+    state_device: torch.device | str | None = None,
+    group: ProcessGroup | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PromptState:
     """Capture the durable state of `prompt_ids` (1-D or `[1, P]`) under `no_grad`, `chunk_size` tokens at a time
     (None: chosen for the model, `longstraw.model.chunking.auto_chunk_size` — 4,096 unless one chunk's transients would

@@ -12,6 +12,7 @@ one branch's graph, O(R) in the response length and independent of P beyond read
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,10 @@ from .model.prepare import prepare
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
 from .ops.logprobs import chunked_logprobs
-from .sampler import sample
+from .sampler import Samples, sample
+
+#: token ids as the public functions take them: a 1-D (or `[1, T]`) integer tensor, or a sequence of ints
+TokenIds = torch.Tensor | Sequence[int]
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 
@@ -159,7 +163,7 @@ class PromptState:
         self._backward_done = True
 
     # ------------------------------------------------------------------ replay
-    def replay(self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
+    def replay(self, response_ids: TokenIds, temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
         """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
 
         Differentiable with respect to the trainable parameters through the response positions; with
@@ -215,10 +219,10 @@ class PromptState:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop_token_ids=(),
+        stop_token_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
-        allowed_token_ids=None,
-    ):
+        allowed_token_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> Samples:
         """Decode `num` responses together from this one state (`longstraw.sampler.sample`)."""
         return sample(
             self,

@@ -207,7 +207,7 @@ def _layer_outputs(decoder, positions: slice | None):
 
 
 def check(
-    model,
+    model: torch.nn.Module,
     *,
     prompt_length: int | None = None,
     chunk_size: int | None = None,

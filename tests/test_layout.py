@@ -319,3 +319,47 @@ def test_the_tests_mirror_the_packages():
     assert not twice, f"test files of the same name in two folders (markers go by name): {twice}"
     unknown = sorted((NUMERICS | MULTIPROCESS) - set(names))
     assert not unknown, f"tests/conftest.py marks files that do not exist: {unknown}"
+
+
+def unannotated(names, namespace) -> list[str]:
+    """The functions of `names` (and the public methods of its classes) with a parameter or return not annotated."""
+    import inspect
+
+    missing = []
+    for n in names:
+        obj = getattr(namespace, n)
+        if inspect.isfunction(obj):
+            fns = [(n, obj)]
+        elif inspect.isclass(obj):
+            fns = [(f"{n}.{k}", v) for k, v in vars(obj).items()
+                   if inspect.isfunction(v) and not k.startswith("_")]
+        else:
+            continue
+        for name, f in fns:
+            sig = inspect.signature(f)
+            params = [p for p, v in sig.parameters.items() if p not in ("self", "cls")
+                      and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD) and v.annotation is inspect.Parameter.empty]
+            if params or sig.return_annotation is inspect.Signature.empty:
+                missing.append(f"{name}{params if params else ''}{'' if params else ' (return)'}")
+    return missing
+
+
+def test_the_public_surface_is_annotated():
+    """Every function of `longstraw.__all__` and every public method of its classes names its parameter and return
+    types (mypy then checks their bodies and their callers)."""
+    import longstraw
+
+    assert not unannotated(longstraw.__all__, longstraw)
+
+
+def test_the_annotation_check_sees_a_missing_annotation():
+    import types
+
+    def typed(x: int) -> int:
+        return x
+
+    def untyped(x, y: int):
+        return x
+
+    ns = types.SimpleNamespace(typed=typed, untyped=untyped)
+    assert unannotated(["typed", "untyped"], ns) == ["untyped['x']"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -223,7 +224,7 @@ def is_prepared(model) -> bool:
     return getattr(base_model(model), "_longstraw_prepared", False)
 
 
-def prepare(model):
+def prepare(model: nn.Module) -> nn.Module:
     """Install what longstraw needs in `model` (a transformers causal LM, optionally PEFT-wrapped), once.
 
     Raises `UnsupportedArchitectureError` naming the layer type or class longstraw cannot represent, before
@@ -252,9 +253,10 @@ def prepare(model):
         )
     decoder = decoder_of(base)
     fam = family(cfg.model_type)
-    for i, (kind, block) in enumerate(zip(model_plan(model), decoder.layers)):
+    layers = cast(nn.ModuleList, decoder.layers)
+    for i, (kind, block) in enumerate(zip(model_plan(model), layers)):
         install(block, CheckpointedLayer)
-        block.longstraw_index = i
+        cast(Any, block).longstraw_index = i  # a plain attribute on the module (CheckpointedLayer reads it)
         mlp = getattr(block, "mlp", None)
         if isinstance(mlp, nn.Module):  # (a module shared by layers: once)
             install(mlp, ChunkedFeedForward)
@@ -263,11 +265,11 @@ def prepare(model):
             module = getattr(block, name, None)
             if isinstance(module, nn.Module):
                 install(module, mixin)
-    base._longstraw_prepared = True
+    cast(Any, base)._longstraw_prepared = True  # a plain attribute on the module, not a submodule
     return model
 
 
-def unprepare(model):
+def unprepare(model: nn.Module) -> nn.Module:
     """Undo `prepare`: the model's own classes and attention implementation. Returns `model`."""
     base = base_model(model)
     if not getattr(base, "_longstraw_prepared", False):
