@@ -204,6 +204,29 @@ class LayerState(ABC):
     #: does not
     uses_attention_interface: bool = False
 
+    # ------------------------------------------------------------------ memory terms
+    # what `longstraw.model.chunking` (the capture's automatic chunk) and `longstraw.tools.planner` read of a kind
+    #: whether the durable state grows with P: split over the context-parallel ranks, 8-bit when the planner is given
+    #: a `state_dtype`, and no exact-mode boundary state kept per chunk
+    grows_with_prompt: bool = False
+    #: whether the layer's branch appends its own K/V (or latents) per token: what a capture chunk or a branch adds
+    appends_own_kv: bool = False
+    #: whether the layer's attention runs the blockwise kernel (windows, DSA scoring), which holds a few score tiles
+    reads_with_blockwise_kernel: bool = False
+
+    @classmethod
+    def capture_activation_bytes(cls, config, elem: int) -> int:
+        """Bytes per prompt token this kind's layer adds to one layer's live activations in a capture chunk (no
+        autograd), beyond the residual, normed input, q / k / v and the MLP's gate / up every layer has; `elem`: bytes
+        per value of the model's dtype. A model mixing kinds counts the largest."""
+        return 0
+
+    @classmethod
+    def recurrence_bytes(cls, config) -> int:
+        """Bytes per prompt token of the chunked recurrence's intermediates a capture chunk holds in this kind's
+        layer (one layer at a time; a model mixing kinds counts the largest)."""
+        return 0
+
     @classmethod
     def check_layer(cls, config, index: int, block, family) -> str | None:
         """Why decoder layer `index` (`block`, of a model of `config` and `family`, a `longstraw.archs.Family` or

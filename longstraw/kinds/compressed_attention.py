@@ -136,6 +136,9 @@ class CompressedKVState(SlidingKVState):
 
     layer_types = (CSA, HCA)
     uses_attention_interface = False  # its own attention over the compressed entries (`CompressedAttention`)
+    # the planner's capture terms count neither its own entries nor score tiles (`CompressedAttention`'s own kernels)
+    appends_own_kv = False
+    reads_with_blockwise_kernel = False
     window: int  # the sliding window (`SlidingKVState.__init__`)
 
     @classmethod

@@ -86,6 +86,8 @@ class KVState(LayerState):
 
     layer_types: tuple[str, ...] = ("full_attention",)
     uses_attention_interface = True
+    grows_with_prompt = True
+    appends_own_kv = True
     window: int | None = None
     chunk: int | None = None
 

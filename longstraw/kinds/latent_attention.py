@@ -304,6 +304,22 @@ class LatentState(LayerState):
     """Prompt latents of an MLA layer: `[1, 1, P−1, kv_lora_rank + qk_rope_head_dim]`."""
 
     layer_types = ("latent_attention",)
+    grows_with_prompt = True
+    appends_own_kv = True  # its own latents
+    #: latent-width activations per head in a capture chunk (`capture_activation_bytes`); calibrated on
+    #: bench/plan_accuracy.py's models
+    capture_activation_factor = 5
+
+    @classmethod
+    def capture_activation_bytes(cls, config, elem: int) -> int:
+        # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
+        # attention output; DSA gathers top-k latents instead)
+        return (
+            elem
+            * config.num_attention_heads
+            * cls.capture_activation_factor
+            * (config.kv_lora_rank + config.qk_rope_head_dim)
+        )
 
     @classmethod
     def check_layer(cls, config, index: int, block, family) -> str | None:
@@ -385,6 +401,8 @@ class IndexedLatentState(LatentState):
     which reuse the selection of the layer before)."""
 
     layer_types = ("indexed_attention",)
+    reads_with_blockwise_kernel = True  # DSA scoring
+    capture_activation_factor = 3  # gathers the top-k latents instead of the latent-width attention output
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)

@@ -102,6 +102,20 @@ class RecurrentState(LayerState):
     #: oldest conv inputs the window drops (`RecurrentBranchLayer.conv_trim`)
     conv_trim = 0
 
+    @classmethod
+    def recurrence_bytes(cls, config) -> int:
+        if not getattr(config, "linear_num_value_heads", None):  # Mamba: no gated DeltaNet term
+            return 0
+        # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
+        # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
+        # live in transformers 5.24's torch path
+        return (
+            2
+            * 4
+            * config.linear_num_value_heads
+            * (3 * 64 + 4 * (config.linear_key_head_dim + config.linear_value_head_dim))
+        )
+
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
         self.number_of_states = int(getattr(config, "number_of_conv_states", 1))

@@ -18,3 +18,7 @@ class ShortConvState(RecurrentState):
 
     layer_types = ("conv",)
     conv_trim = 1
+
+    @classmethod
+    def recurrence_bytes(cls, config) -> int:
+        return 0  # a convolution window, no chunked recurrence

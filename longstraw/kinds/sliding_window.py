@@ -22,6 +22,8 @@ class SlidingKVState(KVState):
     layer_types: tuple[str, ...] = ("sliding_attention",)
     supports_compression = False  # at most W − 1 tokens: nothing to gain
     supports_offload = False  # likewise
+    grows_with_prompt = False  # at most W − 1 tokens
+    reads_with_blockwise_kernel = True
     # plain tensors only (no compression)
     keys: torch.Tensor | None
     values: torch.Tensor | None

@@ -7,15 +7,25 @@ here): the capture reads them from the config alone, below the planner, so that 
 
 from __future__ import annotations
 
+from ..kinds import LayerState, layer_kind, registered_layer_types
 from ..kinds.sizes import state_bytes
 from .capability import layer_plan
 
 #: bytes per element of each model dtype
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: kinds whose durable state grows with P (split over context-parallel ranks, quantizable)
-GROWING_KINDS = ("full_attention", "latent_attention", "indexed_attention")
-#: kinds whose branch appends its own K/V per token
-OWN_KV_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def kind_class(kind: str) -> type[LayerState]:
+    """The `LayerState` class serving `kind`; `LayerState` itself (every term at its default, none) for a kind no class
+    serves, which `state_bytes` reports where it matters."""
+    return layer_kind(kind) if kind in registered_layer_types() else LayerState
+
+
+#: kinds whose durable state grows with P (`LayerState.grows_with_prompt`: split over context-parallel ranks,
+#: quantizable)
+GROWING_KINDS = tuple(sorted(k for k in registered_layer_types() if layer_kind(k).grows_with_prompt))
+#: kinds whose branch appends its own K/V or latents per token (`LayerState.appends_own_kv`)
+OWN_KV_KINDS = tuple(sorted(k for k in registered_layer_types() if layer_kind(k).appends_own_kv))
 
 
 def config_value(cfg, name, default=0):
@@ -53,27 +63,20 @@ def chunk_bytes_per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
     """Bytes per prompt token of one capture chunk, without autograd: (own K/V or latents of every layer, one
     layer's live activations, the MLP's gate / up, a recurrent layer's chunked recurrence)."""
     d = dimensions(cfg)
+    classes = [kind_class(k) for k in kinds]
     # own K/V (or latents) per token of every layer, full precision: what a chunk or a branch appends
     own_per_token = sum(
-        state_bytes(k, cfg, i, 1, elem) if k in OWN_KV_KINDS + GROWING_KINDS else 0 for i, k in enumerate(kinds)
+        state_bytes(k, cfg, i, 1, elem) if classes[i].appends_own_kv else 0 for i, k in enumerate(kinds)
     )
     # one layer's live activations per token without autograd (residual, normed input, q / k / v, the MLP's
-    # gate / up); the per-kind extras below, and every coefficient, calibrated on bench/plan_accuracy.py's models
+    # gate / up); the per-kind extras (`LayerState.capture_activation_bytes`, e.g. MLA / DSA in
+    # `longstraw.kinds.latent_attention`), and every coefficient, calibrated on bench/plan_accuracy.py's models
     act = elem * (2 * d["h"] + d["q"] + 2 * d["kv"])
+    act += max((c.capture_activation_bytes(cfg, elem) for c in set(classes)), default=0)
     ffn = elem * 2 * d["i"]  # the MLP's gate / up
-    if "latent_attention" in kinds or "indexed_attention" in kinds:
-        # MLA: absorbed queries, latent-space output and per-head expansion (dense MLA also its latent-width
-        # attention output; DSA gathers top-k latents instead)
-        factor = 5 if "latent_attention" in kinds else 3
-        act += elem * cfg.num_attention_heads * factor * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    recurrence = 0
-    if "linear_attention" in kinds and getattr(cfg, "linear_num_value_heads", None):
-        # gated DeltaNet's chunked recurrence (64-token chunks, float32): per value head, the intra-chunk
-        # scores and decay mask (3 × 64) and the key / value corrections (4 × (dk + dv)), about twice over
-        # live in transformers 5.24's torch path
-        recurrence = (
-            2 * 4 * cfg.linear_num_value_heads * (3 * 64 + 4 * (cfg.linear_key_head_dim + cfg.linear_value_head_dim))
-        )
+    # a recurrent layer's chunked recurrence (`LayerState.recurrence_bytes`: gated DeltaNet in
+    # `longstraw.kinds.linear_attention`)
+    recurrence = max((c.recurrence_bytes(cfg) for c in set(classes)), default=0)
     return own_per_token, act, ffn, recurrence
 
 

@@ -36,11 +36,11 @@ from ..model.chunking import (
     AUTO_CHUNK_BUDGET,  # noqa: F401 - the planner's before model/chunking.py: kept here for one release
     AUTO_CHUNKS,  # noqa: F401 - likewise
     ELEMENT_BYTES,
-    GROWING_KINDS,
     auto_chunk_size,
     chunk_bytes_per_token,
     config_value,
     dimensions,
+    kind_class,
 )
 from ..model.positions import position_note
 from ..ops.attention import TILE_ELEMENTS
@@ -187,7 +187,7 @@ def _durable(cfg, plan_kinds, tokens_local: int, elem: int, state_dtype) -> int:
     q = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[state_dtype]
     total = 0
     for i, kind in enumerate(plan_kinds):
-        total += state_bytes(kind, cfg, i, tokens_local, elem, q if kind in GROWING_KINDS else None)
+        total += state_bytes(kind, cfg, i, tokens_local, elem, q if kind_class(kind).grows_with_prompt else None)
     return total
 
 
@@ -209,7 +209,9 @@ def plan(pc: PlanConfig) -> Plan:
         chunks = math.ceil(captured / chunk_size)
         state_grad = state
         for i, kind in enumerate(kinds):
-            if kind not in GROWING_KINDS:  # boundary states kept per chunk (linear attention, sliding windows)
+            if not kind_class(
+                kind
+            ).grows_with_prompt:  # boundary states kept per chunk (linear attention, sliding windows)
                 state_grad += chunks * state_bytes(kind, cfg, i, min(local, 1 << 30), elem)
     own_per_token, act, ffn, recurrence = chunk_bytes_per_token(cfg, kinds, elem)
     c = min(chunk_size, captured) if captured else 1
@@ -219,9 +221,9 @@ def plan(pc: PlanConfig) -> Plan:
         # exact-mode reverse pass keeps the slice's whole graph (`longstraw.distributed`): the slice, not the chunk,
         # bounds them; recurrent layers still run a chunk at a time (`longstraw.model.prepare._forward_in_chunks`)
         c = local
-    # the blockwise kernel (sliding / chunked windows, softcapping, DSA scoring) holds a few score tiles of
-    # `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
-    blockwise = any(k in ("sliding_attention", "chunked_attention", "indexed_attention") for k in kinds) or getattr(
+    # the blockwise kernel (`LayerState.reads_with_blockwise_kernel`: sliding / chunked windows, DSA scoring; and
+    # softcapping) holds a few score tiles of `TILE_ELEMENTS` floats; the fused CPU kernel keeps per-thread blocks only
+    blockwise = any(kind_class(k).reads_with_blockwise_kernel for k in kinds) or getattr(
         cfg, "attn_logit_softcapping", None
     )
     attn_tile = 4 * 4 * TILE_ELEMENTS if blockwise else 0
