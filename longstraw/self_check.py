@@ -18,8 +18,9 @@ capture chunk would), and compares, at the replayed positions,
 It never changes the model's weights, gradients or training state (it uses `torch.autograd.grad`, runs
 in eval mode and puts the mode back, and forks the RNG).
 
-Cost: the reference's full-sequence forward, one capture chunk and one replay forward, and two backward passes over
-the replayed positions only (the prompt's share is cut) — 0.6–1.3× one training forward + backward of the same tokens
+Cost: the reference's full-sequence forward, one capture chunk and one replay forward, and two backward passes (the
+replay's over the replayed positions; the reference's through each layer over the whole sequence, cut at the layer
+inputs of the prompt positions) — 0.6–1.3× one training forward + backward of the same tokens
 on the real models, 1.6–2.1× on tiny ones, whose passes are mostly per-call overhead (`bench/self_check_cost.py`).
 
 In half precision two correct paths differ from each other by more than either differs from float32 (on
