@@ -3,6 +3,7 @@ and exact-mode reverse pass."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -12,7 +13,7 @@ from ...hf.cache import BranchCache
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...kinds.sliding_window import SlidingKVState
 from ...prompt_state import PromptState, as_ids, check_length, run_decoder
-from ...sampler import sample, sampling_fields
+from ...sampler import Samples, sampling_fields
 from ..collectives import Group
 from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
 from .kinds import capture_branch, replay_branch, sample_branch
@@ -228,10 +229,10 @@ class ContextParallelState(PromptState):
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop_token_ids=(),
+        stop_token_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
-        allowed_token_ids=None,
-    ):
+        allowed_token_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> Samples:
         """`PromptState.sample` as a collective: every rank decodes all `num` sequences alike and returns the same
         `Samples`, the attention against the prompt split over the ranks (`SampleBranchLayer`). The arguments and the
         generator's state (the global one when `generator` is None) must agree across ranks (refused otherwise); the
@@ -248,16 +249,8 @@ class ContextParallelState(PromptState):
                 ),
             },
         )
-        samples = sample(
-            self,
-            num,
-            max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            generator=generator,
-            allowed_token_ids=allowed_token_ids,
+        samples = super().sample(
+            num, max_new_tokens, temperature, top_p, top_k, stop_token_ids, generator, allowed_token_ids
         )
         self.group.agree(
             "ContextParallelState.sample: the sampled tokens", {"tokens": [t.cpu() for t in samples.tokens]}
