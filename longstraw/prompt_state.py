@@ -21,7 +21,7 @@ from .branch import Branch
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
-from .kinds import LayerState
+from .kinds import AttentionBranchLayer, LayerState
 from .model.capability import layer_states, model_parts
 from .model.chunking import auto_chunk_size
 from .model.prepare import prepare
@@ -36,14 +36,17 @@ TokenIds = torch.Tensor | Sequence[int]
 PROMPT_GRAD_MODES = ("detached", "exact")
 
 
-def as_ids(ids, name: str, vocab_size: int, device) -> torch.Tensor:
-    """Validate token ids: a 1-D (or [1, T]) integer tensor of known tokens → 1-D LongTensor on device."""
+def as_ids(ids, name: str, vocab_size: int, device, allow_empty: bool = False) -> torch.Tensor:
+    """Validate token ids: a 1-D (or [1, T]) integer tensor of known tokens → 1-D LongTensor on device (empty only
+    with `allow_empty`)."""
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(ids)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D or [1, T]; got shape {tuple(ids.shape)}")
+    if ids.numel() == 0 and allow_empty:  # `[]` included, whatever dtype `as_tensor` gave it
+        return torch.zeros(0, dtype=torch.long, device=device)
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise TypeError(f"{name} must hold integer token ids; got {ids.dtype}")
     if ids.numel() == 0:
@@ -163,7 +166,13 @@ class PromptState:
         self._backward_done = True
 
     # ------------------------------------------------------------------ replay
-    def replay(self, response_ids: TokenIds, temperature: float = 1.0, checkpoint_layers: bool = False) -> Replay:
+    def replay(
+        self,
+        response_ids: TokenIds,
+        temperature: float = 1.0,
+        checkpoint_layers: bool = False,
+        prefix_ids: TokenIds | None = None,
+    ) -> Replay:
         """Run `[prompt[-1]] + response[:-1]` with autograd against the state; log-probs of the response.
 
         Differentiable with respect to the trainable parameters through the response positions; with
@@ -171,17 +180,63 @@ class PromptState:
         `backward()` later pushes through the prompt (detached: the state is a constant). The LM head
         runs in chunks (`longstraw.ops.logprobs`): no `[R, vocab]` tensor is saved.
 
+        `prefix_ids` `[L]`: tokens between the captured prompt and the response (a row's own question after a
+        document it shares with other rows). The replay is then that of the prompt `prompt + prefix`: detached, the
+        prefix runs without autograd (`chunk_size` tokens per forward), its K/V or states constants as a capture of
+        the whole prompt would hold them; exact, it runs with autograd in the response's forward, so its share of the
+        gradient reaches the parameters and the durable state. The log-probs are the response's `[R]` either way.
+
         `checkpoint_layers=True` keeps only each decoder layer's input in the graph and recomputes the
         layer during backward (activation checkpointing of the replay): replay memory drops from every
         layer's activations (MoE experts included) to one layer's, for one more forward of the response.
         Gradients are the same.
         """
         parts = self._parts
+        device = self.last_token.device
+        prefix = (
+            torch.zeros(0, dtype=torch.long, device=device)
+            if prefix_ids is None
+            else as_ids(prefix_ids, "prefix_ids", parts.config.vocab_size, device, allow_empty=True)
+        )
+        n = prefix.numel()
+        if n and self.prompt_grad == "detached":
+            return self._replay_after(prefix, response_ids, temperature, checkpoint_layers)
+        if n:  # exact: one forward of prefix + response, the log-probs taken after the prefix
+            response_ids = torch.cat([prefix, as_ids(response_ids, "response_ids", parts.config.vocab_size, device)])
         response = self._response(response_ids, checkpoint_layers)
         inputs = torch.cat([self.last_token, response[:-1]])
         start = self.prompt_length - 1
         positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
         hidden = run_decoder(parts, inputs[None], positions, self._replay_cache(), checkpoint_layers=checkpoint_layers)
+        logprobs, entropy = chunked_logprobs(
+            hidden[0, n:],
+            parts.lm_head,
+            response[n:],
+            temperature=temperature,
+            softcap=parts.final_logit_softcapping,
+            scale=parts.logit_scale,
+        )
+        return Replay(logprobs=logprobs, entropy=entropy)
+
+    def _replay_after(self, prefix: torch.Tensor, response_ids, temperature: float, checkpoint_layers: bool) -> Replay:
+        """Detached `replay` after `prefix` `[L]`: the prefix through the branch cache without autograd, then the
+        response with autograd. Memory: the state + the prefix's own K/V or states (no graph) + the response's graph."""
+        parts = self._parts
+        n = prefix.numel()
+        response = self._response_after(n, response_ids, checkpoint_layers)
+        cache = self._replay_cache()
+        for layer in cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
+            if isinstance(layer, AttentionBranchLayer):
+                layer.trim = True
+        start = self.prompt_length - 1
+        read = torch.cat([self.last_token, prefix[:-1]])
+        with torch.no_grad():
+            for s in range(0, n, self.chunk_size):
+                e = min(s + self.chunk_size, n)
+                run_decoder(parts, read[None, s:e], torch.arange(start + s, start + e, device=read.device), cache)
+        inputs = torch.cat([prefix[-1:], response[:-1]])
+        positions = torch.arange(start + n, start + n + inputs.numel(), device=inputs.device)
+        hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
         logprobs, entropy = chunked_logprobs(
             hidden[0],
             parts.lm_head,
@@ -191,6 +246,13 @@ class PromptState:
             scale=parts.logit_scale,
         )
         return Replay(logprobs=logprobs, entropy=entropy)
+
+    def _response_after(self, prefix_length: int, response_ids, checkpoint_layers: bool) -> torch.Tensor:
+        """The response of a detached replay after a prefix of `prefix_length` tokens, checked (`_response`)."""
+        parts = self._parts
+        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
+        check_length(parts.config, self.prompt_length + prefix_length + response.numel())
+        return response
 
     def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
         """The response of a replay as a 1-D LongTensor on the state's device, checked against the vocabulary and the

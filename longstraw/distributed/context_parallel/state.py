@@ -113,6 +113,12 @@ class ContextParallelState(PromptState):
             ) from error
         return response
 
+    def _replay_after(self, prefix, response_ids, temperature: float, checkpoint_layers: bool):
+        raise NotImplementedError(
+            "a detached context-parallel replay does not read a prefix between the prompt and the response yet: "
+            "capture the prompt with the prefix (or use prompt_grad='exact', which replays prefix + response whole)"
+        )
+
     def _replay_cache(self) -> BranchCache:
         """The cache of a replay: sliced layers attend across the ranks' slices (`ReplayAttention`), the others read
         their replicated state locally."""
