@@ -70,13 +70,38 @@ def replay_segments(
     segment_loss: Callable[[slice, Replay], torch.Tensor],
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
+    prefix_ids=None,
 ) -> Replay:
     """Replay a trajectory one policy segment at a time (see the module doc); back-propagates each segment's loss.
 
     `segment_loss(sl, replay)` gets the slice `sl` of the trajectory the segment covers and its log-probs and
     entropies `[len]` (with grad) and returns the segment's share of the loss (a 0-d tensor, or None to skip its
     backward). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
+
+    `prefix_ids` `[L]`: tokens between the prompt state and the trajectory (a row's own question after a shared
+    document, `PromptState.replay`): read first, as an environment segment (detached: constants; exact: in the
+    gradient); slices and outputs stay the trajectory's own.
     """
+    if prefix_ids is not None and len(prefix_ids) > 0:
+        prefix = torch.as_tensor(prefix_ids, dtype=torch.long).reshape(-1)
+        n = prefix.numel()
+        tokens = torch.as_tensor(response_ids, dtype=torch.long).reshape(-1)
+        m = torch.as_tensor(mask, dtype=torch.float32).reshape(-1)
+        if m.numel() != tokens.numel():
+            raise ValueError(f"mask has {m.numel()} entries for {tokens.numel()} tokens")
+
+        def shifted(sl: slice, out: Replay):
+            return segment_loss(slice(sl.start - n, sl.stop - n), out)
+
+        out = replay_segments(
+            state,
+            torch.cat([prefix.to(tokens.device), tokens]),
+            torch.cat([torch.zeros(n), m]),
+            shifted,
+            temperature=temperature,
+            checkpoint_layers=checkpoint_layers,
+        )
+        return Replay(logprobs=out.logprobs[n:], entropy=out.entropy[n:])
     if getattr(state, "group", None) is not None:
         raise NotImplementedError(
             "segmented replay runs in one process: a context-parallel prompt state (group=...) "

@@ -76,6 +76,20 @@ class TrainConfig:
     num_steps: int = _f(100, "optimizer steps")
     prompts_per_step: int = _f(1, "prompts per optimizer step (each with num_generations responses)")
     num_generations: int = _f(8, "G: responses per prompt")
+    share_prefixes: bool = _f(
+        True,
+        "capture a prefix the step's rows share once (a document asked several questions; rows with equal "
+        "`context` columns, or consecutive rows sharing >= min_shared_prefix tokens): longstraw.train.sharing",
+    )
+    min_shared_prefix: int = _f(256, "shortest common token prefix consecutive rows without a `context` column share")
+    max_row_suffix: int = _f(
+        2048, "longest remainder of a sharing row after the shared prefix (read once per response); longer: own capture"
+    )
+    rows_per_context: int | None = _f(
+        None,
+        "draw a step's rows document by document, Q rows per document: a built-in task asks Q questions of one "
+        "document, a dataset's rows are ordered by their `context` column (None: rows in dataset order)",
+    )
     max_completion_length: int = _f(4, "longest response in tokens (stop token included)")
     temperature: float = _f(1.0, "sampling temperature (log-probs use logits / temperature, as in TRL)")
     top_p: float = _f(1.0, "nucleus sampling")
@@ -241,6 +255,8 @@ class TrainConfig:
 
         need(self.num_steps >= 1, "num_steps must be >= 1")
         need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
+        need(self.min_shared_prefix >= 1 and self.max_row_suffix >= 0, "min_shared_prefix >= 1, max_row_suffix >= 0")
+        need(self.rows_per_context is None or self.rows_per_context >= 1, "rows_per_context must be >= 1 or null")
         need(self.num_generations >= 2, "num_generations must be >= 2 (GRPO compares responses within a group)")
         need(self.max_completion_length >= 1, "max_completion_length must be >= 1")
         need(self.temperature > 0, "temperature must be > 0 for GRPO sampling")

@@ -1,16 +1,18 @@
 """Rollout: a step's prompts → scored responses with advantages (no gradients anywhere).
 
-For each prompt:
+The step's rows are first grouped into contexts (`longstraw.train.sharing`): rows that share a prompt prefix (a
+document asked several questions) are captured once, up to that prefix. For each context:
 1. capture its durable state once (`longstraw.capture`);
-2. sample G responses from that one state (`state.sample`: their log-probs are the "old" ones), or let
-   a rollout hook build them (multi-turn, tool output) through the same state's `TurnSampler`;
+2. for each of its rows, sample G responses from that one state after the row's own suffix (`prefix_ids`: their
+   log-probs are the "old" ones), or let a rollout hook build them (multi-turn, tool output) through a
+   `TurnSampler` that reads the suffix first;
 3. score them with the reward functions (`RewardSet`);
-4. with `beta > 0`, the reference policy's log-probs (adapters disabled, a second capture).
-Then the advantages are computed per group over the weighted rewards. The update stage
+4. with `beta > 0`, the reference policy's log-probs (adapters disabled, a second capture of the context).
+Then the advantages are computed per group (one row's G responses) over the weighted rewards. The update stage
 (`longstraw.train.update`) replays what this stage returns.
 
-Memory: one prompt state at a time, except that with one prompt per step it is kept for the update
-(no second capture).
+Memory: one context's state at a time (+ one row's suffix per response, read on top of it), except that with one
+context per step it is kept for the update (no second capture).
 
 On N processes (`ranks`, `longstraw.distributed.ranks`): the capture is context parallel, sampling a collective giving
 every rank the same responses, the rewards scored on rank 0 and broadcast, and each rank computes the reference
@@ -19,6 +21,7 @@ log-probs of the responses it will replay (r, r + N, ...).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +35,7 @@ from ..sampler import Samples, sample
 from ..tasks import Example
 from .memory import MemoryMeter
 from .rewards import RewardSet
+from .sharing import Context, shared_contexts, shared_fraction
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -74,13 +78,21 @@ class Response:
 
 @dataclass
 class Group:
-    """One prompt and its G responses; `rewards` `[G, F]` per reward function; `state` kept for the update."""
+    """One prompt and its G responses; `rewards` `[G, F]` per reward function; `state` (its context's, shared by the
+    context's groups) kept for the update. `shared`: how many leading prompt tokens its context captured; the rest,
+    `suffix`, is the row's own, read on top of the context's state."""
 
     example: Example
     prompt_ids: torch.Tensor
     responses: list[Response]
     rewards: torch.Tensor
     state: PromptState | None = None
+    shared: int | None = None  # None: the whole prompt
+
+    @property
+    def suffix(self) -> torch.Tensor:
+        """`[P − shared]` the row's tokens after its context's shared prefix (empty when not sharing)."""
+        return self.prompt_ids[self.prompt_ids.numel() if self.shared is None else self.shared :]
 
 
 @dataclass
@@ -93,6 +105,14 @@ class Rollout:
     durable_bytes: int = 0
     tokens: int = 0
     per_function: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+    #: the step's contexts (rows captured together); default: one per group
+    contexts: list[Context] = field(default_factory=list)
+    #: fraction of the step's prompt tokens not captured thanks to sharing (`longstraw.train.sharing.shared_fraction`)
+    shared_frac: float = 0.0
+
+    def __post_init__(self):
+        if not self.contexts:
+            self.contexts = [Context(g.prompt_ids.numel(), (i,)) for i, g in enumerate(self.groups)]
 
     @property
     def responses(self) -> list[Response]:
@@ -125,7 +145,8 @@ class TurnSampler:
     """The captured prompt's sampler, as a rollout hook receives it.
 
     `sample(num, max_new_tokens, prefix_ids)` continues after `prompt + prefix_ids` (the response so far:
-    earlier turns and tool output), with the run's temperature, top-p/top-k, stop token and seeded
+    earlier turns and tool output; when the state is a context shared with other rows, `suffix`, the row's own end
+    of the prompt, is read before it), with the run's temperature, top-p/top-k, stop token and seeded
     generator; the returned log-probs are the old log-probs of the new tokens. `tokenizer` and
     `eos_token_id` are there for hooks that decode or append text.
 
@@ -135,9 +156,16 @@ class TurnSampler:
     """
 
     def __init__(
-        self, state: PromptState, policy: Policy, settings: SamplingSettings, generator: torch.Generator, ranks=None
+        self,
+        state: PromptState,
+        policy: Policy,
+        settings: SamplingSettings,
+        generator: torch.Generator,
+        ranks=None,
+        suffix: torch.Tensor | None = None,
     ):
         self.state, self.settings, self.generator = state, settings, generator
+        self.suffix = suffix if suffix is not None and suffix.numel() else None  # `[S]` the row's own prompt end
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
         self.ranks = ranks  # `longstraw.distributed.ranks.Ranks` of a multi-process run, else None
@@ -163,6 +191,9 @@ class TurnSampler:
             stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
             allowed_token_ids=self._allowed,
         )
+        if self.suffix is not None:
+            more = torch.zeros(0, dtype=torch.long) if prefix_ids is None else torch.as_tensor(prefix_ids).reshape(-1)
+            prefix_ids = torch.cat([self.suffix, more.to(self.suffix.device, torch.long)])
         group = getattr(self.state, "group", None)
         if group is not None:  # context parallel: a collective, every rank the same tokens
             if prefix_ids is None:
@@ -178,6 +209,12 @@ class TurnSampler:
                 },
             )
         return sample(self.state, num, max_new_tokens or s.max_completion_length, prefix_ids=prefix_ids, **kw)
+
+
+def _context_key(ex: Example):
+    """A row's `context` column as a grouping key (None: none); a JSON list or object by its canonical text."""
+    key = ex.columns.get("context")
+    return key if key is None or isinstance(key, str | int | float) else json.dumps(key, sort_keys=True)
 
 
 def default_rollout(sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
@@ -219,19 +256,26 @@ def reference_logprobs(
     chunk_size: int | None,
     state_dtype: str | None = None,
     ranks: Ranks | None = None,
+    suffixes: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None]:
-    """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled. On N ranks
-    (a collective) only those of the responses this rank replays (`ranks.spread`); None for the others."""
+    """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled, after
+    `prompt` (captured once) and the response's row `suffixes[i]` (None: none). On N ranks (a collective) only those of
+    the responses this rank replays (`ranks.spread`); None for the others."""
     if not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
+    after = suffixes if suffixes is not None else [None] * len(responses)
     with torch.no_grad(), model.disable_adapter():
         if ranks is None or ranks.size == 1:
             with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype) as ref_state:
-                return [ref_state.replay(r.tokens, temperature=temperature).logprobs for r in responses]
+                return [
+                    ref_state.replay(r.tokens, temperature=temperature, prefix_ids=s).logprobs
+                    for r, s in zip(responses, after)
+                ]
         out: list[torch.Tensor | None] = [None] * len(responses)
         with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype, group=ranks.pg) as ref_state:
             for i in ranks.spread(len(responses)):  # a collective: every rank replays as often (None: padding)
-                lp = ref_state.replay(responses[0 if i is None else i].tokens, temperature=temperature).logprobs
+                j = 0 if i is None else i
+                lp = ref_state.replay(responses[j].tokens, temperature=temperature, prefix_ids=after[j]).logprobs
                 if i is not None:
                     out[i] = lp
         return out
@@ -256,65 +300,109 @@ class RolloutStage:
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
     ranks: Ranks | None = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
+    #: `shared_contexts`' options (`TrainConfig.share_prefixes`, `min_shared_prefix`, `max_row_suffix`)
+    share_prefixes: bool = True
+    min_shared_prefix: int = 256
+    max_row_suffix: int | None = 2048
+
+    def contexts(self, examples: list[Example], prompts: list[torch.Tensor]) -> list[Context]:
+        """How the step's rows are captured: together where they share a prefix (`longstraw.train.sharing`), else
+        one by one. A detached context-parallel state does not read a row suffix in its replay yet: there, only rows
+        with equal prompts share."""
+        if not self.share_prefixes:
+            return [Context(p.numel(), (b,)) for b, p in enumerate(prompts)]
+        keys = [_context_key(ex) for ex in examples]
+        contexts = shared_contexts(prompts, keys, self.min_shared_prefix, self.max_row_suffix)
+        if self.ranks is not None and self.ranks.size > 1 and self.prompt_grad == "detached":
+            whole = []
+            for c in contexts:
+                if all(prompts[b].numel() == c.length for b in c.rows):
+                    whole.append(c)
+                else:
+                    whole.extend(Context(prompts[b].numel(), (b,)) for b in c.rows)
+            contexts = whole
+        return contexts
 
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
-        keep_state = len(examples) == 1  # its state serves the update too (no second capture)
-        groups, durable = [], 0
-        for b, ex in enumerate(examples):
-            group, nbytes = self._group(ex, step, b, keep_state, meter)
-            groups.append(group)
-            durable = max(durable, nbytes)
-        per_f = torch.cat([g.rewards for g in groups])
+        prompts = [self.policy.encode(ex.prompt) for ex in examples]
+        contexts = self.contexts(examples, prompts)
+        keep_state = len(contexts) == 1  # its state serves the update too (no second capture)
+        groups: list[Group | None] = [None] * len(examples)
+        durable = 0
+        for ctx in contexts:
+            durable = max(durable, self._context(ctx, examples, prompts, step, keep_state, meter, groups))
+        done = [g for g in groups if g is not None]
+        assert len(done) == len(examples)  # every row is in one context
+        per_f = torch.cat([g.rewards for g in done])
         total = combine_rewards(per_f, self.rewards.weights)
         adv = group_advantages(total, self.settings.num_generations, self.scale_rewards)
-        tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in groups)
-        return Rollout(groups, total, adv, durable, tokens, per_f)
+        tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in done)
+        return Rollout(done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts))
 
-    def _group(self, ex: Example, step: int, b: int, keep_state: bool, meter: MemoryMeter) -> tuple[Group, int]:
-        prompt = self.policy.encode(ex.prompt)
+    def _context(
+        self,
+        ctx: Context,
+        examples: list[Example],
+        prompts: list[torch.Tensor],
+        step: int,
+        keep_state: bool,
+        meter: MemoryMeter,
+        groups: list[Group | None],
+    ) -> int:
+        """Capture one context, sample and score each of its rows (into `groups`); returns its state's bytes."""
         model = self.policy.model
+        prefix = prompts[ctx.rows[0]][: ctx.length]
         state: PromptState | None  # None once released (a state only sampled from)
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
             state = capture(
                 model,
-                prompt,
+                prefix,
                 chunk_size=self.chunk_size,
                 prompt_grad=mode,
                 state_dtype=self.state_dtype,
                 group=self.ranks.pg if self.ranks is not None else None,
             )
         nbytes = state.nbytes
-        with meter.stage("sample"):
-            sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b), self.ranks)
-            responses = self._responses(sampler, ex)
-        with meter.stage("reward"):
-
-            def score():
-                texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
-                keys = sorted({k for r in responses for k in r.extra})
-                extra = {k: [r.extra.get(k) for r in responses] for k in keys}
-                return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses], extra)
-
-            # on N ranks: scored once, on rank 0 (its result or error on every rank)
-            rewards = score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)
+        for b in ctx.rows:
+            ex, prompt = examples[b], prompts[b]
+            suffix = prompt[ctx.length :]
+            with meter.stage("sample"):
+                sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b), self.ranks, suffix)
+                responses = self._responses(sampler, ex)
+            with meter.stage("reward"):
+                rewards = self._score(ex, responses)
+            groups[b] = Group(ex, prompt, responses, rewards, state if keep_state else None, ctx.length)
         if self.beta > 0:
             with meter.stage("reference"):
+                rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]  # type: ignore[union-attr]
                 refs = reference_logprobs(
                     model,
-                    prompt,
-                    responses,
+                    prefix,
+                    [r for _, r in rows],
                     self.settings.temperature,
                     self.chunk_size,
                     self.state_dtype,
                     ranks=self.ranks,
+                    suffixes=[s for s, _ in rows],
                 )
-            for r, ref in zip(responses, refs):
+            for (_, r), ref in zip(rows, refs):
                 r.ref_logprobs = ref
         if not keep_state:
             state.release()
-            state = None
-        return Group(ex, prompt, responses, rewards, state), nbytes
+        return nbytes
+
+    def _score(self, ex: Example, responses: list[Response]) -> torch.Tensor:
+        """`[G, F]` the reward functions' values of one row's responses; on N ranks scored once, on rank 0 (its
+        result or error on every rank)."""
+
+        def score():
+            texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
+            keys = sorted({k for r in responses for k in r.extra})
+            extra = {k: [r.extra.get(k) for r in responses] for k in keys}
+            return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses], extra)
+
+        return score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)
 
     def _responses(self, sampler: TurnSampler, ex: Example) -> list[Response]:
         g = self.settings.num_generations

@@ -159,6 +159,9 @@ class Trainer(Evaluation):
             scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func,
             ranks=self.ranks,
+            share_prefixes=cfg.share_prefixes,
+            min_shared_prefix=cfg.min_shared_prefix,
+            max_row_suffix=cfg.max_row_suffix,
         )
         self.update_settings = UpdateSettings.from_config(cfg)
         if self.ranks.size > 1 and self.update_settings.segment_replay:
@@ -221,6 +224,8 @@ class Trainer(Evaluation):
             reward_std=float(r.rewards.std()) if r.rewards.numel() > 1 else 0.0,
             durable_bytes=r.durable_bytes,
             tokens=r.tokens,
+            contexts=len(r.contexts),
+            prompt_shared_frac=r.shared_frac,
             **prompt_length_metrics([g.prompt_ids.numel() for g in r.groups]),
         )
         for key in ("turns", "tool_calls", "tool_failures"):  # multi-turn rollouts (`environment`): per trajectory

@@ -1,10 +1,11 @@
 """Update: gradients of one step's loss, accumulated response by response (the optimizer step is the caller's).
 
 GRPO (`policy_update`): the loss normalizer comes first, from every response's count of policy tokens
-(mask = 1, and 0 for a truncated response when `mask_truncated_completions`); then each prompt's state
-(kept by the rollout, or captured again) serves its G responses one at a time: replay with autograd,
-the response's share of the batch loss, `backward()`, free the graph. In exact mode `state.backward()`
-then pushes the accumulated state gradient through the prompt. The sum of the shares is the batched
+(mask = 1, and 0 for a truncated response when `mask_truncated_completions`); then each context's state
+(the prefix its rows share, `longstraw.train.sharing`: kept by the rollout, or captured again) serves its rows'
+G responses one at a time: replay with autograd after the row's own suffix, the response's share of the batch
+loss, `backward()`, free the graph. In exact mode `state.backward()` then pushes the state gradient accumulated
+over all the context's rows through the shared prefix, once. The sum of the shares is the batched
 GRPO loss of TRL 1.16 (`longstraw.losses`), so the accumulated gradient is its gradient.
 
 Entropy bonus (TRL 1.16): − entropy_coef · Σ mask·H / Σ mask over the whole step's policy tokens,
@@ -12,7 +13,7 @@ whatever the loss type's normalizer.
 
 Supervised warm-up (`sft_update`): − mean log-prob of the answer tokens (and the stop token).
 
-Memory: the state of one prompt plus one response's graph at a time.
+Memory: the state of one context plus one row suffix and one response's graph at a time.
 
 On N processes (`ranks`, `longstraw.distributed.ranks`): each prompt is captured context parallel and rank r replays
 responses r, r + N, ... of its group (every rank ⌈G / N⌉ collective replays, padded with weight-0 replays); the
@@ -103,48 +104,57 @@ def policy_update(
     norm = loss_fn.normalizer(lengths, rollout.group_ids, settings.max_completion_length)
     entropy_scale = settings.entropy_coef / max(sum(lengths), 1)
     parallel = ranks is not None and ranks.size > 1
-    totals, first = _Totals(), 0
-    last_group = len(rollout.groups) - 1
-    for g, group in enumerate(rollout.groups):
-        state = group.state
+    totals = _Totals()
+    offsets = [0]  # where each group's responses start in the step's
+    for group in rollout.groups:
+        offsets.append(offsets[-1] + len(group.responses))
+    last_context = len(rollout.contexts) - 1
+    for c, ctx in enumerate(rollout.contexts):
+        head = rollout.groups[ctx.rows[0]]
+        state = head.state
         if state is None:
             with meter.stage("capture"):
                 state = capture(
                     model,
-                    group.prompt_ids,
+                    head.prompt_ids[: ctx.length],
                     chunk_size=settings.chunk_size,
                     prompt_grad=settings.prompt_grad,
                     state_dtype=settings.state_dtype,
                     group=ranks.pg if parallel else None,
                 )
         with meter.stage("replay"):
-            turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
             exact = state.prompt_grad == "exact"
-            for t, k in enumerate(turns):
-                # the step's last backward: the last replay of the last group, or its state's reverse pass
-                last = before_last_backward if g == last_group and t == len(turns) - 1 and not exact else None
-                if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                    _padding_backward(state, group.responses[0], settings, last)
-                    continue
-                i = first + k
-                _response_backward(
-                    state,
-                    group.responses[k],
-                    masks[i],
-                    float(rollout.advantages[i]),
-                    norm[i],
-                    entropy_scale,
-                    loss_fn,
-                    settings,
-                    totals,
-                    last,
-                )
-            if exact and g == last_group and before_last_backward is not None:
+            for r, b in enumerate(ctx.rows):
+                group = rollout.groups[b]
+                suffix = group.prompt_ids[ctx.length :]  # the row's own tokens after the shared prefix
+                turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
+                for t, k in enumerate(turns):
+                    # the step's last backward: the last replay of the last context, or its state's reverse pass
+                    at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
+                    last = before_last_backward if at_end and not exact else None
+                    if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
+                        _padding_backward(state, group.responses[0], settings, last, suffix)
+                        continue
+                    i = offsets[b] + k
+                    _response_backward(
+                        state,
+                        group.responses[k],
+                        masks[i],
+                        float(rollout.advantages[i]),
+                        norm[i],
+                        entropy_scale,
+                        loss_fn,
+                        settings,
+                        totals,
+                        last,
+                        suffix,
+                    )
+            if exact and c == last_context and before_last_backward is not None:
                 before_last_backward()
-            state.backward()  # exact mode: the prompt's share of the gradient (nothing when detached)
+            state.backward()  # exact mode: the shared prompt's gradient, summed over its rows (nothing when detached)
             state.release()
-        first += len(group.responses)
-        group.state = None
+        for b in ctx.rows:
+            rollout.groups[b].state = None
     if parallel:
         sums = ranks.sum_floats(
             "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
@@ -168,14 +178,21 @@ def _response_backward(
     settings: UpdateSettings,
     totals: _Totals,
     before_backward=None,
+    suffix: torch.Tensor | None = None,
 ) -> None:
-    """Replay one response, back-propagate its share of the batch loss, free its graph (with `segment_replay`, a
-    response holding environment tokens goes one policy turn at a time: `_segments_backward`)."""
+    """Replay one response (after its row's `suffix` `[S]`, when its prompt shares a captured prefix), back-propagate
+    its share of the batch loss, free its graph (with `segment_replay`, a response holding environment tokens goes
+    one policy turn at a time: `_segments_backward`)."""
     if settings.segment_replay and bool((response.mask == 0).any()):
         return _segments_backward(
-            state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward
+            state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward, suffix
         )
-    out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
+    out = state.replay(
+        response.tokens,
+        temperature=settings.temperature,
+        checkpoint_layers=settings.checkpoint_layers,
+        prefix_ids=suffix,
+    )
     loss, st = loss_fn.response_loss(
         out.logprobs, response.old_logprobs, advantage, scale, ref_logps=response.ref_logprobs, mask=mask
     )
@@ -198,6 +215,7 @@ def _segments_backward(
     settings: UpdateSettings,
     totals: _Totals,
     before_backward=None,
+    suffix: torch.Tensor | None = None,
 ) -> None:
     """`_response_backward` turn by turn: each policy segment's share of the loss (the token-level surrogate is a sum
     over tokens, so the shares add up to the response's) back-propagated as soon as it is replayed."""
@@ -227,6 +245,7 @@ def _segments_backward(
         segment_loss,
         temperature=settings.temperature,
         checkpoint_layers=settings.checkpoint_layers,
+        prefix_ids=suffix,
     )
     n = mask.numel()
     low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
@@ -248,9 +267,14 @@ def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
 
 
-def _padding_backward(state, response: Response, settings: UpdateSettings, before_backward=None) -> None:
+def _padding_backward(state, response: Response, settings: UpdateSettings, before_backward=None, suffix=None) -> None:
     """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros."""
-    out = state.replay(response.tokens, temperature=settings.temperature, checkpoint_layers=settings.checkpoint_layers)
+    out = state.replay(
+        response.tokens,
+        temperature=settings.temperature,
+        checkpoint_layers=settings.checkpoint_layers,
+        prefix_ids=suffix,
+    )
     if before_backward is not None:
         before_backward()
     (out.logprobs.sum() * 0.0).backward()

@@ -1,0 +1,136 @@
+"""A GRPO step over rows that share a document: one capture, and the same step as capturing every row whole.
+
+The rows are `document + question` prompts of the tiny word-level model. Each step is checked three ways: the old
+log-probs the rollout sampled after each row's suffix equal the unmodified model's full-sequence forward over the
+row's whole prompt; the accumulated gradient equals the GRPO loss on transformers' own log-probs of each row's whole
+prompt (detached: its cache filled without grad, then the response; exact: the full-sequence forward); and it equals
+the same rollout updated with every row captured on its own (`share_prefixes: false`).
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.train.config import TrainConfig
+from longstraw.train.sharing import Context, shared_contexts
+from longstraw.train.trainer import Trainer
+from longstraw.train.update import loss_mask
+
+from ..conftest import assert_grads_close
+from ..test_equivalence import FP32_GRAD_TOL
+
+DOC = " ".join(f"f{(7 * i) % 32}" if i % 9 else f"k{i % 64} v{i % 16}" for i in range(40))
+OTHER = " ".join(f"f{(5 * i + 3) % 32}" for i in range(30))
+#: old log-probs against the full-sequence forward, absolute: the sampler's bound (`tests/test_sampler.py`), 16 float32
+#: roundings of values of order 1
+OLD_LOGPROB_TOL = 16 * 2**-23
+
+ROW_SETS = {
+    # three questions, one longer than a chunk (chunk_size 8), one of a single token
+    "questions": [DOC + " ? k9", DOC + " ? k18 f1 f2 f3 f4 f5 f6 f7 f8 f9 f10 ? k18", DOC + " ?"],
+    # a row whose prompt is the document itself: a strict prefix of the others (its suffix is empty)
+    "strict_prefix": [DOC, DOC + " ? k27", DOC + " ? k36 ?"],
+    # two documents: nothing shared across them
+    "two_documents": [DOC + " ? k9", OTHER + " ? k3", OTHER + " ? k4"],
+}
+
+
+def length_reward(prompts, completions, completion_ids, **kw):
+    """Differs between responses, so that advantages (and gradients) are not zero."""
+    return [float(len(ids) % 5) + 0.1 * ids[0] for ids in completion_ids]
+
+
+def _trainer(tmp_path, rows, **kw):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = dict(model="llama", output_dir=str(tmp_path / "run"), dataset=str(data), eval_fraction=0.0,
+               prompts_per_step=len(rows), num_steps=1, num_generations=3, max_completion_length=4, chunk_size=8,
+               lora=False, progress=False, threads=1, min_shared_prefix=16, seed=5,
+               reward_funcs=["tests.train.test_shared_prefix_step:length_reward"])
+    cfg.update(kw)
+    return Trainer(TrainConfig(**cfg))
+
+
+def _step_grads(trainer, rollout):
+    params = trainer.params
+    for p in params:
+        p.grad = None
+    trainer.update(rollout)
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _reference_grads(trainer, rollout, exact: bool):
+    """The step's GRPO loss on the unmodified model's log-probs of each row's whole prompt."""
+    masks = [loss_mask(r, trainer.update_settings) for r in rollout.responses]
+    norm = trainer.loss_fn.normalizer([int(m.sum()) for m in masks], rollout.group_ids,
+                                      trainer.update_settings.max_completion_length)
+    params = trainer.params
+    for p in params:
+        p.grad = None
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        for i, (r, m) in enumerate(zip(rollout.responses, masks)):
+            prompt = rollout.groups[rollout.group_ids[i]].prompt_ids
+            reference = full_sequence_logprobs if exact else cache_reference_logprobs
+            lp = reference(trainer.model, prompt, r.tokens)
+            loss, _ = trainer.loss_fn.response_loss(lp, r.old_logprobs, float(rollout.advantages[i]), norm[i], mask=m)
+            loss.backward()
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _row_by_row(rollout):
+    """The same rollout with every row its own context, captured whole by the update."""
+    groups = [dataclasses.replace(g, state=None, shared=None) for g in rollout.groups]
+    contexts = [Context(g.prompt_ids.numel(), (b,)) for b, g in enumerate(groups)]
+    return dataclasses.replace(rollout, groups=groups, contexts=contexts, shared_frac=0.0)
+
+
+@pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
+@pytest.mark.parametrize("rows", list(ROW_SETS))
+def test_a_shared_prefix_step_equals_separate_captures(tmp_path, rows, prompt_grad):
+    trainer = _trainer(tmp_path, [{"prompt": p} for p in ROW_SETS[rows]], prompt_grad=prompt_grad)
+    rollout = trainer.rollout(0)
+    expected = {"questions": [(0, 1, 2)], "strict_prefix": [(0, 1, 2)], "two_documents": [(0,), (1, 2)]}[rows]
+    assert [c.rows for c in rollout.contexts] == expected
+    assert rollout.shared_frac > 0.2
+    assert bool((rollout.advantages != 0).any())
+    for i, r in enumerate(rollout.responses):
+        with torch.no_grad():
+            full = full_sequence_logprobs(trainer.model, rollout.groups[rollout.group_ids[i]].prompt_ids, r.tokens)
+        assert (full - r.old_logprobs).abs().max().item() <= OLD_LOGPROB_TOL * max(full.abs().max().item(), 1.0)
+    separate = _row_by_row(rollout)
+    shared = _step_grads(trainer, rollout)
+    assert_grads_close(shared, _reference_grads(trainer, rollout, prompt_grad == "exact"), tol=FP32_GRAD_TOL)
+    assert_grads_close(shared, _step_grads(trainer, separate), tol=FP32_GRAD_TOL)
+
+
+def test_context_column_groups_rows_wherever_they_are(tmp_path):
+    """Rows naming the same `context` share it even with another document's row between them; the step's metrics
+    report the contexts and the shared fraction."""
+    rows = [{"prompt": DOC + " ? k9", "context": "doc"}, {"prompt": OTHER + " ? k3"},
+            {"prompt": DOC + " ? k18", "context": "doc"}]
+    trainer = _trainer(tmp_path, rows)
+    rollout = trainer.rollout(0)
+    assert [c.rows for c in rollout.contexts] == [(0, 2), (1,)]
+    assert_grads_close(_step_grads(trainer, rollout), _reference_grads(trainer, rollout, False), tol=FP32_GRAD_TOL)
+    m = trainer.train_step(0)
+    assert m["contexts"] == 2 and 0.2 < m["prompt_shared_frac"] < 0.5
+
+
+def test_shared_contexts_rules():
+    t = torch.tensor
+    doc = list(range(10))
+    # consecutive rows share when the common prefix is long enough and each remainder short enough
+    assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=5) == [Context(10, (0, 1))]
+    assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=11) == [Context(11, (0,)), Context(12, (1,))]
+    assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=5, max_suffix=1) == [
+        Context(11, (0,)), Context(12, (1,))]
+    # a row that is a strict prefix of the next: the context is that row
+    assert shared_contexts([t(doc), t(doc + [4])], min_shared=5) == [Context(10, (0, 1))]
+    # keys group across other rows, whatever the shared length; a key sharing no token is an error
+    assert shared_contexts([t([1, 2, 3]), t([9]), t([1, 2, 4])], keys=["a", None, "a"], min_shared=99) == [
+        Context(2, (0, 2)), Context(1, (1,))]
+    with pytest.raises(ValueError, match="share no token"):
+        shared_contexts([t([1, 2]), t([3, 2])], keys=["a", "a"])
