@@ -289,6 +289,7 @@ TOP_LEVEL_TESTS = {
     # the public surface and the engine
     "test_equivalence.py", "test_exact.py", "test_bf16.py", "test_like_a_user.py", "test_errors.py",
     "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
+    "test_shared_prefix.py",
     # the project as a whole
     "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py",
 }

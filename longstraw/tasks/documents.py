@@ -10,6 +10,10 @@ go sentences the question needs:
 - `distractors`: four such sentences for four different archives, each with its own code, at random depths; the
   question names one archive (harder: the model must tell which of four similar sentences answers it).
 
+- `questions` (`make_document_rows`): Q such sentences for Q archives in one document, and Q rows that read the same
+  document and each ask about another archive, with a `context` column naming the document: the many-questions
+  shape of long-document QA, whose rows share their prompt up to the question (`longstraw.train.sharing`).
+
 Each row is `{"messages": [{"role": "user", "content": ...}], "answer": "4817", "length": N, "depth": d}`; the reward
 `contains_answer` (`longstraw.tasks.base`, a built-in reward name) gives 1 when the completion's first line holds the
 code (the model may answer in a sentence: "The access code is 4817."). `write_document_task` writes the JSONL files for
@@ -130,6 +134,52 @@ def make_row(tokenizer, paras: list[str], length: int, variant: str, rng: random
     }
 
 
+def make_document_rows(
+    tokenizer, paras: list[str], length: int, questions: int, rng: random.Random, document: str
+) -> list[dict]:
+    """`questions` chat rows of one document of about `length` tokens of `tokenizer`: the same text (Q access-code
+    sentences at random depths) and each its own question, last; `context`: `document`, the rows' shared name."""
+    if not 1 <= questions <= len(ARCHIVES):
+        raise ValueError(f"questions must be in [1, {len(ARCHIVES)}] (one archive each)")
+    names = rng.sample(ARCHIVES, questions)
+    codes = rng.sample(range(1000, 10000), questions)
+    asks = [f"\n\nQuestion: what is the access code for the {n} archive? Answer with the code." for n in names]
+    budget = length - max(prompt_tokens(tokenizer, q) for q in asks) - 24 * questions
+    body = _fill(tokenizer, paras, budget, rng)
+    depths = sorted(rng.random() for _ in names)
+    at = {}
+    for d, n, c in zip(reversed(depths), reversed(names), reversed(codes)):
+        body.insert(round(d * len(body)), f"The access code for the {n} archive is {c}.")
+        at[n] = d
+    text = "\n\n".join(body)
+    return [
+        {
+            "messages": [{"role": "user", "content": text + q}],
+            "answer": str(c),
+            "length": length,
+            "depth": at[n],
+            "variant": "questions",
+            "context": document,
+        }
+        for n, c, q in zip(names, codes, asks)
+    ]
+
+
+def _fill(tokenizer, paras: list[str], budget: int, rng: random.Random) -> list[str]:
+    """Paragraphs in a seeded order, as many as fit in `budget` tokens."""
+    order = rng.sample(range(len(paras)), len(paras))
+    body, used = [], 0
+    for i in order:
+        n = len(tokenizer(paras[i], add_special_tokens=False)["input_ids"]) + 2
+        if used + n > budget:
+            continue
+        body.append(paras[i])
+        used += n
+        if budget - used < 40:
+            break
+    return body
+
+
 def write_document_task(
     tokenizer,
     out: str | Path,
@@ -138,20 +188,30 @@ def write_document_task(
     eval_rows: int,
     variant: str = "needle",
     seed: int = 0,
+    questions: int = 1,
 ) -> dict[str, Path]:
     """Writes `train.jsonl` (`train_rows` rows, lengths cycling through `lengths`) and `eval-N.jsonl` per length
-    (`eval_rows` held-out rows each, other seeds) into `out`; returns the paths by name."""
+    (`eval_rows` held-out rows each, other seeds) into `out`; returns the paths by name. `questions` > 1: rows come
+    `questions` per document (`make_document_rows`; held-out rows from held-out documents) and `variant` is unused."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paras = paragraphs()
-    rng = random.Random(seed)
+
+    def rows_of(n: int, length_of, rng: random.Random, name: str) -> list[dict]:
+        if questions == 1:
+            return [make_row(tokenizer, paras, length_of(i), variant, rng) for i in range(n)]
+        rows: list[dict] = []
+        while len(rows) < n:
+            d = len(rows) // questions
+            rows += make_document_rows(tokenizer, paras, length_of(d), questions, rng, f"{name} document {d}")
+        return rows[:n]
+
     paths = {"train": out / "train.jsonl"}
-    rows = [make_row(tokenizer, paras, lengths[i % len(lengths)], variant, rng) for i in range(train_rows)]
+    rows = rows_of(train_rows, lambda i: lengths[i % len(lengths)], random.Random(seed), "train")
     paths["train"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     for length in lengths:
         rng = random.Random(10_000 + seed * 1000 + length)
         path = paths[f"eval-{length}"] = out / f"eval-{length}.jsonl"
-        path.write_text(
-            "".join(json.dumps(make_row(tokenizer, paras, length, variant, rng)) + "\n" for _ in range(eval_rows))
-        )
+        held = rows_of(eval_rows, lambda i, n=length: n, rng, f"eval-{length}")
+        path.write_text("".join(json.dumps(r) + "\n" for r in held))
     return paths

@@ -12,6 +12,7 @@ V values, positional shortcut (always copy the value at one place) 1/K.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from .base import Example, rng_for
@@ -65,6 +66,21 @@ class SyntheticTask:
     def example(self, seed: int, index: int, length: int) -> Example:
         raise NotImplementedError(f"{type(self).__name__} must define example()")
 
+    def document_example(self, seed: int, document: int, question: int, length: int) -> Example:
+        """Question `question` of document `document` (`rows_per_context`): every question of a document reads the
+        same text, all but its last words (the question), so the rows share it token for token; each asks about
+        other pairs (the pairs in a seeded order per document, cycling after `num_pairs`)."""
+        rng = rng_for(seed, document)
+        pairs = self._pairs(rng)
+        order = random.Random(f"{seed}:{document}:questions").sample(range(len(pairs)), len(pairs))
+        words, answer = self._question(pairs, lambda j: pairs[order[j % len(order)]], question)
+        return Example(self._layout(rng, pairs, words, length), answer)
+
+    def _question(self, pairs, pick, question: int) -> tuple[list[str], str]:
+        """The words of question `question` of a document and its answer; `pick(j)`: the document's j-th pair in its
+        question order. The words' count may not depend on `question` (the document's layout does not)."""
+        raise NotImplementedError(f"{type(self).__name__} does not ask several questions of one document")
+
     def sft_example(self, seed: int, index: int, length: int) -> Example:
         """The example a supervised warm-up trains on (by default the same as `example`)."""
         return self.example(seed, index, length)
@@ -77,6 +93,10 @@ class KVRetrieval(SyntheticTask):
         pairs = self._pairs(rng)
         k, v = pairs[rng.randrange(len(pairs))]
         return Example(self._layout(rng, pairs, ["?", k], length), v)
+
+    def _question(self, pairs, pick, question: int) -> tuple[list[str], str]:
+        k, v = pick(question)
+        return ["?", k], v
 
     def sft_example(self, seed: int, index: int, length: int) -> Example:
         """Every pair rehearsed once in random order ("? k v" each) before the final "? k": K
@@ -112,6 +132,12 @@ class MultiKVRetrieval(SyntheticTask):
         question = ["?", *[k for k, _ in asked], "="]
         return Example(self._layout(rng, pairs, question, length), " ".join(v for _, v in asked))
 
+    def _question(self, pairs, pick, question: int) -> tuple[list[str], str]:
+        if self.num_queries > self.num_pairs:
+            raise ValueError("num_queries must be <= num_pairs")
+        asked = [pick(question * self.num_queries + j) for j in range(self.num_queries)]
+        return ["?", *[k for k, _ in asked], "="], " ".join(v for _, v in asked)
+
 
 @dataclass(frozen=True)
 class Aggregation(SyntheticTask):
@@ -132,6 +158,10 @@ class Aggregation(SyntheticTask):
         v = pairs[rng.randrange(len(pairs))][1]
         count = sum(val == v for _, val in pairs)
         return Example(self._layout(rng, pairs, ["count", v, "="], length), " ".join(str(count)))
+
+    def _question(self, pairs, pick, question: int) -> tuple[list[str], str]:
+        v = pick(question)[1]
+        return ["count", v, "="], " ".join(str(sum(val == v for _, val in pairs)))
 
 
 TASKS = {"kv_retrieval": KVRetrieval, "multi_kv_retrieval": MultiKVRetrieval, "aggregation": Aggregation}

@@ -19,13 +19,40 @@ class Data:
     rows: list[Example] | None
     seed: int
     eval_rows: list[Example] | None = None
+    #: `rows_per_context`: a built-in task's row i is question i mod Q of document i // Q (None: its own document)
+    rows_per_context: int | None = None
 
     def example(self, index: int, length: int, sft: bool = False) -> Example:
         if self.rows is not None:
             return self.rows[index % len(self.rows)]
         assert self.task is not None  # a built-in task where there are no rows
+        name = type(self.task).__name__
+        q = self.rows_per_context
+        if q is not None and not sft:
+            doc, question = divmod(index, q)
+            ex = self.task.document_example(self.seed, doc, question, length)
+            return replace(ex, source=f"{name} document {doc}, question {question} (seed {self.seed}, length {length})")
         ex = self.task.sft_example(self.seed, index, length) if sft else self.task.example(self.seed, index, length)
-        return replace(ex, source=f"{type(self.task).__name__} example {index} (seed {self.seed}, length {length})")
+        return replace(ex, source=f"{name} example {index} (seed {self.seed}, length {length})")
+
+
+def rows_by_context(rows: list[Example], q: int) -> list[Example]:
+    """`rows` reordered document by document (`rows_per_context: q`): the rows of each `context` value in blocks of
+    `q`, a document's last block filled up with its first rows (so that every block of q consecutive rows is one
+    document's), documents in the order they first appear; rows without a `context` are blocks of their own."""
+    by_context: dict = {}
+    for i, row in enumerate(rows):
+        key = row.columns.get("context")
+        key = ("row", i) if key is None else ("context", key if isinstance(key, str | int | float) else repr(key))
+        by_context.setdefault(key, []).append(row)
+    out: list[Example] = []
+    for group in by_context.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        blocks = -(-len(group) // q)
+        out.extend(group[j % len(group)] for j in range(blocks * q))
+    return out
 
 
 def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -46,12 +73,17 @@ def build_data(cfg, tokenizer=None) -> Data:
     """The run's data; JSONL rows are parsed (and chats formatted with `tokenizer`) here, before any step."""
     if cfg.dataset is not None:
         rows = load_jsonl(cfg.dataset, tokenizer)
+        q = cfg.rows_per_context
         if cfg.eval_dataset is not None:
-            return Data(None, rows, cfg.seed, load_jsonl(cfg.eval_dataset, tokenizer))
+            return Data(
+                None, rows if q is None else rows_by_context(rows, q), cfg.seed, load_jsonl(cfg.eval_dataset, tokenizer)
+            )
         train, held = split_rows(rows, cfg.eval_fraction, cfg.seed)
-        return Data(None, train, cfg.seed, held)
+        return Data(None, train if q is None else rows_by_context(train, q), cfg.seed, held)
     task = TASKS[cfg.task](**cfg.task_options)
     for length in [cfg.prompt_length, *cfg.curriculum, *cfg.eval_lengths]:
         if int(length) < task.min_length():
             raise ValueError(f"prompt length {length} is shorter than {cfg.task} needs ({task.min_length()} tokens)")
-    return Data(task, None, cfg.seed)
+    if cfg.rows_per_context is not None:
+        task.document_example(cfg.seed, 0, 0, max(cfg.prompt_length, task.min_length()))  # refuses tasks without it
+    return Data(task, None, cfg.seed, rows_per_context=cfg.rows_per_context)

@@ -4,6 +4,7 @@ question needs inside, and the reward that reads a code out of a sentence."""
 import random
 
 import pytest
+import torch
 
 from longstraw.tasks.base import contains_answer
 from longstraw.tasks.documents import make_row, paragraphs, prompt_tokens
@@ -34,3 +35,26 @@ def test_rows_have_the_length_and_the_facts(real_smollm2, length, variant):
         assert [f for f in facts if f" {asked} archive" in f] == [f"The access code for the {asked} archive is "
                                                                   f"{row['answer']}."]
     assert len({r["messages"][0]["content"] for r in rows}) == 3
+
+
+@pytest.mark.real
+def test_document_rows_share_the_document_and_ask_each_their_own_question(real_smollm2):
+    """Q rows of one document: the same text up to the question in the model's tokens (the chat template around it),
+    each asking about another archive whose code is in the text; the shared prefix is nearly the whole prompt."""
+    from transformers import AutoTokenizer
+
+    from longstraw.tasks.documents import make_document_rows
+    from longstraw.train.sharing import shared_contexts
+
+    tok = AutoTokenizer.from_pretrained(real_smollm2)
+    rows = make_document_rows(tok, paragraphs(), 2048, 4, random.Random(0), "doc 0")
+    assert len({r["context"] for r in rows}) == 1 and len({r["answer"] for r in rows}) == 4
+    ids = []
+    for row in rows:
+        content = row["messages"][0]["content"]
+        assert f"archive is {row['answer']}." in content
+        text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        ids.append(torch.tensor(tok(text, add_special_tokens=False)["input_ids"]))
+        assert 0.95 * 2048 <= ids[-1].numel() <= 2048
+    (ctx,) = shared_contexts(ids, keys=[r["context"] for r in rows])
+    assert ctx.rows == (0, 1, 2, 3) and ctx.length >= min(i.numel() for i in ids) - 30

@@ -134,3 +134,32 @@ def test_shared_contexts_rules():
         Context(2, (0, 2)), Context(1, (1,))]
     with pytest.raises(ValueError, match="share no token"):
         shared_contexts([t([1, 2]), t([3, 2])], keys=["a", "a"])
+
+
+@pytest.mark.parametrize("task", ["kv_retrieval", "multi_kv_retrieval", "aggregation"])
+def test_rows_per_context_asks_one_document_several_questions(tmp_path, task):
+    """`rows_per_context: 4`: a step's 4 rows are one document's (identical text but the question, each question about
+    other pairs), captured once; the next step is the next document."""
+    cfg = dict(model="llama", output_dir=str(tmp_path / "run"), task=task, prompt_length=60, prompts_per_step=4,
+               rows_per_context=4, num_steps=1, num_generations=2, max_completion_length=3, lora=False,
+               progress=False, threads=1, min_shared_prefix=16, task_options={"num_pairs": 6})
+    trainer = Trainer(TrainConfig(**cfg))
+    for step in (0, 1):
+        rows = trainer.examples(step)
+        words = [r.prompt.split() for r in rows]
+        question = {"kv_retrieval": 2, "multi_kv_retrieval": 4, "aggregation": 3}[task]
+        assert all(w[:-question] == words[0][:-question] for w in words)
+        assert len({" ".join(w[-question:]) for w in words}) > 1
+        rollout = trainer.rollout(step)
+        assert len(rollout.contexts) == 1 and rollout.shared_frac > 0.6
+    assert trainer.examples(0)[0].prompt.split()[:-question] != trainer.examples(1)[0].prompt.split()[:-question]
+
+
+def test_rows_by_context_orders_a_dataset_document_by_document():
+    from longstraw.tasks import Example
+    from longstraw.train.data import rows_by_context
+
+    rows = [Example(f"p{i}", None, columns={} if c is None else {"context": c}, source=str(i))
+            for i, c in enumerate(["a", "b", "a", None, "b", "a"])]
+    got = [r.source for r in rows_by_context(rows, 2)]
+    assert got == ["0", "2", "5", "0", "1", "4", "3"]  # a's last block filled up with its first row
