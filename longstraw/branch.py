@@ -8,7 +8,14 @@ compressed streams). Every layer kind the prompt serves, the branch serves: it i
 
 - `extend(tokens)` runs tokens the environment returns through the decoder without autograd, `chunk_size` at a time,
   as capture runs the prompt;
-- `sample(max_new_tokens, ...)` decodes the policy's next turn from the branch; the sampled tokens stay in it.
+- `sample(max_new_tokens, ...)` decodes the policy's next turn from the branch; the sampled tokens stay in it;
+- `replay(response_ids)` runs a response after the branch with autograd, reading the branch as constants (the detached
+  replay of the prompt `prompt + added`), and leaves the branch as it was.
+
+A branch also stands where a `PromptState` is read (`prompt_length`, `_cache(batch)`): `longstraw.sampler.sample(branch,
+G, ...)` decodes G sequences after it, its own state repeated for them as views (`batch_repeat_interleave`), and
+`longstraw.trajectory.replay_segments` replays after it. So rows sharing a document extend one branch each by their
+question, once, and sample and replay from it (`longstraw.train.sharing`).
 
 The last token of the trajectory so far is held back (`last_token`), as a captured prompt holds back its last token:
 whatever comes next (a sampled turn, tool output) starts by running it. Work per turn is that turn's tokens and the
@@ -30,13 +37,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
+from .ops.logprobs import chunked_logprobs
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sampling_fields
 
 if TYPE_CHECKING:
-    from .hf.cache import BranchCache
-    from .prompt_state import PromptState
+    from .prompt_state import PromptState, Replay
 
 
 class Branch:
@@ -52,8 +60,8 @@ class Branch:
         self.group = getattr(state, "group", None)
         self._parts = state._parts
         self.chunk_size = chunk_size or state.chunk_size
-        self._cache: BranchCache | None = state._cache(1)
-        for layer in self._cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
+        self._own: BranchCache | None = state._cache(1)
+        for layer in self._own.layers:  # sliding-window layers keep only the own K/V later tokens can read
             if isinstance(layer, AttentionBranchLayer):
                 layer.trim = True
         self.last_token = state.last_token.clone()
@@ -62,14 +70,14 @@ class Branch:
 
     # ------------------------------------------------------------------ bookkeeping
     def _live(self):
-        if self._cache is None:
+        if self._own is None:
             raise RuntimeError("this Branch was released")
         self.state._live()  # the prompt state must still be held
-        return self._cache
+        return self._own
 
     def release(self) -> None:
         """Free the branch's own growth (the prompt state is untouched)."""
-        self._cache = None
+        self._own = None
 
     def __enter__(self) -> Branch:
         return self
@@ -78,7 +86,7 @@ class Branch:
         self.release()
 
     def __repr__(self) -> str:
-        status = "released" if self._cache is None else f"{self.added} tokens added"
+        status = "released" if self._own is None else f"{self.added} tokens added"
         return f"Branch(length={self.length}, {status})"
 
     @property
@@ -93,6 +101,69 @@ class Branch:
                 f"the trajectory would reach {self.length + n} positions but the model supports "
                 f"max_position_embeddings={limit}"
             )
+
+    @property
+    def prompt_length(self) -> int:
+        """The positions before the branch's next token, as a `PromptState` counts its prompt (= `length`)."""
+        return self.length
+
+    @property
+    def prompt_grad(self) -> str:
+        """ "detached": what the branch added was run without autograd, a constant for whatever reads it."""
+        return "detached"
+
+    def _cache(self, batch: int = 1) -> BranchCache:
+        """A branch cache that starts where this branch is and grows apart from it (snapshots of its layers), for
+        `batch` sequences (the branch's own tensors repeated as views); the branch itself is unchanged."""
+        own = self._live()
+        cache = BranchCache([snapshot(layer) for layer in own.layers], block=own.block)
+        if batch > 1:
+            for layer in cache.layers:
+                layer.batch_repeat_interleave(batch)
+        return cache
+
+    def replay(
+        self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False, prefix_ids=None
+    ) -> Replay:
+        """`PromptState.replay` after the branch: `[last_token] + response[:-1]` with autograd, the prompt and the
+        branch's own tokens (and `prefix_ids`, run without autograd first) read as constants; a `Replay` of the
+        response's log-probs and entropies `[R]`. The branch is left as it was. One process only; the prompt state must
+        be detached (exact mode differentiates through what the branch holds: replay prompt + added whole)."""
+        from .prompt_state import Replay, as_ids, check_length  # prompt_state imports this module
+
+        if self.group is not None:
+            raise NotImplementedError("Branch.replay runs in one process (a context-parallel state replays whole)")
+        if self.state.prompt_grad != "detached":
+            raise ValueError(
+                "Branch.replay reads the branch as constants: that is the detached replay; with prompt_grad='exact' "
+                "replay prompt + the branch's tokens through `PromptState.replay(..., prefix_ids=...)`"
+            )
+        parts = self._parts
+        device = self.last_token.device
+        cache = self._cache(1)
+        last, start = self.last_token, self.length - 1
+        if prefix_ids is not None and len(prefix_ids) > 0:
+            prefix = as_ids(prefix_ids, "prefix_ids", parts.config.vocab_size, device)
+            read = torch.cat([last, prefix[:-1]])
+            with torch.no_grad():
+                for s in range(0, read.numel(), self.chunk_size):
+                    e = min(s + self.chunk_size, read.numel())
+                    run_decoder(parts, read[None, s:e], torch.arange(start + s, start + e, device=device), cache)
+            last, start = prefix[-1:], start + prefix.numel()
+        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
+        check_length(parts.config, start + 1 + response.numel())
+        inputs = torch.cat([last, response[:-1]])
+        positions = torch.arange(start, start + inputs.numel(), device=device)
+        hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
+        logprobs, entropy = chunked_logprobs(
+            hidden[0],
+            parts.lm_head,
+            response,
+            temperature=temperature,
+            softcap=parts.final_logit_softcapping,
+            scale=parts.logit_scale,
+        )
+        return Replay(logprobs=logprobs, entropy=entropy)
 
     # ------------------------------------------------------------------ growth
     @torch.no_grad()

@@ -11,13 +11,14 @@ import torch
 
 import longstraw
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.sampler import sample
 
 from .conftest import assert_grads_close, assert_tie_free, make_model, tokens
 from .test_equivalence import FP32_GRAD_TOL
 
 #: one model per layer kind: full attention, sliding window, linear attention (gated DeltaNet), MLA latents,
-#: short convolutions, Mamba-2 + attention
-KIND_ARCHS = ["llama", "gemma3_text", "qwen3_next", "deepseek_v3", "lfm2", "falcon_h1"]
+#: short convolutions, Mamba-2 + attention, DSA (latents + indexer keys), DeepSeek-V4's compressed streams
+KIND_ARCHS = ["llama", "gemma3_text", "qwen3_next", "deepseek_v3", "lfm2", "falcon_h1", "deepseek_v32", "deepseek_v4"]
 #: fp32 log-probs, absolute: the bound `test_equivalence` holds every replay to
 LOGPROB_TOL = 1e-4
 
@@ -89,3 +90,41 @@ def test_an_empty_prefix_is_the_plain_replay():
     doc, r = tokens(9, 1), tokens(3, 2)
     with torch.no_grad(), longstraw.capture(model, doc, chunk_size=4) as state:
         assert torch.equal(state.replay(r, prefix_ids=[]).logprobs, state.replay(r).logprobs)
+
+
+@pytest.mark.parametrize("arch", KIND_ARCHS)
+def test_a_branch_per_row_samples_and_replays_as_the_whole_prompt(arch):
+    """Each row's question read once into its own `Branch` (`extend`): G sequences sampled after it (its own state
+    repeated for them) have the full-sequence forward's log-probs over the row's whole prompt and the tokens of
+    reading the question per sequence (`prefix_ids`); `Branch.replay` has transformers' detached gradient, and leaves
+    the branch as it was (a second replay gives the same values)."""
+    model = make_model(arch)
+    doc, rows = _rows(model)
+    adv = [0.7, -1.2, 0.4]
+    with longstraw.capture(model, doc, chunk_size=4, block_size=4) as state:
+        for q, _ in rows:
+            with torch.no_grad(), state.fork() as branch:
+                branch.extend(q)
+                got = sample(branch, 3, 4, generator=torch.Generator().manual_seed(7))
+                per_row = sample(state, 3, 4, prefix_ids=q, generator=torch.Generator().manual_seed(7))
+                assert all(torch.equal(a, b) for a, b in zip(got.tokens, per_row.tokens))
+                for tokens, lp in zip(got.tokens, got.logprobs):
+                    full = full_sequence_logprobs(model, torch.cat([doc, q]), tokens)
+                    assert (lp - full).abs().max() <= LOGPROB_TOL
+
+    def reference():
+        for a, (q, r) in zip(adv, rows):
+            with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                (a * cache_reference_logprobs(model, torch.cat([doc, q]), r)).sum().backward()
+
+    def branches():
+        with longstraw.capture(model, doc, chunk_size=4, block_size=4) as state:
+            for a, (q, r) in zip(adv, rows):
+                with state.fork() as branch:
+                    branch.extend(q)
+                    first = branch.replay(r).logprobs
+                    (a * first).sum().backward()
+                    with torch.no_grad():
+                        assert torch.equal(branch.replay(r).logprobs, first.detach())
+
+    assert_grads_close(_grads(model, branches), _grads(model, reference), tol=FP32_GRAD_TOL)

@@ -29,6 +29,14 @@ from ..ops.latent_attention import Selection
 from ..ops.quant import QuantizedTokens
 
 
+def repeat_rows(t: torch.Tensor | None, repeats: int) -> torch.Tensor | None:
+    """`t` `[B, ...]` → `[B · repeats, ...]`, each row `repeats` times in a row (a view of `t` when B = 1: branch layers
+    rebind their tensors as they grow and never write them in place); None stays None."""
+    if t is None:
+        return None
+    return t.expand(repeats, *t.shape[1:]) if t.shape[0] == 1 else t.repeat_interleave(repeats, dim=0)
+
+
 def empty_state(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised durable-state buffer of `shape` with `like`'s dtype and device (filled chunk by chunk
     during capture). Tests replace this function with one that fills the buffer with NaN, so that a slot
@@ -65,6 +73,11 @@ class BranchLayer(Protocol):
         """Keep the branch rows `indices` `[B']` (of the B rows so far) of the branch's own tensors, e.g. own keys
         `[B, Hkv, T, D]` → `[B', Hkv, T, D]`: finished sequences leave the batch. What the rows share (the prompt part,
         batch 1 or expanded views of it) stays as it is."""
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """transformers' `Cache.batch_repeat_interleave`: each branch row's own tensors `repeats` times in a row, e.g.
+        own keys `[1, Hkv, T, D]` → `[repeats, Hkv, T, D]` (`repeat_rows`): one trajectory grown by `Branch.extend` (a
+        row's question after a shared document) becomes the start of G sampled sequences. The prompt part stays."""
 
     def get_max_length(self) -> int:
         """-1: no maximum length (transformers' `CacheLayerMixin.get_max_length`)."""

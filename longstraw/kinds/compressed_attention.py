@@ -103,6 +103,17 @@ class Stream:
     def own_positions(self, device) -> torch.Tensor:
         return entry_positions(self.count, self.own_count, self.rate, device)
 
+    def repeat_rows(self, repeats: int) -> Stream:
+        """Each row's tensors `repeats` times in a row (`base.repeat_rows`; `Branch` → G sequences)."""
+        return replace(
+            self,
+            tail_kv=base.repeat_rows(self.tail_kv, repeats),
+            tail_gate=base.repeat_rows(self.tail_gate, repeats),
+            prior_kv=base.repeat_rows(self.prior_kv, repeats),
+            prior_gate=base.repeat_rows(self.prior_gate, repeats),
+            own=base.repeat_rows(self.own, repeats),
+        )
+
     def select_rows(self, indices: torch.Tensor) -> Stream:
         def rows(t):
             return t if t is None or t.shape[0] == 1 else t[indices]
@@ -128,6 +139,10 @@ class CompressedBranchLayer(AttentionBranchLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.streams = {name: st.select_rows(indices) for name, st in self.streams.items()}
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.streams = {name: st.repeat_rows(repeats) for name, st in self.streams.items()}
 
 
 @register_layer_kind

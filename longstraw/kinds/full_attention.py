@@ -12,7 +12,7 @@ import torch
 
 from ..ops.quant import QuantizedTokens, host_or_device
 from . import base
-from .base import LayerState, PromptBranchLayer, register_layer_kind
+from .base import LayerState, PromptBranchLayer, register_layer_kind, repeat_rows
 
 
 class AttentionBranchLayer(PromptBranchLayer):
@@ -74,6 +74,9 @@ class AttentionBranchLayer(PromptBranchLayer):
         if self.keys is not None:
             assert self.values is not None  # appended with the keys
             self.keys, self.values = self.keys[indices], self.values[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys, self.values = repeat_rows(self.keys, repeats), repeat_rows(self.values, repeats)
 
     @property
     def own_length(self) -> int:

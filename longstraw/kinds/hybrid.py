@@ -28,6 +28,10 @@ class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):  # type: ig
         AttentionBranchLayer.batch_select_indices(self, indices)
         RecurrentBranchLayer.batch_select_indices(self, indices)
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        AttentionBranchLayer.batch_repeat_interleave(self, repeats)
+        RecurrentBranchLayer.batch_repeat_interleave(self, repeats)
+
     def crop(self, tokens_to_remove: int):
         RecurrentBranchLayer.crop(self, tokens_to_remove)
 

@@ -83,6 +83,11 @@ class LatentOwn:
         if self.index_keys is not None:
             self.index_keys = self.index_keys[indices]
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys, self.index_keys = base.repeat_rows(self.keys, repeats), base.repeat_rows(self.index_keys, repeats)
+        if self.values_alias:
+            self.values = self.keys
+
 
 class LatentBranchLayer(LatentOwn, PromptBranchLayer):
     """transformers cache layer of one branch over a read-only prompt latent (and indexer keys).

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .base import LayerState, register_layer_kind
+from .base import LayerState, register_layer_kind, repeat_rows
 
 
 class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
@@ -81,6 +81,11 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
             for i, t in states.items():
                 if t is not None and t.shape[0] > 1:
                     states[i] = t[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for states in (self.conv_states, self.recurrent_states):
+            for i, t in states.items():
+                states[i] = repeat_rows(t, repeats)
 
     def expand(self, batch: int) -> RecurrentBranchLayer:
         """View the captured states for `batch` sequences (no copy: branches never write them)."""

@@ -20,6 +20,9 @@ class MixerlessBranchLayer:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         pass
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
     def get_max_length(self) -> int:
         return -1
 
