@@ -122,6 +122,17 @@ class Branch:
                 layer.batch_repeat_interleave(batch)
         return cache
 
+    def fork(self, chunk_size: int | None = None) -> Branch:
+        """A new branch that starts where this one is (the same positions, its layers' snapshots) and grows apart
+        from it: each of a row's trajectories forks from the row's branch as they fork from a prompt state."""
+        new = Branch.__new__(Branch)
+        new.state, new.group, new._parts = self.state, self.group, self._parts
+        new.chunk_size = chunk_size or self.chunk_size
+        new._own = self._cache(1)
+        new.last_token = self.last_token.clone()
+        new.length, new.added = self.length, self.added
+        return new
+
     def replay(
         self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False, prefix_ids=None
     ) -> Replay:

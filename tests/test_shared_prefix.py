@@ -128,3 +128,19 @@ def test_a_branch_per_row_samples_and_replays_as_the_whole_prompt(arch):
                         assert torch.equal(branch.replay(r).logprobs, first.detach())
 
     assert_grads_close(_grads(model, branches), _grads(model, reference), tol=FP32_GRAD_TOL)
+
+
+def test_a_branch_forks_like_a_prompt_state():
+    """A branch of a branch starts where its parent is and grows apart: the parent's next samples are unchanged."""
+    model = make_model("qwen3_next")
+    doc, (q, r) = tokens(12, 1), (tokens(4, 2), tokens(3, 3))
+    with torch.no_grad(), longstraw.capture(model, doc, chunk_size=4) as state, state.fork() as row:
+        row.extend(q)
+        before = row.replay(r).logprobs
+        with row.fork() as child:
+            child.extend(r)
+            assert child.length == row.length + r.numel() == doc.numel() + q.numel() + r.numel()
+            grown = child.replay(tokens(2, 4)).logprobs
+        assert torch.equal(row.replay(r).logprobs, before)
+        reference = full_sequence_logprobs(model, torch.cat([doc, q, r]), tokens(2, 4))
+        assert (grown - reference).abs().max() <= LOGPROB_TOL

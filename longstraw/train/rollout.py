@@ -368,8 +368,18 @@ class RolloutStage:
             ex, prompt = examples[b], prompts[b]
             suffix = prompt[ctx.length :]
             with meter.stage("sample"):
-                sampler = TurnSampler(state, self.policy, self.settings, self.generator(step, b), self.ranks, suffix)
-                responses = self._responses(sampler, ex)
+                if suffix.numel() and (self.ranks is None or self.ranks.size == 1):
+                    # the row's own question read once, into its own branch; its G responses are sampled after it
+                    with state.fork() as branch:
+                        with torch.no_grad():
+                            branch.extend(suffix)
+                        sampler = TurnSampler(branch, self.policy, self.settings, self.generator(step, b))  # type: ignore[arg-type]
+                        responses = self._responses(sampler, ex)
+                else:  # context parallel: every sampling call reads the suffix first (a collective)
+                    sampler = TurnSampler(
+                        state, self.policy, self.settings, self.generator(step, b), self.ranks, suffix
+                    )
+                    responses = self._responses(sampler, ex)
             with meter.stage("reward"):
                 rewards = self._score(ex, responses)
             groups[b] = Group(ex, prompt, responses, rewards, state if keep_state else None, ctx.length)

@@ -126,7 +126,14 @@ def policy_update(
             exact = state.prompt_grad == "exact"
             for r, b in enumerate(ctx.rows):
                 group = rollout.groups[b]
-                suffix = group.prompt_ids[ctx.length :]  # the row's own tokens after the shared prefix
+                suffix: torch.Tensor | None = group.prompt_ids[ctx.length :]  # the row's own tokens after the prefix
+                row_state, branch = state, None
+                if suffix is not None and suffix.numel() and not exact and not parallel:
+                    # detached: the row's question read once, into its own branch, which each response replays after
+                    branch = state.fork()
+                    with torch.no_grad():
+                        branch.extend(suffix)
+                    row_state, suffix = branch, None
                 turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
                 for t, k in enumerate(turns):
                     # the step's last backward: the last replay of the last context, or its state's reverse pass
@@ -137,7 +144,7 @@ def policy_update(
                         continue
                     i = offsets[b] + k
                     _response_backward(
-                        state,
+                        row_state,
                         group.responses[k],
                         masks[i],
                         float(rollout.advantages[i]),
@@ -149,6 +156,8 @@ def policy_update(
                         last,
                         suffix,
                     )
+                if branch is not None:
+                    branch.release()
             if exact and c == last_context and before_last_backward is not None:
                 before_last_backward()
             state.backward()  # exact mode: the shared prompt's gradient, summed over its rows (nothing when detached)

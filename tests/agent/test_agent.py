@@ -101,6 +101,7 @@ def _step_error(tmp_path, reference_logprobs, **kw) -> float:
                        prompts_per_step=2, **kw)
     rollout = trainer.rollout(0)
     assert any(bool((r.mask == 0).any()) for r in rollout.responses) and bool((rollout.advantages != 0).any())
+    assert len(rollout.contexts) == (1 if kw.get("rows_per_context") else 2)
     params = trainer.params
     masks = [loss_mask(r, trainer.update_settings) for r in rollout.responses]
     norm = trainer.loss_fn.normalizer([int(m.sum()) for m in masks], rollout.group_ids,
@@ -128,17 +129,24 @@ def _per_turn_reference(model, prompt, r):
     return lp
 
 
-def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path):
+#: two questions of one document per step (`rows_per_context`): the rows share its capture, each trajectory forks
+#: from its row's branch (`longstraw.train.sharing`)
+SHARED = dict(rows_per_context=2, min_shared_prefix=4)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-document"])
+def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path, shared):
     """The trainer's accumulated gradient over a step of multi-turn trajectories equals the same GRPO loss computed
-    on the per-turn detached cache reference's log-probs (`FP32_GRAD_TOL` relative)."""
-    assert _step_error(tmp_path, _per_turn_reference) <= FP32_GRAD_TOL
+    on the per-turn detached cache reference's log-probs over each row's whole prompt (`FP32_GRAD_TOL` relative)."""
+    assert _step_error(tmp_path, _per_turn_reference, **(SHARED if shared else {})) <= FP32_GRAD_TOL
 
 
-def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-document"])
+def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path, shared):
     """prompt_grad='exact' with turn-by-turn replay: the step's gradient equals the same GRPO loss on one full-sequence
     forward per trajectory (tool tokens masked out of the loss, read by what follows), `FP32_GRAD_TOL` relative."""
     full = lambda model, prompt, r: full_sequence_logprobs(model, prompt, r.tokens)  # noqa: E731
-    assert _step_error(tmp_path, full, prompt_grad="exact") <= FP32_GRAD_TOL
+    assert _step_error(tmp_path, full, prompt_grad="exact", **(SHARED if shared else {})) <= FP32_GRAD_TOL
 
 
 @pytest.mark.parametrize("env,failures", [("RaisingEnv", True), ("EmptyEnv", False)])
