@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--R", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--no-row-by-row", action="store_true",
+                    help="measure only the shared steps (compared with Q one-row steps: the Q = 1 step)")
     ap.add_argument("--one", nargs=2, metavar=("Q", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -90,7 +92,7 @@ def main() -> None:
     out = RESULTS / f"shared_prefix_step-{args.model}-{args.length}"
     rows: list[dict] = []
     for q in args.Q:
-        for mode in ("shared", "row-by-row") if q > 1 else ("shared",):
+        for mode in ("shared", "row-by-row") if q > 1 and not args.no_row_by_row else ("shared",):
             cmd = [sys.executable, __file__, "--model", args.model, "--length", str(args.length), "--G", str(args.G),
                    "--R", str(args.R), "--threads", str(args.threads), "--dtype", args.dtype, "--one", str(q), mode]
             done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)

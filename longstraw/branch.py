@@ -41,10 +41,20 @@ from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
 from .ops.logprobs import chunked_logprobs
-from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sampling_fields
+from .sampler import (
+    Replay,
+    Samples,
+    as_ids,
+    banned_tokens,
+    check_generator,
+    check_length,
+    check_sampling,
+    decode,
+    sampling_fields,
+)
 
 if TYPE_CHECKING:
-    from .prompt_state import PromptState, Replay
+    from .prompt_state import PromptState
 
 
 class Branch:
@@ -140,7 +150,6 @@ class Branch:
         branch's own tokens (and `prefix_ids`, run without autograd first) read as constants; a `Replay` of the
         response's log-probs and entropies `[R]`. The branch is left as it was. One process only; the prompt state must
         be detached (exact mode differentiates through what the branch holds: replay prompt + added whole)."""
-        from .prompt_state import Replay, as_ids, check_length  # prompt_state imports this module
 
         if self.group is not None:
             raise NotImplementedError("Branch.replay runs in one process (a context-parallel state replays whole)")

@@ -68,6 +68,48 @@ def check_sampling(num, max_new_tokens, temperature, top_p, top_k, vocab) -> Non
 
 
 @torch.no_grad()
+def as_ids(ids, name: str, vocab_size: int, device, allow_empty: bool = False) -> torch.Tensor:
+    """Validate token ids: a 1-D (or [1, T]) integer tensor of known tokens → 1-D LongTensor on device (empty only
+    with `allow_empty`)."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D or [1, T]; got shape {tuple(ids.shape)}")
+    if ids.numel() == 0 and allow_empty:  # `[]` included, whatever dtype `as_tensor` gave it
+        return torch.zeros(0, dtype=torch.long, device=device)
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"{name} must hold integer token ids; got {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): min {lo}, max {hi}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+@dataclass
+class Replay:
+    """One replayed branch, float32, with grad.
+
+    `logprobs[t]` = log p(response[t] | prompt, response[:t]) `[R]` under the logits divided by the
+    temperature; `entropy[t]` the entropy of that next-token distribution `[R]`.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def check_length(cfg, total: int) -> None:
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"prompt + response is {total} tokens but the model supports max_position_embeddings={limit}; "
+            "use a model (or RoPE scaling) made for this length"
+        )
+
+
 def sample(
     state: PromptState,
     num: int,
