@@ -33,13 +33,14 @@ attention against the prompt split over the ranks' slices and the branch's own g
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
+from .kinds.base import BranchLayer
 from .ops.logprobs import chunked_logprobs
 from .sampler import (
     Replay,
@@ -129,7 +130,7 @@ class Branch:
         cache = BranchCache([snapshot(layer) for layer in own.layers], block=own.block)
         if batch > 1:
             for layer in cache.layers:
-                layer.batch_repeat_interleave(batch)
+                cast(BranchLayer, layer).batch_repeat_interleave(batch)
         return cache
 
     def fork(self, chunk_size: int | None = None) -> Branch:

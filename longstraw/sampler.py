@@ -24,6 +24,7 @@ from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
 
 if TYPE_CHECKING:
+    from .branch import Branch
     from .prompt_state import PromptState
 
 
@@ -111,7 +112,7 @@ def check_length(cfg, total: int) -> None:
 
 
 def sample(
-    state: PromptState,
+    state: PromptState | Branch,
     num: int,
     max_new_tokens: int,
     *,
@@ -123,7 +124,8 @@ def sample(
     allowed_token_ids=None,
     prefix_ids=None,
 ) -> Samples:
-    """Decode `num` responses of at most `max_new_tokens` tokens from `state` (see the module doc).
+    """Decode `num` responses of at most `max_new_tokens` tokens from `state` (a `PromptState`, or a `Branch`: after
+    what it added), see the module doc.
 
     `allowed_token_ids`: restrict the choice (sampling or greedy) to these tokens; the returned
     log-probs stay those of the unrestricted distribution (the policy being trained).

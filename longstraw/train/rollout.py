@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..api import capture
+from ..branch import Branch
 from ..losses import combine_rewards, group_advantages
 from ..prompt_state import PromptState
 from ..sampler import Samples, sample
@@ -157,7 +158,7 @@ class TurnSampler:
 
     def __init__(
         self,
-        state: PromptState,
+        state: PromptState | Branch,
         policy: Policy,
         settings: SamplingSettings,
         generator: torch.Generator,
@@ -195,7 +196,7 @@ class TurnSampler:
             more = torch.zeros(0, dtype=torch.long) if prefix_ids is None else torch.as_tensor(prefix_ids).reshape(-1)
             prefix_ids = torch.cat([self.suffix, more.to(self.suffix.device, torch.long)])
         group = getattr(self.state, "group", None)
-        if group is not None:  # context parallel: a collective, every rank the same tokens
+        if group is not None and isinstance(self.state, PromptState):  # context parallel: a collective
             if prefix_ids is None:
                 return self.state.sample(num, max_new_tokens or s.max_completion_length, **kw)
             prefix = torch.as_tensor(prefix_ids).reshape(-1).cpu()
@@ -373,7 +374,7 @@ class RolloutStage:
                     with state.fork() as branch:
                         with torch.no_grad():
                             branch.extend(suffix)
-                        sampler = TurnSampler(branch, self.policy, self.settings, self.generator(step, b))  # type: ignore[arg-type]
+                        sampler = TurnSampler(branch, self.policy, self.settings, self.generator(step, b))
                         responses = self._responses(sampler, ex)
                 else:  # context parallel: every sampling call reads the suffix first (a collective)
                     sampler = TurnSampler(

@@ -30,10 +30,12 @@ from typing import cast
 import torch
 
 from ..api import capture
+from ..branch import Branch
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..model.capability import model_parts
 from ..ops.logprobs import chunked_logprobs
+from ..prompt_state import PromptState
 from ..tasks import Example
 from ..trajectory import replay_segments
 from .memory import MemoryMeter
@@ -127,7 +129,8 @@ def policy_update(
             for r, b in enumerate(ctx.rows):
                 group = rollout.groups[b]
                 suffix: torch.Tensor | None = group.prompt_ids[ctx.length :]  # the row's own tokens after the prefix
-                row_state, branch = state, None
+                row_state: PromptState | Branch = state
+                branch: Branch | None = None
                 if suffix is not None and suffix.numel() and not exact and not parallel:
                     # detached: the row's question read once, into its own branch, which each response replays after
                     branch = state.fork()
