@@ -76,6 +76,11 @@ class TrainConfig:
     num_steps: int = _f(100, "optimizer steps")
     prompts_per_step: int = _f(1, "prompts per optimizer step (each with num_generations responses)")
     num_generations: int = _f(8, "G: responses per prompt")
+    num_iterations: int = _f(
+        1,
+        "TRL's μ: optimizer steps per rollout batch; each replays the same responses against the moved policy "
+        "(old log-probs from sampling, the ratio clipped by epsilon), the prompt states captured again",
+    )
     share_prefixes: bool = _f(
         True,
         "capture a prefix the step's rows share once (a document asked several questions; rows with equal "
@@ -256,6 +261,7 @@ class TrainConfig:
         need(self.num_steps >= 1, "num_steps must be >= 1")
         need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
         need(self.min_shared_prefix >= 1 and self.max_row_suffix >= 0, "min_shared_prefix >= 1, max_row_suffix >= 0")
+        need(self.num_iterations >= 1, "num_iterations must be >= 1")
         need(self.rows_per_context is None or self.rows_per_context >= 1, "rows_per_context must be >= 1 or null")
         need(self.num_generations >= 2, "num_generations must be >= 2 (GRPO compares responses within a group)")
         need(self.max_completion_length >= 1, "max_completion_length must be >= 1")

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -140,6 +140,7 @@ class Trainer(Evaluation):
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
         self.step = 0
+        self._rollout: tuple[int, Any] | None = None  # (generation, Rollout) reused by its `num_iterations` steps
         self.eos = self.tok.eos_token_id
         allowed = None
         if cfg.restrict_to_answer_tokens and self.data.task is not None:
@@ -190,9 +191,25 @@ class Trainer(Evaluation):
         ]
 
     # ------------------------------------------------------------------ steps
+    def generation(self, step: int) -> int:
+        """The rollout batch GRPO step `step` trains on: with `num_iterations` μ (TRL's), μ optimizer steps share one
+        (the first of them draws it); the step itself when μ = 1."""
+        warm = self.cfg.sft_warmup_steps
+        return warm + (step - warm) // self.cfg.num_iterations
+
     def rollout(self, step: int):
-        """The rollout of GRPO step `step` (`longstraw.train.rollout.Rollout`)."""
-        return self.rollout_stage.collect(self.examples(step), step, self.meter)
+        """The rollout of GRPO step `step` (`longstraw.train.rollout.Rollout`): drawn for its `generation`, and kept
+        for the following steps of the same generation (`num_iterations`), which replay it against the moved policy
+        with its sampling-time old log-probs (the prompt states captured again: the weights changed)."""
+        g = self.generation(step)
+        cached = self._rollout
+        if cached is not None and cached[0] == g:
+            return cached[1]
+        self._rollout = None
+        r = self.rollout_stage.collect(self.examples(g), g, self.meter)
+        if self.cfg.num_iterations > 1:
+            self._rollout = (g, r)
+        return r
 
     def update(self, rollout) -> dict:
         """Accumulate the gradient of `rollout`'s GRPO loss (no optimizer step)."""
@@ -474,7 +491,11 @@ class Trainer(Evaluation):
                 writer.write(m)
                 if m["phase"] == "grpo":
                     writer.write_completions(m["step"], self.completions)
-                if self.step % self.cfg.save_every == 0 or self.step == self.cfg.num_steps:
+                # checkpoints fall between rollout batches (`num_iterations`): a resumed run draws its next batch
+                boundary = self.step <= self.cfg.sft_warmup_steps or self.generation(self.step) != self.generation(
+                    self.step - 1
+                )
+                if (self.step % self.cfg.save_every == 0 and boundary) or self.step == self.cfg.num_steps:
                     self.save_checkpoint()
                 done.append(m)
                 if on_step is not None:

@@ -24,12 +24,12 @@ from ..trl_oracle import trl_config, trl_loss
 EPS, BETA, ENT = 0.2, 0.1, 0.01
 
 
-def _trainer(tmp_path, loss_type):
-    cfg = TrainConfig(model="llama", output_dir=str(tmp_path / loss_type), prompt_length=20,
+def _trainer(tmp_path, loss_type, **kw):
+    cfg = TrainConfig(**kw, **dict(model="llama", output_dir=str(tmp_path / loss_type), prompt_length=20,
                       task_options={"num_pairs": 4, "num_values": 8}, num_steps=1, num_generations=4,
                       prompts_per_step=2, max_completion_length=4, restrict_to_answer_tokens=True, lora=True,
                       beta=BETA, epsilon=EPS, loss_type=loss_type, prompt_grad="exact", temperature=0.9,
-                      entropy_coef=ENT, progress=False, threads=1, seed=3)
+                      entropy_coef=ENT, progress=False, threads=1, seed=3))
     return Trainer(cfg, reward_funcs=[_token_sum_reward])
 
 
@@ -146,3 +146,44 @@ def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, loss_type):
     _assert_within_floor(got, trl, floor, whole_floor)
     print(f"{loss_type}: rel err vs plain {rel_err(flat(got), flat(want)):.2e}, "
           f"vs TRL {rel_err(flat(got), flat(trl)):.2e} (floor {whole_floor:.2e})")
+
+
+def test_num_iterations_replays_one_rollout_against_the_moved_policy_as_trl(tmp_path):
+    """`num_iterations: 2` (TRL's μ): step 1 trains on step 0's rollout (the same responses, the sampling-time old
+    log-probs) after step 0's optimizer step moved the policy, and its gradient is TRL's `_compute_loss` on the moved
+    model's full-sequence log-probs against those old ones (within the float32 floor); step 2 draws a new batch."""
+    trainer = _trainer(tmp_path, "dapo", num_iterations=2, learning_rate=0.05)
+    model, params = trainer.model, trainer.params
+    first = trainer.rollout(0)
+    old_before = [r.old_logprobs.clone() for r in first.responses]
+    trainer.train_step(0)
+    rollout = trainer.rollout(1)
+    assert rollout is first and all(torch.equal(r.old_logprobs, o) for r, o in zip(rollout.responses, old_before))
+    for p in params:
+        p.grad = None
+    trainer.update(rollout)
+    got = [p.grad.clone() for p in params]
+
+    lengths = [r.tokens.numel() for r in rollout.responses]
+    length = max(lengths)
+    old = _padded([r.old_logprobs for r in rollout.responses], length)
+    ref = _padded([r.ref_logprobs for r in rollout.responses], length)
+    logp, _, mask = _full_sequence(model, rollout, 0.9)
+    assert ((logp - old).abs() * mask).max() > 1e-3  # the policy moved: ratios ≠ 1
+    rewards = rollout.rewards.view(2, 4)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).reshape(-1)
+
+    def grads(fn, ps):
+        return [g.clone() for g in torch.autograd.grad(fn(), ps)]
+
+    args = trl_config(tmp_path, loss_type="dapo", beta=BETA, epsilon=EPS, max_completion_length=4, entropy_coef=ENT,
+                      temperature=0.9)
+    trl = grads(lambda: trl_loss(args, lambda: _full_sequence(model, rollout, 0.9)[:2], mask, adv, old, ref), params)
+    m64 = copy.deepcopy(model).double()
+    params64 = [p for p in m64.parameters() if p.requires_grad]
+    trl64 = grads(lambda: trl_loss(args, lambda: _full_sequence(m64, rollout, 0.9)[:2], mask.double(), adv.double(),
+                                   old.double(), ref.double()), params64)
+    flat = lambda gs: torch.cat([x.flatten().double() for x in gs])  # noqa: E731
+    floor = [(a.double() - b).norm().item() for a, b in zip(trl, trl64)]
+    _assert_within_floor(got, trl, floor, rel_err(flat(trl), flat(trl64)))
+    assert trainer.rollout(2) is not rollout and trainer.generation(2) == 1
