@@ -111,16 +111,7 @@ def make_row(tokenizer, paras: list[str], length: int, variant: str, rng: random
     asked = rng.randrange(len(names))
     question = f"\n\nQuestion: what is the access code for the {names[asked]} archive? Answer with the code."
     budget = length - prompt_tokens(tokenizer, question) - 24 * len(facts)
-    order = rng.sample(range(len(paras)), len(paras))
-    body, used = [], 0
-    for i in order:
-        n = len(tokenizer(paras[i], add_special_tokens=False)["input_ids"]) + 2
-        if used + n > budget:
-            continue
-        body.append(paras[i])
-        used += n
-        if budget - used < 40:
-            break
+    body = _fill(tokenizer, paras, budget, rng)
     depths = sorted(rng.random() for _ in facts)
     for d, fact in zip(reversed(depths), reversed(facts)):
         body.insert(round(d * len(body)), fact)
