@@ -159,18 +159,14 @@ class Branch:
                 "Branch.replay reads the branch as constants: that is the detached replay; with prompt_grad='exact' "
                 "replay prompt + the branch's tokens through `PromptState.replay(..., prefix_ids=...)`"
             )
+        if prefix_ids is not None and len(prefix_ids) > 0:  # the prefix read into a child branch first
+            with self.fork() as child:
+                child.extend(as_ids(prefix_ids, "prefix_ids", self._parts.config.vocab_size, self.last_token.device))
+                return child.replay(response_ids, temperature, checkpoint_layers)
         parts = self._parts
         device = self.last_token.device
         cache = self._cache(1)
         last, start = self.last_token, self.length - 1
-        if prefix_ids is not None and len(prefix_ids) > 0:
-            prefix = as_ids(prefix_ids, "prefix_ids", parts.config.vocab_size, device)
-            read = torch.cat([last, prefix[:-1]])
-            with torch.no_grad():
-                for s in range(0, read.numel(), self.chunk_size):
-                    e = min(s + self.chunk_size, read.numel())
-                    run_decoder(parts, read[None, s:e], torch.arange(start + s, start + e, device=device), cache)
-            last, start = prefix[-1:], start + prefix.numel()
         response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
         check_length(parts.config, start + 1 + response.numel())
         inputs = torch.cat([last, response[:-1]])

@@ -20,7 +20,7 @@ from .branch import Branch
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts, model_device
-from .kinds import AttentionBranchLayer, LayerState
+from .kinds import LayerState
 from .model.capability import layer_states, model_parts
 from .model.chunking import auto_chunk_size
 from .model.prepare import prepare
@@ -187,38 +187,9 @@ class PromptState:
     def _replay_after(self, prefix: torch.Tensor, response_ids, temperature: float, checkpoint_layers: bool) -> Replay:
         """Detached `replay` after `prefix` `[L]`: the prefix through the branch cache without autograd, then the
         response with autograd. Memory: the state + the prefix's own K/V or states (no graph) + the response's graph."""
-        parts = self._parts
-        n = prefix.numel()
-        response = self._response_after(n, response_ids, checkpoint_layers)
-        cache = self._replay_cache()
-        for layer in cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
-            if isinstance(layer, AttentionBranchLayer):
-                layer.trim = True
-        start = self.prompt_length - 1
-        read = torch.cat([self.last_token, prefix[:-1]])
-        with torch.no_grad():
-            for s in range(0, n, self.chunk_size):
-                e = min(s + self.chunk_size, n)
-                run_decoder(parts, read[None, s:e], torch.arange(start + s, start + e, device=read.device), cache)
-        inputs = torch.cat([prefix[-1:], response[:-1]])
-        positions = torch.arange(start + n, start + n + inputs.numel(), device=inputs.device)
-        hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
-        logprobs, entropy = chunked_logprobs(
-            hidden[0],
-            parts.lm_head,
-            response,
-            temperature=temperature,
-            softcap=parts.final_logit_softcapping,
-            scale=parts.logit_scale,
-        )
-        return Replay(logprobs=logprobs, entropy=entropy)
-
-    def _response_after(self, prefix_length: int, response_ids, checkpoint_layers: bool) -> torch.Tensor:
-        """The response of a detached replay after a prefix of `prefix_length` tokens, checked (`_response`)."""
-        parts = self._parts
-        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-        check_length(parts.config, self.prompt_length + prefix_length + response.numel())
-        return response
+        with self.fork() as branch:  # the prefix read once without autograd, the response replayed after it
+            branch.extend(prefix)
+            return branch.replay(response_ids, temperature, checkpoint_layers)
 
     def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
         """The response of a replay as a 1-D LongTensor on the state's device, checked against the vocabulary and the
