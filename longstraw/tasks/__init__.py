@@ -1,4 +1,4 @@
-"""Built-in long-context tasks, user JSONL data, rewards and the task tokenizer."""
+"""Built-in long-context tasks, user data files, rewards and the task tokenizer."""
 
 from .base import REWARD_FUNCTIONS, Example, exact_match, fraction_correct
 from .jsonl import load_jsonl

@@ -53,12 +53,12 @@ class TrainConfig:
     task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")
     dataset: str | None = _f(
         None,
-        'JSONL file of user data: each row a text "prompt" or a chat "messages" '
-        "(formatted with the tokenizer's chat template, generation prompt added); every "
-        'other field ("answer", ...) goes to the reward functions as a keyword list',
+        "user data (a JSONL, parquet or Arrow file, or a `datasets` save_to_disk folder): each row a text "
+        '"prompt" or a chat "messages" (formatted with the tokenizer\'s chat template, generation prompt added); '
+        'every other field ("answer", ...) goes to the reward functions as a keyword list',
     )
     eval_dataset: str | None = _f(
-        None, "JSONL file of held-out rows for evaluation (default: hold out `eval_fraction` of `dataset`)"
+        None, "held-out rows for evaluation, in any `dataset` format (default: hold out `eval_fraction` of `dataset`)"
     )
     eval_fraction: float = _f(
         0.1,

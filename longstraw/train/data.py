@@ -1,4 +1,5 @@
-"""Where a run's examples come from: a built-in task, or JSONL rows (training and held-out apart)."""
+"""Where a run's examples come from: a built-in task, or a dataset's rows (JSONL, parquet, Arrow or a `datasets`
+folder; training and held-out apart)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from ..tasks import TASKS, Example, load_jsonl
+from ..tasks import TASKS, Example
+from ..tasks.dataset_files import load_rows
 from ..tasks.synthetic import SyntheticTask
 
 
@@ -70,13 +72,13 @@ def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Ex
 
 
 def build_data(cfg, tokenizer=None) -> Data:
-    """The run's data; JSONL rows are parsed (and chats formatted with `tokenizer`) here, before any step."""
+    """The run's data; a dataset's rows are parsed (and chats formatted with `tokenizer`) here, before any step."""
     if cfg.dataset is not None:
-        rows = load_jsonl(cfg.dataset, tokenizer)
+        rows = load_rows(cfg.dataset, tokenizer)
         q = cfg.rows_per_context
         if cfg.eval_dataset is not None:
             return Data(
-                None, rows if q is None else rows_by_context(rows, q), cfg.seed, load_jsonl(cfg.eval_dataset, tokenizer)
+                None, rows if q is None else rows_by_context(rows, q), cfg.seed, load_rows(cfg.eval_dataset, tokenizer)
             )
         train, held = split_rows(rows, cfg.eval_fraction, cfg.seed)
         return Data(None, train if q is None else rows_by_context(train, q), cfg.seed, held)

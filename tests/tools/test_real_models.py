@@ -1,7 +1,7 @@
 """The project's real models (`longstraw.tools.real_models`): their wheels assemble into the GGUF they name, and on the
 models themselves longstraw equals the unmodified transformers model — Gemma 3 270M's real sliding windows over a
 prompt three windows long, and SmolLM2-135M-Instruct's exact-mode gradients at P = 2,048 against naive
-full-sequence GRPO. The `real` tests skip where the models are not in the cache (`longstraw real smollm2`,
+full-sequence GRPO in float64. The `real` tests skip where the models are not in the cache (`longstraw real smollm2`,
 `longstraw real gemma3`; `.ci/run` installs both)."""
 
 import hashlib
@@ -103,7 +103,12 @@ def test_gemma3_sliding_windows_equal_the_model_over_three_windows(real_gemma3):
 def test_smollm2_exact_gradients_equal_naive_grpo_at_2048(real_smollm2):
     """SmolLM2-135M-Instruct with LoRA on q/k/v/o, prompt_grad="exact": a 2,048-token prompt of real text captured in
     chunks of 1,024 and two responses of different lengths with their advantages give the LoRA gradients of naive
-    full-sequence GRPO (each [prompt + response] forward and backward in full)."""
+    full-sequence GRPO (each [prompt + response] forward and backward in full), computed in float64.
+
+    The reference is float64 because naive GRPO in float32 is itself off by up to 1.3e-4 relative per parameter at
+    this length (measured against float64 on an Intel CPU; longstraw's float32 error there is 3.4e-5): a float32
+    reference would judge longstraw by the reference's rounding. Held to DESIGN.md's fp32 bound, `FP32_GRAD_TOL`.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,7 +131,10 @@ def test_smollm2_exact_gradients_equal_naive_grpo_at_2048(real_smollm2):
                 (a * state.replay(r).logprobs).sum().backward()
             state.backward()
 
-    assert_grads_close(_grads(model, exact), _grads(model, naive), tol=FP32_GRAD_TOL)
+    got = _grads(model, exact)
+    model.double()
+    want = [None if g is None else g.float() for g in _grads(model, naive)]
+    assert_grads_close(got, want, tol=FP32_GRAD_TOL)
 
 
 @pytest.mark.slow
