@@ -81,6 +81,13 @@ class TrainConfig:
         "TRL's μ: optimizer steps per rollout batch; each replays the same responses against the moved policy "
         "(old log-probs from sampling, the ratio clipped by epsilon), the prompt states captured again",
     )
+    recapture_every: int = _f(
+        1,
+        "k: keep a context's captured prompt state for up to k optimizer steps (a document asked questions over "
+        "several steps, or the iterations of `num_iterations`) instead of capturing it every step; its K/V then "
+        "come from weights up to k - 1 steps old (longstraw.train.staleness); detached mode, one process; 1: "
+        "capture every step",
+    )
     share_prefixes: bool = _f(
         True,
         "capture a prefix the step's rows share once (a document asked several questions; rows with equal "
@@ -262,6 +269,12 @@ class TrainConfig:
         need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
         need(self.min_shared_prefix >= 1 and self.max_row_suffix >= 0, "min_shared_prefix >= 1, max_row_suffix >= 0")
         need(self.num_iterations >= 1, "num_iterations must be >= 1")
+        need(self.recapture_every >= 1, "recapture_every must be >= 1")
+        need(
+            self.recapture_every == 1 or self.prompt_grad == "detached",
+            "recapture_every > 1 keeps detached prompt states (prompt_grad: detached); an exact prompt gradient is "
+            "the gradient of the prompt read by the current weights",
+        )
         need(self.rows_per_context is None or self.rows_per_context >= 1, "rows_per_context must be >= 1 or null")
         need(self.num_generations >= 2, "num_generations must be >= 2 (GRPO compares responses within a group)")
         need(self.max_completion_length >= 1, "max_completion_length must be >= 1")

@@ -37,6 +37,7 @@ from ..tasks import Example
 from .memory import MemoryMeter
 from .rewards import RewardSet
 from .sharing import Context, shared_contexts, shared_fraction
+from .staleness import StateStore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -305,6 +306,8 @@ class RolloutStage:
     share_prefixes: bool = True
     min_shared_prefix: int = 256
     max_row_suffix: int | None = 2048
+    #: prompt states kept across optimizer steps (`recapture_every`, `longstraw.train.staleness`); None: none kept
+    store: StateStore | None = None
 
     def contexts(self, examples: list[Example], prompts: list[torch.Tensor]) -> list[Context]:
         """How the step's rows are captured: together where they share a prefix (`longstraw.train.sharing`), else
@@ -356,14 +359,22 @@ class RolloutStage:
         state: PromptState | None  # None once released (a state only sampled from)
         with meter.stage("capture"):
             mode = self.prompt_grad if keep_state else "detached"  # a state only sampled from needs no grad
-            state = capture(
-                model,
-                prefix,
-                chunk_size=self.chunk_size,
-                prompt_grad=mode,
-                state_dtype=self.state_dtype,
-                group=self.ranks.pg if self.ranks is not None else None,
-            )
+
+            def fresh() -> PromptState:
+                return capture(
+                    model,
+                    prefix,
+                    chunk_size=self.chunk_size,
+                    prompt_grad=mode,
+                    state_dtype=self.state_dtype,
+                    group=self.ranks.pg if self.ranks is not None else None,
+                )
+
+            if self.store is not None:  # a state kept from an earlier step, or captured now and kept
+                state = self.store.get(prefix, fresh)
+                keep_state = True  # the update reads it from the group
+            else:
+                state = fresh()
         nbytes = state.nbytes
         for b in ctx.rows:
             ex, prompt = examples[b], prompts[b]

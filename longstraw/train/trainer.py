@@ -62,6 +62,7 @@ from .metrics import MetricsWriter
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
+from .staleness import StateStore
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
@@ -148,6 +149,13 @@ class Trainer(Evaluation):
             allowed = sorted(set(ids) | {self.eos})
         self.policy = Policy(self.model, self.tok, self.eos, allowed)
         device = next(self.model.parameters()).device
+        if cfg.recapture_every > 1 and self.ranks.size > 1:
+            raise ValueError(
+                f"recapture_every: {cfg.recapture_every} on {self.ranks.size} processes: kept prompt states are "
+                "one process's for now; set recapture_every: 1, or train in one process"
+            )
+        #: prompt states kept across steps (`recapture_every`)
+        self.store = StateStore(cfg.recapture_every) if cfg.recapture_every > 1 else None
         self.rollout_stage = RolloutStage(
             self.policy,
             self.rewards,
@@ -163,6 +171,7 @@ class Trainer(Evaluation):
             share_prefixes=cfg.share_prefixes,
             min_shared_prefix=cfg.min_shared_prefix,
             max_row_suffix=cfg.max_row_suffix,
+            store=self.store,
         )
         self.update_settings = UpdateSettings.from_config(cfg)
         if self.ranks.size > 1 and self.update_settings.segment_replay:
@@ -221,6 +230,7 @@ class Trainer(Evaluation):
             self.meter,
             ranks=self.ranks,
             before_last_backward=self._before_last_backward(),
+            store=self.store,
         )
 
     def _before_last_backward(self):
@@ -232,8 +242,15 @@ class Trainer(Evaluation):
         return lambda: gradient_sync(self.model, True)
 
     def grpo_step(self, step: int) -> dict:
+        store = self.store
+        if store is not None:
+            store.begin(step)
+            before = store.captures, store.reuses
         r = self.rollout(step)
         m = dict(phase="grpo", **self.update(r))
+        if store is not None:
+            store.end()
+            m.update(state_captures=store.captures - before[0], state_reuses=store.reuses - before[1])
         m.update(
             completion_length=sum(x.tokens.numel() for x in r.responses) / len(r.responses),
             truncated_frac=sum(x.truncated for x in r.responses) / len(r.responses),
@@ -496,10 +513,14 @@ class Trainer(Evaluation):
                     self.step - 1
                 )
                 if (self.step % self.cfg.save_every == 0 and boundary) or self.step == self.cfg.num_steps:
+                    if self.store is not None:
+                        self.store.clear()  # states are not saved: a resumed run captures afresh, as this one now
                     self.save_checkpoint()
                 done.append(m)
                 if on_step is not None:
                     on_step(m)
+        if self.store is not None:
+            self.store.clear()
         if self.ranks.main:
             self.export()
         return done

@@ -40,6 +40,7 @@ from ..tasks import Example
 from ..trajectory import replay_segments
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
+from .staleness import StateStore
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,13 @@ def policy_update(
     meter: MemoryMeter,
     ranks=None,
     before_last_backward=None,
+    store: StateStore | None = None,
 ) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
     `ranks` (`longstraw.distributed.ranks.Ranks`, N processes): this rank's share of the replays (see the module doc).
     `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
-    there: `longstraw.distributed.gradient_sync`); the same point on every rank."""
+    there: `longstraw.distributed.gradient_sync`); the same point on every rank. `store`: the prompt states kept across
+    steps (`recapture_every`, `longstraw.train.staleness`), which the update reads and leaves to the store."""
     masks = [loss_mask(r, settings) for r in rollout.responses]
     lengths = [int(m.sum()) for m in masks]
     norm = loss_fn.normalizer(lengths, rollout.group_ids, settings.max_completion_length)
@@ -116,14 +119,19 @@ def policy_update(
         state = head.state
         if state is None:
             with meter.stage("capture"):
-                state = capture(
-                    model,
-                    head.prompt_ids[: ctx.length],
-                    chunk_size=settings.chunk_size,
-                    prompt_grad=settings.prompt_grad,
-                    state_dtype=settings.state_dtype,
-                    group=ranks.pg if parallel else None,
-                )
+
+                def fresh(prefix=head.prompt_ids[: ctx.length]) -> PromptState:
+                    return capture(
+                        model,
+                        prefix,
+                        chunk_size=settings.chunk_size,
+                        prompt_grad=settings.prompt_grad,
+                        state_dtype=settings.state_dtype,
+                        group=ranks.pg if parallel else None,
+                    )
+
+                # a later iteration of the batch (`num_iterations`): a kept state, if it is still young enough
+                state = fresh() if store is None else store.get(head.prompt_ids[: ctx.length], fresh)
         with meter.stage("replay"):
             exact = state.prompt_grad == "exact"
             for r, b in enumerate(ctx.rows):
@@ -164,7 +172,8 @@ def policy_update(
             if exact and c == last_context and before_last_backward is not None:
                 before_last_backward()
             state.backward()  # exact mode: the shared prompt's gradient, summed over its rows (nothing when detached)
-            state.release()
+            if store is None or not store.owns(state):
+                state.release()
         for b in ctx.rows:
             rollout.groups[b].state = None
     if parallel:
