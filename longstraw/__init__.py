@@ -11,7 +11,8 @@ Public surface (docs/design.md):
     report = longstraw.check(model)    # self-check against the unmodified model: report.ok, worst errors
 
 Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Trainer` with
-`longstraw.train.config.TrainConfig`, the `longstraw` command line.
+`longstraw.train.config.TrainConfig`, the same trainer in TRL's shape (`longstraw.GRPOTrainer`, `longstraw.GRPOConfig`:
+`longstraw.train.trl_shape`), the `longstraw` command line.
 """
 
 from ._moved import install as _install_moved
@@ -27,6 +28,8 @@ _install_moved()  # the old paths of moved modules (one release, with a warning)
 
 __all__ = [
     "CheckReport",
+    "GRPOConfig",
+    "GRPOTrainer",
     "PromptState",
     "Replay",
     "UnsupportedArchitectureError",
@@ -36,3 +39,13 @@ __all__ = [
     "tested_families",
     "unprepare",
 ]
+
+
+def __getattr__(name: str):
+    """`GRPOTrainer`, `GRPOConfig` on first use (the trainer tier loads transformers and PEFT: `import longstraw` does
+    not)."""
+    if name in ("GRPOConfig", "GRPOTrainer"):
+        from .train import trl_shape
+
+        return getattr(trl_shape, name)
+    raise AttributeError(f"module 'longstraw' has no attribute {name!r}")

@@ -61,19 +61,26 @@ def load_rows(path: str | Path, tokenizer=None) -> list[Example]:
         raise FileNotFoundError(f"dataset {path} does not exist")
     if path.is_file() and path.suffix not in TABLE_SUFFIXES:
         return load_jsonl(path, tokenizer)
-    table = _table(path)
-    if not any(c in table.column_names for c in ("prompt", "messages")):
+    return table_rows(_table(path), f"dataset {path}", tokenizer)
+
+
+def table_rows(table, where: str, tokenizer=None) -> list[Example]:
+    """The examples of a `datasets.Dataset` (or any sequence of row dicts) in memory; `where` names it in errors
+    ("dataset data.parquet", "train_dataset")."""
+    columns = getattr(table, "column_names", None)
+    if columns is not None and not any(c in columns for c in ("prompt", "messages")):
         raise ValueError(
-            f'dataset {path}: its columns are {table.column_names}; a row needs a "prompt" (text) or "messages" '
-            "(a chat) column"
+            f'{where}: its columns are {columns}; a row needs a "prompt" (text or a chat) or "messages" (a chat) column'
         )
-    out = [parse_row(_present(row), f"{path} row {i}", tokenizer) for i, row in enumerate(table)]
+    out = [parse_row(_present(row), f"{where} row {i}", tokenizer) for i, row in enumerate(table)]
     if not out:
-        raise ValueError(f"dataset {path} is empty")
+        raise ValueError(f"{where} is empty")
     return out
 
 
-def _present(row: dict) -> dict:
+def _present(row) -> dict:
     """A table row without the columns it leaves empty: a table with both a `prompt` and a `messages` column holds
     one of them per row, the other null (as JSONL rows omit the field)."""
+    if not isinstance(row, dict):
+        return row  # parse_row names what it is not
     return {k: v for k, v in row.items() if v is not None}

@@ -2,6 +2,7 @@
 
     {"prompt": "k3 v1 k7 v5 ? k3 =", "answer": "v1"}
     {"messages": [{"role": "user", "content": "..."}], "answer": "v1", "difficulty": 2}
+    {"prompt": [{"role": "user", "content": "..."}], "answer": "v1"}     (TRL's conversational format)
 
 A `messages` row is formatted with the tokenizer's chat template, generation prompt added (the text the
 model continues). Every other field (`answer`, `difficulty`, ...) is handed to the reward functions as
@@ -47,13 +48,14 @@ def parse_row(row, where: str, tokenizer=None) -> Example:
     if answer is not None and not isinstance(answer, str):
         raise ValueError(f'{where}: "answer" must be a string')
     columns = {k: v for k, v in row.items() if k not in (*PROMPT_FIELDS, "answer")}
-    if has == ["prompt"]:
+    messages = row.get("messages")
+    if has == ["prompt"] and isinstance(row["prompt"], list):  # TRL's conversational format: the chat as `prompt`
+        messages = row["prompt"]
+    elif has == ["prompt"]:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
-            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+            raise ValueError(f'{where}: "prompt" must be a non-empty string or a chat (a list of messages)')
         return Example(row["prompt"], answer, columns=columns, source=where)
-    return Example(
-        _chat(tokenizer, row["messages"], where), answer, messages=row["messages"], columns=columns, source=where
-    )
+    return Example(_chat(tokenizer, messages, where), answer, messages=messages, columns=columns, source=where)
 
 
 def load_jsonl(path: str | Path, tokenizer=None) -> list[Example]:

@@ -33,9 +33,12 @@ def tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32).to(dtype)
 
 
-def build_model_and_tokenizer(cfg: TrainConfig):
+def build_model_and_tokenizer(cfg: TrainConfig, model=None, tokenizer=None, peft_config=None):
     """(model, tokenizer): a built-in tiny model with the task tokenizer, or a local folder; LoRA-wrapped
-    with `lora: true`."""
+    with `lora: true`. `model`: a transformers model object instead (trained in its own dtype, moved to the config's
+    device), `tokenizer` its tokenizer (default: the one in `cfg.model`'s folder); `peft_config`: a PEFT config to
+    wrap the model with instead of the config's `lora_*` fields. A built-in tiny model always has its task's
+    tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
     from .devices import resolve_device, resolve_dtype
@@ -43,7 +46,10 @@ def build_model_and_tokenizer(cfg: TrainConfig):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tok: PreTrainedTokenizerBase  # the task's word-level tokenizer, or the model folder's
-    if cfg.model in TINY_CONFIGS:
+    model_is_tiny = model is None and cfg.model in TINY_CONFIGS
+    if model is not None:
+        tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(cfg.model)
+    elif cfg.model in TINY_CONFIGS:
         opts = cfg.task_options
         tok = build_tokenizer(
             num_keys=opts.get("num_keys", 64),
@@ -57,7 +63,7 @@ def build_model_and_tokenizer(cfg: TrainConfig):
             raise ValueError(
                 f"model {cfg.model!r} is neither a built-in tiny architecture {sorted(TINY_CONFIGS)} nor a local folder"
             )
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         # a field the config does not have would be kept and never read (a silent no-op): refused by name
         unknown = sorted(k for k in cfg.model_overrides if k not in config.to_dict())
@@ -69,16 +75,22 @@ def build_model_and_tokenizer(cfg: TrainConfig):
     model = model.to(device)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses could never stop")
-    if cfg.lora:
-        from peft import LoraConfig, get_peft_model
+    if peft_config is None and cfg.lora:
+        from peft import LoraConfig
 
         extra = ["embed_tokens", "lm_head"] if cfg.train_embeddings else None
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, modules_to_save=extra
-            ),
+        peft_config = LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, modules_to_save=extra
         )
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        if model_is_tiny:  # its init, adapter included, follows the seed `tiny_base` set
+            model = get_peft_model(model, peft_config)
+        else:
+            with torch.random.fork_rng(devices=[]):  # the adapter's random init from the seed, whatever ran before
+                torch.manual_seed(cfg.seed)
+                model = get_peft_model(model, peft_config)
     return model.train(), tok
 
 

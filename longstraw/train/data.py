@@ -71,15 +71,17 @@ def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Ex
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def build_data(cfg, tokenizer=None) -> Data:
-    """The run's data; a dataset's rows are parsed (and chats formatted with `tokenizer`) here, before any step."""
-    if cfg.dataset is not None:
-        rows = load_rows(cfg.dataset, tokenizer)
+def build_data(cfg, tokenizer=None, rows: list[Example] | None = None, eval_rows: list[Example] | None = None) -> Data:
+    """The run's data; a dataset's rows are parsed (and chats formatted with `tokenizer`) here, before any step.
+    `rows`, `eval_rows`: examples parsed already (a `datasets.Dataset` handed to `longstraw.train.trl_shape`'s
+    `GRPOTrainer`), instead of the config's `dataset`, `eval_dataset`."""
+    if rows is not None or cfg.dataset is not None:
+        rows = rows if rows is not None else load_rows(cfg.dataset, tokenizer)
+        if eval_rows is None and cfg.eval_dataset is not None:
+            eval_rows = load_rows(cfg.eval_dataset, tokenizer)
         q = cfg.rows_per_context
-        if cfg.eval_dataset is not None:
-            return Data(
-                None, rows if q is None else rows_by_context(rows, q), cfg.seed, load_rows(cfg.eval_dataset, tokenizer)
-            )
+        if eval_rows is not None:
+            return Data(None, rows if q is None else rows_by_context(rows, q), cfg.seed, eval_rows)
         train, held = split_rows(rows, cfg.eval_fraction, cfg.seed)
         return Data(None, train if q is None else rows_by_context(train, q), cfg.seed, held)
     task = TASKS[cfg.task](**cfg.task_options)

@@ -73,15 +73,31 @@ class Trainer(Evaluation):
 
     `reward_funcs`: callables `(prompts, completions, **kwargs) -> list[float]` (TRL's signature) to use
     instead of the config's. `rollout_func`: a rollout hook (`longstraw.train.rollout.RolloutStage`) instead of
-    the config's `rollout_func` import path.
+    the config's `rollout_func` import path. `model`, `tokenizer`, `peft_config`: a model object (its folder in
+    `cfg.model`, which a resumed run's export and an FSDP export rebuild it from), its tokenizer and a PEFT config,
+    instead of the config's model and `lora_*` fields; `rows`, `eval_rows`: parsed examples instead of the config's
+    `dataset`, `eval_dataset` (`longstraw.train.build.build_model_and_tokenizer`, `longstraw.train.data.build_data`;
+    the TRL-shaped `longstraw.train.trl_shape.GRPOTrainer` passes them).
     """
 
     #: keyword arguments of the command line's evaluation table (`before`, `counts`), set by
     #: `longstraw.commands.training.run_training`
     eval_summary: dict
 
-    def __init__(self, cfg: TrainConfig, reward_funcs=None, rollout_func=None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        reward_funcs=None,
+        rollout_func=None,
+        *,
+        model=None,
+        tokenizer=None,
+        peft_config=None,
+        rows: list[Example] | None = None,
+        eval_rows: list[Example] | None = None,
+    ):
         self.cfg = cfg
+        self.peft_config = peft_config
         from .devices import resolve_device
 
         # one process, or a rank of a process group (the default group, or one started from torchrun's environment)
@@ -90,7 +106,7 @@ class Trainer(Evaluation):
             torch.set_num_threads(cfg.threads)
         elif self.ranks.size > 1 and resolve_device(cfg.device).type == "cpu":
             torch.set_num_threads(1)
-        self.model, self.tok = build_model_and_tokenizer(cfg)
+        self.model, self.tok = build_model_and_tokenizer(cfg, model, tokenizer, peft_config)
         # every rank starts from rank 0's trainable weights (randomly initialised adapters may differ)
         self.ranks.broadcast_params(
             [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
@@ -106,7 +122,7 @@ class Trainer(Evaluation):
             layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
             in_layers = [p for p in layers.parameters() if p.requires_grad]
             shard(self.model, float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers))
-        self.data = build_data(cfg, self.tok)
+        self.data = build_data(cfg, self.tok, rows, eval_rows)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
@@ -443,7 +459,7 @@ class Trainer(Evaluation):
     def export(self) -> dict[str, Path]:
         """The final model folders (`longstraw.train.export`)."""
         base_model = base_path = None
-        if self.cfg.lora:
+        if self.cfg.lora or self.peft_config is not None:
             if self.cfg.model in TINY_CONFIGS:
                 base_model = tiny_base(self.cfg, self.tok)
             else:
@@ -478,7 +494,7 @@ class Trainer(Evaluation):
         if read_trainer_state(ckpt)["step"] != self.step:
             raise RuntimeError(f"export: the last checkpoint {ckpt} is not of the final step {self.step}")
         with torch.random.fork_rng(devices=[]):  # rank 0's random streams stay those of the other ranks
-            model, _ = build_model_and_tokenizer(self.cfg)
+            model, _ = build_model_and_tokenizer(self.cfg, peft_config=self.peft_config)
         with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
             load_full_tensors(
                 [(n, p) for n, p in model.named_parameters() if p.requires_grad], weights, f"export from {ckpt}"

@@ -1,0 +1,375 @@
+"""The trainer in TRL's shape: `GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)`.
+
+A TRL script changes its import and little else:
+
+    from datasets import load_dataset
+    from longstraw import GRPOConfig, GRPOTrainer   # was: from trl import GRPOConfig, GRPOTrainer
+
+    dataset = load_dataset("json", data_files="rows.jsonl", split="train")   # a "prompt" column (text or a chat)
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(c)) for c in completions]
+
+    trainer = GRPOTrainer(
+        model="path/to/model",                 # a local folder, or a transformers model object
+        reward_funcs=reward_len,
+        args=GRPOConfig(output_dir="run", learning_rate=1e-5, longstraw={"chunk_size": 4096}),
+        train_dataset=dataset,
+    )
+    trainer.train()
+
+`GRPOConfig` holds TRL's names for what longstraw does the same way, with TRL 1.16's defaults (learning rate 1e-6,
+G = 8, 512 completion tokens, linear decay, seed 42, ...), and `longstraw`: `TrainConfig` fields TRL has no name for
+(`chunk_size`, `prompt_grad`, `share_prefixes`, `recapture_every`, `state_dtype`, `threads`, `device`, ...). A
+`trl.GRPOConfig` is read the same way; a TRL option longstraw does not do (vLLM generation, fp16, a generation batch
+spanning several optimizer steps, ...) is refused by name rather than ignored. How the names map:
+
+- one optimizer step = one generation batch of `per_device_train_batch_size × gradient_accumulation_steps × processes`
+  completions, `/ num_generations` prompts (`prompts_per_step`), as in TRL when `steps_per_generation` is its default;
+- `max_steps` (or, at -1, `num_train_epochs` over the dataset: ⌊rows / prompts_per_step⌋ · `num_iterations` steps an
+  epoch), `save_steps` → `save_every`, `lr_scheduler_type`, `warmup_steps` / `warmup_ratio`, `adam_beta1/2`,
+  `gradient_checkpointing` → `checkpoint_layers` (the replay's activation checkpointing), `bf16` → `dtype`;
+- `peft_config` → the adapter (none: full fine-tuning, as in TRL); `eval_dataset` → the held-out rows (none: the end
+  of the run scores the training rows); `logging_steps` is accepted and moot (metrics.jsonl gets every step).
+
+Datasets: a `datasets.Dataset`, a list of row dicts, or a path (any format of `longstraw.tasks.dataset_files`),
+rows as `longstraw.tasks.jsonl` describes them (TRL's conversational `prompt` included); reward functions: callables
+with TRL's signature, or longstraw's names and import paths. `train()` runs `Trainer.train` (resuming from the latest
+checkpoint in `output_dir`) and returns each step's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..tasks import Example
+from ..tasks.dataset_files import load_rows, table_rows
+from ..testing.models import TINY_CONFIGS
+from .config import TrainConfig
+from .trainer import Trainer
+
+_LR_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+
+
+@dataclass
+class GRPOConfig:
+    """TRL's `GRPOConfig` names (TRL 1.16 defaults) that mean the same here, and `longstraw`: `TrainConfig` fields by
+    their own names. Validated at construction; `train_config(...)` gives the `TrainConfig` of a run."""
+
+    output_dir: str | None = None
+    learning_rate: float = 1e-6
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
+    num_generations: int = 8
+    max_completion_length: int = 512
+    max_steps: int = -1
+    num_train_epochs: float = 3.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = 0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: str = "dapo"
+    scale_rewards: str | bool = "group"
+    importance_sampling_level: str = "token"
+    mask_truncated_completions: bool = False
+    reward_weights: list[float] | None = None
+    entropy_coef: float = 0.0
+    use_bias_correction_kl: bool = True
+    seed: int = 42
+    max_grad_norm: float = 1.0
+    warmup_steps: int | float = 0
+    warmup_ratio: float | None = None
+    lr_scheduler_type: str = "linear"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    save_steps: int | float = 500
+    logging_steps: int | float = 10
+    bf16: bool | None = None
+    gradient_checkpointing: bool = False
+    report_to: str | list[str] | None = "none"
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+    use_cpu: bool = False
+    use_vllm: bool = False
+    #: `TrainConfig` fields with no TRL name, e.g. {"chunk_size": 4096, "share_prefixes": True, "threads": 2}
+    longstraw: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _refuse(self, "GRPOConfig")
+        own = set(TrainConfig.field_names()) - set(_SET_BY_TRL) - {"model", "dataset", "eval_dataset"}
+        bad = sorted(set(self.longstraw) - own)
+        if bad:
+            named = {k: _SET_BY_TRL[k] for k in bad if k in _SET_BY_TRL}
+            raise ValueError(
+                f"GRPOConfig.longstraw: {bad} are not TrainConfig fields TRL has no name for"
+                + (f" (set them by their TRL names: {named})" if named else "")
+                + f"; the fields: {sorted(own)}"
+            )
+        if self.steps_per_generation not in (None, self.gradient_accumulation_steps):
+            raise ValueError(
+                "GRPOConfig: steps_per_generation other than gradient_accumulation_steps (one generation batch for "
+                "several optimizer steps) is not done by longstraw; for several updates per batch use num_iterations"
+            )
+        if self.lr_scheduler_type not in _LR_SCHEDULERS:
+            raise ValueError(
+                f"GRPOConfig: lr_scheduler_type {self.lr_scheduler_type!r}: one of {sorted(_LR_SCHEDULERS)} here"
+            )
+        reports = _report_to(self.report_to)
+        if not set(reports) <= {"tensorboard"}:
+            raise ValueError(f"GRPOConfig: report_to {self.report_to!r}: only 'tensorboard' (or 'none') here")
+        if isinstance(self.save_steps, float) and self.save_steps < 1:
+            raise ValueError("GRPOConfig: save_steps as a fraction of the run is not done here: give a step count")
+        self.prompts_per_step(1)  # the batch arithmetic is checked now
+
+    def prompts_per_step(self, processes: int) -> int:
+        """Prompts of one optimizer step: its generation batch of completions over `num_generations`."""
+        batch = self.generation_batch_size or self.per_device_train_batch_size * self.gradient_accumulation_steps
+        batch = batch if self.generation_batch_size else batch * processes
+        if batch % self.num_generations:
+            raise ValueError(
+                f"GRPOConfig: the generation batch ({batch} completions: per_device_train_batch_size × "
+                f"gradient_accumulation_steps × processes) must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+        return batch // self.num_generations
+
+    def num_steps(self, rows: int, processes: int) -> int:
+        """`max_steps`, or `num_train_epochs` over `rows` dataset rows."""
+        if self.max_steps > 0:
+            return self.max_steps
+        per_epoch = max(rows // self.prompts_per_step(processes), 1) * self.num_iterations
+        return max(math.ceil(self.num_train_epochs * per_epoch), 1)
+
+    def train_config(self, model: str, rows: int, lora: dict | None) -> TrainConfig:
+        """The `TrainConfig` of a run of `rows` dataset rows on `model` (a folder or a built-in tiny name); `lora`:
+        the adapter's rank, alpha and target modules (None: full fine-tuning)."""
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        steps = self.num_steps(rows, processes)
+        warmup = self.warmup_steps
+        if self.warmup_ratio:
+            warmup = math.ceil(self.warmup_ratio * steps)
+        elif isinstance(warmup, float) and warmup < 1:  # transformers 5: a float below 1 is a ratio of the run
+            warmup = math.ceil(warmup * steps)
+        scale = self.scale_rewards
+        scale = ("group" if scale else "none") if isinstance(scale, bool) else scale
+        values: dict[str, Any] = dict(
+            model=model,
+            lora=lora is not None,
+            **(lora or {}),
+            output_dir=self.output_dir or "trainer_output",
+            learning_rate=self.learning_rate,
+            prompts_per_step=self.prompts_per_step(processes),
+            num_generations=self.num_generations,
+            max_completion_length=self.max_completion_length,
+            num_steps=steps,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or 0,
+            beta=self.beta,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            num_iterations=self.num_iterations,
+            loss_type=self.loss_type,
+            scale_rewards=scale,
+            importance_sampling_level=self.importance_sampling_level,
+            mask_truncated_completions=self.mask_truncated_completions,
+            reward_weights=list(self.reward_weights or []),
+            entropy_coef=self.entropy_coef,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            seed=self.seed,
+            max_grad_norm=self.max_grad_norm,
+            warmup_steps=int(warmup),
+            lr_scheduler=_LR_SCHEDULERS[self.lr_scheduler_type],
+            weight_decay=self.weight_decay,
+            adam_betas=[self.adam_beta1, self.adam_beta2],
+            save_every=int(self.save_steps),
+            dtype="auto" if self.bf16 is None else ("bf16" if self.bf16 else "fp32"),
+            checkpoint_layers=self.gradient_checkpointing,
+            report_to=_report_to(self.report_to),
+            log_completions=self.log_completions,
+            num_completions_to_print=self.num_completions_to_print or 0,
+            **({"device": "cpu"} if self.use_cpu else {}),
+            eval_fraction=0.0,  # TRL holds nothing out: without an eval_dataset the end scores the training rows
+        )
+        values.update(self.longstraw)
+        return TrainConfig(**values)
+
+    @classmethod
+    def from_trl(cls, args) -> GRPOConfig:
+        """This config read from a `trl.GRPOConfig` (or any object with its attribute names)."""
+        _refuse(args, "trl.GRPOConfig")
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values.pop("longstraw", None)
+        scheduler = values.get("lr_scheduler_type", "linear")
+        values["lr_scheduler_type"] = getattr(scheduler, "value", scheduler)  # transformers' SchedulerType enum
+        if values.get("steps_per_generation") is not None:  # TRL fills in both from the batch sizes
+            values["generation_batch_size"] = None
+        return cls(**values)
+
+
+#: TRL options longstraw does not implement, with the value that leaves each off (a `trl.GRPOConfig` holds them all)
+REFUSED = {
+    "use_vllm": False,
+    "fp16": False,
+    "delta": None,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "top_entropy_quantile": 1.0,
+    "sync_ref_model": False,
+    "use_liger_kernel": False,
+    "generation_kwargs": None,
+    "num_generations_eval": None,
+    "use_adaptive_entropy": False,
+    "off_policy_mask_threshold": None,
+    "multi_objective_aggregation": "sum_then_normalize",
+}
+
+#: TrainConfig fields set through TRL's names or GRPOTrainer's arguments → that name
+_SET_BY_TRL = {
+    "output_dir": "output_dir",
+    "learning_rate": "learning_rate",
+    "num_generations": "num_generations",
+    "max_completion_length": "max_completion_length",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "beta": "beta",
+    "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "num_iterations": "num_iterations",
+    "loss_type": "loss_type",
+    "scale_rewards": "scale_rewards",
+    "importance_sampling_level": "importance_sampling_level",
+    "mask_truncated_completions": "mask_truncated_completions",
+    "reward_weights": "reward_weights",
+    "entropy_coef": "entropy_coef",
+    "use_bias_correction_kl": "use_bias_correction_kl",
+    "seed": "seed",
+    "max_grad_norm": "max_grad_norm",
+    "warmup_steps": "warmup_steps",
+    "lr_scheduler": "lr_scheduler_type",
+    "weight_decay": "weight_decay",
+    "adam_betas": "adam_beta1, adam_beta2",
+    "save_every": "save_steps",
+    "dtype": "bf16",
+    "checkpoint_layers": "gradient_checkpointing",
+    "report_to": "report_to",
+    "log_completions": "log_completions",
+    "num_completions_to_print": "num_completions_to_print",
+    "prompts_per_step": "per_device_train_batch_size",
+    "num_steps": "max_steps",
+    "reward_funcs": "reward_funcs",
+    "lora": "peft_config",
+    "lora_r": "peft_config",
+    "lora_alpha": "peft_config",
+    "lora_target_modules": "peft_config",
+    "train_embeddings": "peft_config",
+}
+
+
+def _refuse(args, what: str) -> None:
+    """Stop on a TRL option set that longstraw does not do (rather than ignore it)."""
+    on = {k: getattr(args, k) for k in REFUSED if hasattr(args, k) and getattr(args, k) != REFUSED[k]}
+    if on:
+        raise ValueError(f"{what}: {on} not done by longstraw; leave them at { ({k: REFUSED[k] for k in on}) }")
+
+
+def _report_to(value) -> list[str]:
+    if value is None or value == "none" or value == ["none"]:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def dataset_rows(dataset, tokenizer, where: str) -> list[Example]:
+    """A `datasets.Dataset`, a list of row dicts or a path, as examples."""
+    if isinstance(dataset, str | Path):
+        return load_rows(dataset, tokenizer)
+    if isinstance(dataset, dict):
+        raise TypeError(f"{where}: a DatasetDict (or a dict): give one split, e.g. dataset['train']")
+    if not hasattr(dataset, "__len__"):
+        raise TypeError(f"{where}: an iterable dataset has no end to train epochs over: give a Dataset or a list")
+    return table_rows(dataset, where, tokenizer)
+
+
+class GRPOTrainer(Trainer):
+    """`Trainer` built from TRL's arguments (module doc). `model`: a local folder, a built-in tiny name, or a
+    transformers model object (trained as it is; its folder, or a copy saved to `OUTPUT/source_model` when it has
+    none, is what a resumed run's export reads); `processing_class`: its tokenizer (default: the folder's)."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | Any = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        rollout_func=None,
+    ):
+        if args is None:
+            args = GRPOConfig()
+        elif not isinstance(args, GRPOConfig):
+            args = GRPOConfig.from_trl(args)
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer: train_dataset is required (a Dataset, a list of rows, or a path)")
+        folder, obj = self._model(model, args)
+        tok = processing_class
+        if tok is None and folder not in TINY_CONFIGS:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(folder)
+        rows = dataset_rows(train_dataset, tok, "train_dataset")
+        held = None if eval_dataset is None else dataset_rows(eval_dataset, tok, "eval_dataset")
+        lora = None
+        if peft_config is not None:
+            targets = peft_config.target_modules
+            lora = dict(
+                lora_r=peft_config.r,
+                lora_alpha=int(peft_config.lora_alpha),
+                lora_target_modules=sorted(targets) if isinstance(targets, set | list) else targets,
+                train_embeddings=bool(peft_config.modules_to_save),
+            )
+        cfg = args.train_config(folder, len(rows), lora)
+        funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        super().__init__(
+            cfg,
+            reward_funcs=list(funcs),
+            rollout_func=rollout_func,
+            model=obj,
+            tokenizer=tok,
+            peft_config=peft_config,
+            rows=rows,
+            eval_rows=held,
+        )
+
+    @staticmethod
+    def _model(model, args: GRPOConfig) -> tuple[str, Any]:
+        """(the model's folder or built-in name, the model object or None)."""
+        if isinstance(model, str | Path):
+            name = str(model)
+            if name in TINY_CONFIGS or Path(name).is_dir():
+                return name, None
+            raise ValueError(
+                f"GRPOTrainer: model {name!r} is neither a local folder nor a built-in tiny architecture "
+                f"{sorted(TINY_CONFIGS)} (no hub downloads: download it first, or pass the model object)"
+            )
+        if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
+            raise TypeError("GRPOTrainer: model must be a folder path or a transformers model object")
+        source = getattr(model, "name_or_path", "") or ""
+        if source and Path(source).is_dir():
+            return source, model
+        folder = Path(args.output_dir or "trainer_output") / "source_model"
+        model.save_pretrained(folder)  # what an export rebuilds the base from (the object has no folder)
+        return str(folder), model

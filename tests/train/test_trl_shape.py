@@ -1,0 +1,205 @@
+"""The trainer in TRL's shape (`longstraw.GRPOTrainer`, `longstraw.GRPOConfig`): a TRL quick-start script with its
+import changed runs the `Trainer` run of the `TrainConfig` written out by hand from TRL's meanings, metric for metric.
+
+The references are independent of the mapping under test: the hand-written `TrainConfig` (what TRL's names mean, from
+TRL's docs), and TRL's own `GRPOConfig` for the batch arithmetic (its `generation_batch_size`)."""
+
+import json
+
+import pytest
+import torch
+
+from longstraw import GRPOConfig, GRPOTrainer
+from longstraw.tasks.jsonl import parse_row
+from longstraw.train.config import TrainConfig
+from longstraw.train.trainer import Trainer
+
+from .test_shared_prefix_step import DOC
+
+ROWS = [{"prompt": DOC + f" ? k{9 * q}", "answer": f"v{q % 16}", "level": q} for q in range(1, 7)]
+#: longstraw's own settings of the tiny runs (no TRL name): one thread, small chunks, no progress bar
+OWN = dict(threads=1, chunk_size=8, progress=False, eval_examples=2)
+
+
+def reward_len(completions, **kwargs):
+    """A reward of TRL's quick-start kind (its own scores the length): here the digits a completion writes."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def _reference(tmp_path, name, **kw) -> list[dict]:
+    """The `Trainer` run of the hand-written `TrainConfig` that the TRL arguments mean (on the rows as JSONL)."""
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = dict(
+        model="llama",
+        dataset=str(data),
+        eval_fraction=0.0,
+        output_dir=str(tmp_path / name),
+        lora=False,
+        learning_rate=1e-2,
+        num_generations=2,
+        prompts_per_step=2,
+        max_completion_length=4,
+        seed=7,
+        lr_scheduler="linear",
+        adam_betas=[0.9, 0.999],
+        save_every=500,
+        dtype="auto",
+        checkpoint_layers=False,
+        **OWN,
+    )
+    cfg.update(kw)
+    return Trainer(TrainConfig(**cfg), reward_funcs=[reward_len]).train()
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for key in ("loss", "reward", "grad_norm", "lr", "completion_length"):
+            assert x[key] == y[key], (key, x[key], y[key])
+
+
+def test_the_quick_start_script_runs_the_trainer_run_its_arguments_mean(tmp_path):
+    from datasets import Dataset
+
+    trainer = GRPOTrainer(
+        model="llama",
+        reward_funcs=reward_len,
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            learning_rate=1e-2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_generations=2,
+            max_completion_length=4,
+            max_steps=3,
+            seed=7,
+            longstraw=OWN,
+        ),
+        train_dataset=Dataset.from_list(ROWS),
+    )
+    assert trainer.cfg.prompts_per_step == 2  # 2 × 2 completions per step over G = 2
+    _same(trainer.train(), _reference(tmp_path, "ref", num_steps=3))
+    assert (tmp_path / "trl" / "model" / "config.json").is_file()  # no peft_config: full fine-tuning, as in TRL
+
+
+def test_epochs_count_steps_over_the_dataset_and_a_list_of_rows_is_a_dataset(tmp_path):
+    """6 rows, 2 prompts a step, μ = 2: an epoch is 6 steps; 0.5 epoch is 3 steps, warmup_ratio 0.34 → 2 steps."""
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        num_train_epochs=0.5,
+        num_iterations=2,
+        warmup_ratio=0.34,
+        seed=7,
+        longstraw=OWN,
+    )
+    trainer = GRPOTrainer(model="llama", reward_funcs=[reward_len], args=args, train_dataset=ROWS)
+    assert (trainer.cfg.num_steps, trainer.cfg.warmup_steps) == (3, 2)
+    _same(trainer.train(), _reference(tmp_path, "ref", num_steps=3, num_iterations=2, warmup_steps=2))
+
+
+def test_a_model_object_with_a_peft_config_trains_the_adapter_that_config_describes(tmp_path):
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.train.build import build_model_and_tokenizer
+
+    model, tok = build_model_and_tokenizer(TrainConfig(model="llama", lora=False, seed=7))
+    folder = tmp_path / "base"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    obj = AutoModelForCausalLM.from_pretrained(folder)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = GRPOTrainer(
+        model=obj,
+        reward_funcs=reward_len,
+        peft_config=lora,
+        processing_class=tok,
+        train_dataset=ROWS,
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            learning_rate=1e-2,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=4,
+            max_steps=2,
+            seed=7,
+            longstraw=OWN,
+        ),
+    )
+    out = trainer.train()
+    ref = _reference(
+        tmp_path,
+        "ref",
+        model=str(folder),
+        num_steps=2,
+        lora=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_target_modules=["q_proj", "v_proj"],
+        train_embeddings=False,
+    )
+    _same(out, ref)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "trl" / "adapter")
+    trained = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
+    loaded = {n: p for n, p in adapter.named_parameters() if "lora_" in n}
+    assert trained.keys() == loaded.keys() and len(trained) == 2 * 2 * 2  # A and B of q and v in two layers
+    for n, p in trained.items():
+        torch.testing.assert_close(loaded[n], p, rtol=0, atol=0)
+
+
+def test_trls_own_config_is_read_and_its_batch_arithmetic_kept():
+    trl = pytest.importorskip("trl")
+    args = trl.GRPOConfig(
+        output_dir="unused",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=4,
+        num_generations=6,
+        max_steps=5,
+        bf16=False,
+        use_cpu=True,
+        learning_rate=2e-5,
+    )
+    ours = GRPOConfig.from_trl(args)
+    assert ours.prompts_per_step(1) == args.generation_batch_size // args.num_generations == 2
+    cfg = ours.train_config("llama", rows=10, lora=None)
+    assert (cfg.num_steps, cfg.learning_rate, cfg.dtype, cfg.device) == (5, 2e-5, "fp32", "cpu")
+    assert cfg.checkpoint_layers == args.gradient_checkpointing
+    with pytest.raises(ValueError, match="use_vllm"):
+        GRPOConfig.from_trl(trl.GRPOConfig(output_dir="unused", use_vllm=True, bf16=False, use_cpu=True))
+
+
+def test_what_longstraw_does_not_do_is_refused_by_name():
+    with pytest.raises(ValueError, match="use_vllm"):
+        GRPOConfig(use_vllm=True)
+    with pytest.raises(ValueError, match="steps_per_generation"):
+        GRPOConfig(steps_per_generation=2)
+    with pytest.raises(ValueError, match="divisible by num_generations"):
+        GRPOConfig(per_device_train_batch_size=3, num_generations=2)
+    with pytest.raises(ValueError, match=r"set them by their TRL names: \{'learning_rate': 'learning_rate'\}"):
+        GRPOConfig(longstraw={"learning_rate": 1.0})
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        GRPOConfig(lr_scheduler_type="polynomial")
+    with pytest.raises(TypeError, match="DatasetDict"):
+        GRPOTrainer(model="llama", reward_funcs=reward_len, train_dataset={"train": ROWS})
+    with pytest.raises(ValueError, match="no hub downloads"):
+        GRPOTrainer(model="org/not-here", reward_funcs=reward_len, train_dataset=ROWS)
+
+
+def test_trls_conversational_prompt_is_a_chat_row():
+    from longstraw.tasks import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    chat = [{"role": "user", "content": "k3 v1 ? k3"}]
+    a = parse_row({"prompt": chat, "answer": "v1"}, "row", tok)
+    b = parse_row({"messages": chat, "answer": "v1"}, "row", tok)
+    assert (
+        (a.prompt, a.messages, a.answer)
+        == (b.prompt, b.messages, b.answer)
+        == ("<user>k3 v1 ? k3<assistant>", chat, "v1")
+    )
