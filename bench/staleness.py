@@ -6,10 +6,11 @@
 
 The many-questions documents task (`longstraw.tasks.documents.make_document_rows`: Q access-code questions about one
 document of about LENGTH tokens, in the chat template, the question last) trains as a `recapture_every: 8` run does:
-GRPO steps with LoRA (r 16, learning rate 1e-4, the real learning curve's settings), all Q rows of the document in
-each step, the document captured once at step 0 and read by every later step. Step 0's rollout is the probe: its
-rows' questions and sampled responses, with their GRPO advantages (if a group's rewards are all equal, its
-responses' weights are fixed draws of N(0, 1), as the table's `weights` column says).
+GRPO steps with LoRA (r 16, learning rate 1e-4, the real learning curve's settings; rewards `contains_answer` and
+`code_digits`, the fraction of the code's digits written in order, so that the policy moves from the first step), all
+Q rows of the document in each step, the document captured once at step 0 and read by every later step. Step 0's
+rollout is the probe: its rows' questions and sampled responses, with their GRPO advantages (if a group's rewards are
+all equal, its responses' weights are fixed draws of N(0, 1), as the table's `weights` column says).
 
 After A optimizer updates (A = the state's age: 0, 1, 2, 4, 8) the probe is replayed by the current weights twice:
 after the state captured at step 0 (what a run with `recapture_every > A` reads) and after a fresh capture of the
@@ -44,6 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def code_digits(prompts, completions, answer, **kwargs) -> list[float]:
+    """A dense reward beside `contains_answer`: the fraction of the code's digits the completion writes, in their
+    order (so that the run moves from its first step: Adam's step is about the learning rate whatever the gradient's
+    size, once the advantages are not all zero)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else c[0]["content"]
+        digits = [ch for ch in text if ch.isdigit()]
+        hit = sum(x == y for x, y in zip(digits, a))
+        out.append(hit / len(a))
+    return out
 
 
 def _probe_gradient(state, probe, params, temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -136,7 +150,9 @@ def main() -> None:
             save_every=10**6,
             seed=0,
         )
-        trainer = Trainer(cfg)
+        from longstraw.tasks.base import contains_answer
+
+        trainer = Trainer(cfg, reward_funcs=[contains_answer, code_digits])
         stage = trainer.rollout_stage
         seen = {}
         collect = stage.collect

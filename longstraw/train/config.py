@@ -65,6 +65,12 @@ class TrainConfig:
         "fraction of `dataset` rows held out for evaluation, chosen by `seed`, when no "
         "`eval_dataset` is given (0: evaluate on the training rows)",
     )
+    token_cache: str | None = _f(
+        "auto",
+        "folder where a dataset's prompts are tokenized once, into a memory-mapped Arrow file keyed by tokenizer and "
+        "rows (longstraw.tasks.token_cache): auto = $LONGSTRAW_CACHE/tokens (~/.cache/longstraw/tokens); null: "
+        "tokenize a prompt at every step that draws it",
+    )
     prompt_length: int = _f(256, "prompt length in tokens of built-in task examples (the last curriculum stage)")
     curriculum: list = _f(
         [],

@@ -34,6 +34,7 @@ from ..losses import combine_rewards, group_advantages
 from ..prompt_state import PromptState
 from ..sampler import Samples, sample
 from ..tasks import Example
+from ..tasks.token_cache import TokenCache
 from .memory import MemoryMeter
 from .rewards import RewardSet
 from .sharing import Context, shared_contexts, shared_fraction
@@ -54,13 +55,16 @@ class Policy:
     tokenizer: PreTrainedTokenizerBase
     eos_token_id: int
     allowed_token_ids: list[int] | None = None
+    #: the dataset's prompts tokenized once (`token_cache`); texts it does not hold are tokenized here
+    token_cache: TokenCache | None = None
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids `[P]` of a prompt (no special tokens added: a chat template writes its own)."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
+        cached = self.token_cache.ids(text) if self.token_cache is not None else None
+        ids = cached if cached is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 0:
             raise ValueError(f"prompt {text[:60]!r} encodes to no tokens")
-        return torch.tensor(ids, dtype=torch.long)
+        return ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
 
 
 @dataclass

@@ -41,7 +41,9 @@ import torch
 
 from ..distributed.ranks import setup_ranks
 from ..losses import make_loss
+from ..paths import cache_dir
 from ..tasks import Example
+from ..tasks.token_cache import TokenCache
 from ..testing.models import TINY_CONFIGS
 from .build import build_model_and_tokenizer, generator, lr_lambda, reward_set, tiny_base
 from .checkpoint import (
@@ -163,7 +165,7 @@ class Trainer(Evaluation):
         if cfg.restrict_to_answer_tokens and self.data.task is not None:
             ids = self.tok.convert_tokens_to_ids(self.data.task.answer_words())
             allowed = sorted(set(ids) | {self.eos})
-        self.policy = Policy(self.model, self.tok, self.eos, allowed)
+        self.policy = Policy(self.model, self.tok, self.eos, allowed, self._token_cache())
         device = next(self.model.parameters()).device
         if cfg.recapture_every > 1 and self.ranks.size > 1:
             raise ValueError(
@@ -500,6 +502,14 @@ class Trainer(Evaluation):
                 [(n, p) for n, p in model.named_parameters() if p.requires_grad], weights, f"export from {ckpt}"
             )
         return model
+
+    def _token_cache(self) -> TokenCache | None:
+        """The dataset's prompts tokenized once (`token_cache`; None for a built-in task, whose prompts are drawn)."""
+        if self.cfg.token_cache is None or self.data.rows is None:
+            return None
+        folder = cache_dir("tokens") if self.cfg.token_cache == "auto" else Path(self.cfg.token_cache)
+        texts = [ex.prompt for ex in [*self.data.rows, *(self.data.eval_rows or [])]]
+        return TokenCache(folder, self.tok, texts, progress=self.cfg.progress and self.ranks.main)
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:
