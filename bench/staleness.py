@@ -109,7 +109,12 @@ def main() -> None:
     ap.add_argument("--ages", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--redraw", action="store_true", help="rewrite the table and figure from the JSON")
     args = ap.parse_args()
+    if args.redraw:
+        out = RESULTS / f"staleness-{args.model}-{args.length}"
+        finish(json.loads(out.with_suffix(".json").read_text()), out, _plot, _table)
+        return
 
     from transformers import AutoTokenizer
 
@@ -238,14 +243,14 @@ def main() -> None:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| age (updates) | mean abs Δ log p | max abs Δ log p | NLL drift | ratio moved | past clip 0.2 | "
-        "gradient cosine | gradient norm ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "gradient cosine | gradient norm ratio | LoRA moved (L2) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['age']} | {r['mean_abs_dlogp']:.2e} | {r['max_abs_dlogp']:.2e} | {100 * r['nll_drift']:.3f} % | "
             f"{r['ratio_moved']:.2e} | {100 * r['past_clip']:.1f} % | {r['grad_cosine']:.5f} | "
-            f"{r['grad_norm_ratio']:.4f} |"
+            f"{r['grad_norm_ratio']:.4f} | {r['lora_moved']:.3f} |"
         )
     if rows:
         r = rows[0]
