@@ -45,3 +45,28 @@ def memory_time_figure(series, xlabel: str, ylabels: tuple[str, str], title: str
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+#: how a base model without a chat template (Gemma 3 270M) reads a one-message row: its text, then "Answer:"
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ '\\n' }}Answer:"
+
+
+def document_rows(tok, length: int, questions: int, seed: int, name: str) -> list[dict]:
+    """`longstraw.tasks.documents.make_document_rows` (Q questions about one document of about `length` tokens), as
+    chat rows, or as text rows formatted by `PLAIN_TEMPLATE` for a tokenizer without a chat template."""
+    import random
+
+    from longstraw.tasks.documents import make_document_rows, paragraphs
+
+    if tok.chat_template:
+        return make_document_rows(tok, paragraphs(), length, questions, random.Random(seed), name)
+    tok.chat_template = PLAIN_TEMPLATE
+    try:
+        rows = make_document_rows(tok, paragraphs(), length, questions, random.Random(seed), name)
+        return [
+            {**{k: v for k, v in r.items() if k != "messages"},
+             "prompt": tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)}
+            for r in rows
+        ]
+    finally:
+        tok.chat_template = None

@@ -29,26 +29,24 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import finish, record  # noqa: E402
+from _bench import document_rows, finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run_one(model: str, length: int, q: int, mode: str, G: int, R: int, threads: int, dtype: str) -> dict:
     """One measured GRPO step of Q rows of one document (in this process)."""
+
     from transformers import AutoTokenizer
 
-    from longstraw.tasks.documents import make_document_rows, paragraphs
     from longstraw.tools.real_models import model_path
     from longstraw.train.config import TrainConfig
     from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb
     from longstraw.train.trainer import Trainer
 
-    import random
-
     path = model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
-    rows = make_document_rows(tok, paragraphs(), length, q, random.Random(0), "document 0")
+    rows = document_rows(tok, length, q, 0, "document 0")
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "rows.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -66,7 +64,8 @@ def run_one(model: str, length: int, q: int, mode: str, G: int, R: int, threads:
         peak = peak_rss_mb()
     times = {k: v for k, v in m.items() if k.startswith("time_")}
     return dict(model=model, length=length, prompt_tokens=m["prompt_length"], Q=q, mode=mode, G=G, R=R,
-                threads=threads, dtype=dtype, wall_s=wall, step_mem_mb=peak - before, meter_step_mem_mb=m["step_mem_mb"],
+                threads=threads, dtype=dtype, wall_s=wall, step_mem_mb=peak - before,
+                meter_step_mem_mb=m["step_mem_mb"],
                 durable_mb=m["durable_bytes"] / 2**20, contexts=m["contexts"], shared_frac=m["prompt_shared_frac"],
                 capture_s=times.get("time_capture", 0.0), **times)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import finish, record  # noqa: E402
+from _bench import document_rows, finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -119,14 +118,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from longstraw import capture
-    from longstraw.tasks.documents import make_document_rows, paragraphs
     from longstraw.tools.real_models import model_path
     from longstraw.train.config import TrainConfig
     from longstraw.train.trainer import Trainer
 
     path = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
-    rows_in = make_document_rows(tok, paragraphs(), args.length, args.Q, random.Random(0), "document 0")
+    rows_in = document_rows(tok, args.length, args.Q, 0, "document 0")
     out = RESULTS / f"staleness-{args.model}-{args.length}"
     steps = max(args.ages)
     rows: list[dict] = []

@@ -22,3 +22,17 @@ def test_recipe_learns_its_reward_on_long_prompts():
     spec.loader.exec_module(recipe)
     rewards = recipe.main(steps=12, prompt_length=512, num_generations=8, max_new_tokens=8)
     assert sum(rewards[:3]) / 3 < 0.2 and sum(rewards[-3:]) / 3 > 0.6, rewards
+
+
+def test_trl_quickstart_runs_with_longstraws_import(tmp_path):
+    """The TRL-shaped script (examples/trl_quickstart.py) on the tiny model: 4 questions of a document over 2 steps,
+    its state captured once and reused (`recapture_every: 2`), each step's 2 rows reading the document once (the shared
+    fraction's bound with 2 rows is 1/2, less each row's own few-token question)."""
+    spec = importlib.util.spec_from_file_location("trl_quickstart", RECIPE.parent / "trl_quickstart.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main(model="llama", length=40, steps=2, output_dir=str(tmp_path / "run"))
+    assert [(m["state_captures"], m["state_reuses"], m["prompt_shared_frac"] > 0.45) for m in out] == [
+        (1, 0, True),
+        (0, 1, True),
+    ]

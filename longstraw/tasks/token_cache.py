@@ -92,7 +92,8 @@ class TokenCache:
         if row is None:
             return None
         column = self._reader.get_batch(row).column(0)
-        return torch.from_numpy(column.to_numpy(zero_copy_only=True)).long()
+        # A copy: the column lives in a read-only memory map, and callers may write the ids they get.
+        return torch.from_numpy(column.to_numpy(zero_copy_only=True).copy()).long()
 
     def __len__(self) -> int:
         return len(self.index)

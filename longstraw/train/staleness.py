@@ -7,8 +7,8 @@ A kept state was captured under older weights: its K/V (and recurrent states) ar
 step that captured it read it, while the responses are sampled and replayed by today's policy on top of it. The
 drift this brings, measured on SmolLM2 at P = 6K (`bench/staleness.py`, docs/training.md): after 7 real updates the
 replay's importance ratio moves 1.3 % on average and the gradient's cosine to a fresh capture's is 0.99995;
-`recapture_every: 1`, the default, captures every step, as before. Detached mode only: an exact prompt gradient is the gradient of the prompt's
-forward under the current weights.
+`recapture_every: 1`, the default, captures every step, as before. Detached mode only: an exact prompt gradient is
+the gradient of the prompt's forward under the current weights.
 
 The store holds the states its steps used: at the start of a step states k or more steps old go, at its end those
 the step did not read go (a document that comes back later is captured again). Memory: the states of one step's
