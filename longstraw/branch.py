@@ -41,16 +41,15 @@ from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
 from .kinds.base import BranchLayer
-from .ops.logprobs import chunked_logprobs
 from .sampler import (
     Replay,
     Samples,
     as_ids,
     banned_tokens,
     check_generator,
-    check_length,
     check_sampling,
     decode,
+    replay_tokens,
     sampling_fields,
 )
 
@@ -149,11 +148,12 @@ class Branch:
     ) -> Replay:
         """`PromptState.replay` after the branch: `[last_token] + response[:-1]` with autograd, the prompt and the
         branch's own tokens (and `prefix_ids`, run without autograd first) read as constants; a `Replay` of the
-        response's log-probs and entropies `[R]`. The branch is left as it was. One process only; the prompt state must
-        be detached (exact mode differentiates through what the branch holds: replay prompt + added whole)."""
+        response's log-probs and entropies `[R]`. The branch is left as it was. The prompt state must be detached
+        (exact mode differentiates through what the branch holds: replay prompt + added whole).
 
-        if self.group is not None:
-            raise NotImplementedError("Branch.replay runs in one process (a context-parallel state replays whole)")
+        Context parallelism: a collective, as `ContextParallelState.replay` is: every rank replays after the same
+        branch (the same tokens), each its own response; the attention against the prompt reads every rank's slice
+        and the branch's own K/V locally."""
         if self.state.prompt_grad != "detached":
             raise ValueError(
                 "Branch.replay reads the branch as constants: that is the detached replay; with prompt_grad='exact' "
@@ -163,24 +163,11 @@ class Branch:
             with self.fork() as child:
                 child.extend(as_ids(prefix_ids, "prefix_ids", self._parts.config.vocab_size, self.last_token.device))
                 return child.replay(response_ids, temperature, checkpoint_layers)
-        parts = self._parts
-        device = self.last_token.device
-        cache = self._cache(1)
-        last, start = self.last_token, self.length - 1
-        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
-        check_length(parts.config, start + 1 + response.numel())
-        inputs = torch.cat([last, response[:-1]])
-        positions = torch.arange(start, start + inputs.numel(), device=device)
-        hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
-        logprobs, entropy = chunked_logprobs(
-            hidden[0],
-            parts.lm_head,
-            response,
-            temperature=temperature,
-            softcap=parts.final_logit_softcapping,
-            scale=parts.logit_scale,
+        response = self.state._response(response_ids, checkpoint_layers, self.length)
+        cache = self.state._replay_cache(self)
+        return replay_tokens(
+            self._parts, self.last_token, self.length - 1, response, cache, temperature, checkpoint_layers
         )
-        return Replay(logprobs=logprobs, entropy=entropy)
 
     # ------------------------------------------------------------------ growth
     @torch.no_grad()

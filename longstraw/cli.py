@@ -150,7 +150,14 @@ def main(argv=None) -> int:
     )
     pl = sub.add_parser("plan", help="predict per-rank memory of a run from a model config; exit 1 if it does not fit")
     pl.add_argument("model", help="a model folder, a config.json, or a built-in tiny family name")
-    pl.add_argument("--P", type=int, required=True, help="prompt tokens")
+    pl.add_argument("--P", type=int, required=True, help="prompt tokens (with --row-suffix: the shared prefix)")
+    pl.add_argument(
+        "--row-suffix",
+        dest="row_suffix",
+        type=int,
+        default=0,
+        help="tokens each row adds after a prefix its rows share (its question; rows_per_context)",
+    )
     pl.add_argument("--G", type=int, default=8, help="responses per prompt")
     pl.add_argument("--R", type=int, default=256, help="tokens per response")
     pl.add_argument("--prompt-grad", dest="prompt_grad", choices=["detached", "exact"], default="detached")

@@ -26,8 +26,7 @@ from .model.chunking import auto_chunk_size
 from .model.prepare import prepare
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
-from .ops.logprobs import chunked_logprobs
-from .sampler import Replay, Samples, as_ids, check_length, sample
+from .sampler import Replay, Samples, as_ids, check_length, replay_tokens, sample
 
 #: token ids as the public functions take them: a 1-D (or `[1, T]`) integer tensor, or a sequence of ints
 TokenIds = torch.Tensor | Sequence[int]
@@ -170,19 +169,9 @@ class PromptState:
         if n:  # exact: one forward of prefix + response, the log-probs taken after the prefix
             response_ids = torch.cat([prefix, as_ids(response_ids, "response_ids", parts.config.vocab_size, device)])
         response = self._response(response_ids, checkpoint_layers)
-        inputs = torch.cat([self.last_token, response[:-1]])
+        cache = self._replay_cache()
         start = self.prompt_length - 1
-        positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
-        hidden = run_decoder(parts, inputs[None], positions, self._replay_cache(), checkpoint_layers=checkpoint_layers)
-        logprobs, entropy = chunked_logprobs(
-            hidden[0, n:],
-            parts.lm_head,
-            response[n:],
-            temperature=temperature,
-            softcap=parts.final_logit_softcapping,
-            scale=parts.logit_scale,
-        )
-        return Replay(logprobs=logprobs, entropy=entropy)
+        return replay_tokens(parts, self.last_token, start, response, cache, temperature, checkpoint_layers, skip=n)
 
     def _replay_after(self, prefix: torch.Tensor, response_ids, temperature: float, checkpoint_layers: bool) -> Replay:
         """Detached `replay` after `prefix` `[L]`: the prefix through the branch cache without autograd, then the
@@ -191,18 +180,19 @@ class PromptState:
             branch.extend(prefix)
             return branch.replay(response_ids, temperature, checkpoint_layers)
 
-    def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
+    def _response(self, response_ids, checkpoint_layers: bool, length: int | None = None) -> torch.Tensor:
         """The response of a replay as a 1-D LongTensor on the state's device, checked against the vocabulary and the
-        model's positions (`ContextParallelState` agrees it across the ranks)."""
+        model's positions after `length` tokens (default: the prompt's; a branch's replay gives its own)
+        (`ContextParallelState` agrees it across the ranks)."""
         parts = self._parts
         response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-        check_length(parts.config, self.prompt_length + response.numel())
+        check_length(parts.config, (self.prompt_length if length is None else length) + response.numel())
         return response
 
-    def _replay_cache(self) -> BranchCache:
-        """The cache a replay reads its prompt state through: each layer's branch (`ContextParallelState` reads the
-        sliced layers across the ranks)."""
-        return self._cache()
+    def _replay_cache(self, branch: Branch | None = None) -> BranchCache:
+        """The cache a replay reads its prompt state through: each layer's branch, or a snapshot of `branch`'s layers
+        (a replay after a branch of this state) (`ContextParallelState` reads the sliced layers across the ranks)."""
+        return self._cache() if branch is None else branch._cache(1)
 
     def fork(self, chunk_size: int | None = None) -> Branch:
         """A `longstraw.branch.Branch` of this state: one trajectory that grows by `extend` (tool output) and

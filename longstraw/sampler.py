@@ -22,6 +22,7 @@ import torch
 
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
+from .ops.logprobs import chunked_logprobs
 
 if TYPE_CHECKING:
     from .branch import Branch
@@ -100,6 +101,34 @@ class Replay:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+
+
+def replay_tokens(
+    parts,
+    last_token: torch.Tensor,
+    start: int,
+    response: torch.Tensor,
+    cache,
+    temperature: float,
+    checkpoint_layers: bool,
+    skip: int = 0,
+) -> Replay:
+    """The forward of a replay: `[last_token] + response[:-1]` `[1 + R − 1]` at positions `start, start + 1, ...`
+    through `cache` (the state a replay reads: a prompt's, a branch's), with autograd where it is enabled; the
+    log-probs and entropies of `response[skip:]` `[R − skip]` (the first `skip` tokens are a prefix read in the same
+    forward). The LM head runs in chunks (`longstraw.ops.logprobs`): no `[R, vocab]` tensor is saved."""
+    inputs = torch.cat([last_token, response[:-1]])
+    positions = torch.arange(start, start + inputs.numel(), device=inputs.device)
+    hidden = run_decoder(parts, inputs[None], positions, cache, checkpoint_layers=checkpoint_layers)
+    logprobs, entropy = chunked_logprobs(
+        hidden[0, skip:],
+        parts.lm_head,
+        response[skip:],
+        temperature=temperature,
+        softcap=parts.final_logit_softcapping,
+        scale=parts.logit_scale,
+    )
+    return Replay(logprobs=logprobs, entropy=entropy)
 
 
 def check_length(cfg, total: int) -> None:

@@ -92,7 +92,7 @@ class EnvironmentRollout:
         added = 0
         calls = failures = turns = 0
         stopped, truncated = "max_turns", False
-        with sampler.state.fork() as branch:
+        with sampler.fork() as branch:  # the row's prompt: its shared prefix's state and its own suffix
             if first:  # the environment's first observation: a tool message before the first turn
                 obs = torch.tensor([eos, *tool_message_ids(tok, "reset", str(first))])
                 if obs.numel() < budget and branch.length + obs.numel() < limit:

@@ -115,6 +115,7 @@ def cmd_plan(args) -> int:
             fsdp=args.fsdp,
             checkpoint_layers=args.checkpoint_layers,
             device_memory_gib=args.device_memory_gib,
+            row_suffix=args.row_suffix,
         )
     )
     print(result.to_json() if args.json else result)

@@ -18,6 +18,12 @@ per rank, in bytes:
   through an attention layer at once and the exact reverse pass keeps the slice's graph (`longstraw.distributed`):
   the slice, P / ranks, takes the chunk's place in both, except for the recurrent layers' intermediates
   (gated DeltaNet's chunked recurrence), which capture still holds for one chunk.
+Rows sharing a document (`longstraw.train.sharing`): `prompt_length` is the shared prefix, captured once for all the
+rows of the document, and `row_suffix` the tokens each row adds after it (its question). A row's suffix is read into a
+branch held while the row samples and replays (detached: its own K/V, `row_suffix` × the own K/V per token, beside the
+sampler's and the replay's transients), or replayed with each response (exact: its graph, as `row_suffix` more response
+tokens); the rows go one at a time, so the memory is one prefix state + one row's suffix growth, whatever the number
+of rows.
 `step` = durable state + state gradient + the largest transient: the memory a step adds to a loaded model
 and optimizer (what `longstraw compare` and the planner benchmark measure). `peak` adds weights and
 optimizer. The activation terms are estimates (documented per term); the state terms are exact.
@@ -71,6 +77,9 @@ class PlanConfig:
     checkpoint_layers: bool = False
     #: device memory per rank in GiB (None: no verdict)
     device_memory_gib: float | None = None
+    #: tokens a row adds after a prefix it shares with other rows (its question; `prompt_length` is then the shared
+    #: prefix, captured once); 0: rows do not share
+    row_suffix: int = 0
 
     def __post_init__(self):
         def need(ok, msg):
@@ -83,6 +92,7 @@ class PlanConfig:
                 continue
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
         need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank must be an int >= 0 (0: full)")
+        need(isinstance(self.row_suffix, int) and self.row_suffix >= 0, "row_suffix must be an int >= 0")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")
         need(self.dtype in ELEMENT_BYTES, f"dtype must be one of {sorted(ELEMENT_BYTES)}")
         need(self.state_dtype in (None, "fp8", "int8"), "state_dtype must be None, 'fp8' or 'int8'")
@@ -236,12 +246,18 @@ def plan(pc: PlanConfig) -> Plan:
     else:
         capture_transient = c * (own_per_token + act + ffn + recurrence) + attn_tile
     r, g = pc.completion_length, pc.num_generations
-    sampler = g * r * own_per_token + g * d["vocab"] * 4 * 2
+    # a sharing row's own suffix: a branch's own K/V held while it samples and replays (detached), or more tokens in
+    # each replay's graph (exact: the suffix runs with autograd in the response's forward)
+    branch = pc.row_suffix * own_per_token
+    sampler = branch + g * r * own_per_token + g * d["vocab"] * 4 * 2
     # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
     # gate / up / activation), about 2.5 × the live activations (calibrated on the dense benchmark model)
     graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"])
     saved = d["layers"] * (d["h"] * elem if pc.checkpoint_layers else graph) + (graph if pc.checkpoint_layers else 0)
-    replay_graph = r * (saved + own_per_token) + 4 * min(r, 1024) * min(d["vocab"], 32768)
+    replayed = r + pc.row_suffix if pc.prompt_grad == "exact" else r
+    replay_graph = replayed * (saved + own_per_token) + 4 * min(r, 1024) * min(d["vocab"], 32768)
+    if pc.prompt_grad == "detached":
+        replay_graph += branch
     # exact mode's reverse pass recomputes one chunk with autograd
     reverse_graph = c * (d["layers"] * graph + own_per_token) if pc.prompt_grad == "exact" else 0
     if pc.state_offload:
@@ -257,7 +273,7 @@ def plan(pc: PlanConfig) -> Plan:
             "31 % above the prediction); the verdict counts it twice"
         )
         peak += reverse_graph
-    note = position_note(cfg, pc.prompt_length)
+    note = position_note(cfg, pc.prompt_length + pc.row_suffix)
     if note is not None:
         notes.append(note)
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30

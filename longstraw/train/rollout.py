@@ -187,6 +187,15 @@ class TurnSampler:
             return fn()
         return self.ranks.from_main(name, fn)
 
+    def fork(self) -> Branch:
+        """A `Branch` of the row's prompt: the captured state's, with the row's own `suffix` (when the state is a
+        context shared with other rows) read into it. A collective on N processes, as `Branch.extend` is."""
+        branch = self.state.fork()
+        if self.suffix is not None:
+            with torch.no_grad():
+                branch.extend(self.suffix)
+        return branch
+
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings
         kw: dict[str, Any] = dict(
@@ -279,12 +288,30 @@ def reference_logprobs(
                 ]
         out: list[torch.Tensor | None] = [None] * len(responses)
         with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype, group=ranks.pg) as ref_state:
-            for i in ranks.spread(len(responses)):  # a collective: every rank replays as often (None: padding)
-                j = 0 if i is None else i
-                lp = ref_state.replay(responses[j].tokens, temperature=temperature, prefix_ids=after[j]).logprobs
-                if i is not None:
-                    out[i] = lp
+            # row by row (responses with the same suffix, consecutive): the row's suffix read into a branch on every
+            # rank (a collective), the row's responses spread over the ranks
+            start = 0
+            while start < len(responses):
+                end = start + 1
+                while end < len(responses) and _same_suffix(after[end], after[start]):
+                    end += 1
+                suffix = after[start]
+                with ref_state.fork() as branch:
+                    if suffix is not None:
+                        branch.extend(suffix)
+                    for i in ranks.spread(end - start):  # every rank replays as often (None: padding)
+                        j = start + (0 if i is None else i)
+                        lp = branch.replay(responses[j].tokens, temperature=temperature).logprobs
+                        if i is not None:
+                            out[j] = lp
+                start = end
         return out
+
+
+def _same_suffix(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
 @dataclass
@@ -315,21 +342,11 @@ class RolloutStage:
 
     def contexts(self, examples: list[Example], prompts: list[torch.Tensor]) -> list[Context]:
         """How the step's rows are captured: together where they share a prefix (`longstraw.train.sharing`), else
-        one by one. A detached context-parallel state does not read a row suffix in its replay yet: there, only rows
-        with equal prompts share."""
+        one by one."""
         if not self.share_prefixes:
             return [Context(p.numel(), (b,)) for b, p in enumerate(prompts)]
         keys = [_context_key(ex) for ex in examples]
-        contexts = shared_contexts(prompts, keys, self.min_shared_prefix, self.max_row_suffix)
-        if self.ranks is not None and self.ranks.size > 1 and self.prompt_grad == "detached":
-            whole = []
-            for c in contexts:
-                if all(prompts[b].numel() == c.length for b in c.rows):
-                    whole.append(c)
-                else:
-                    whole.extend(Context(prompts[b].numel(), (b,)) for b in c.rows)
-            contexts = whole
-        return contexts
+        return shared_contexts(prompts, keys, self.min_shared_prefix, self.max_row_suffix)
 
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
         prompts = [self.policy.encode(ex.prompt) for ex in examples]

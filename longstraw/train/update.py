@@ -139,7 +139,7 @@ def policy_update(
                 suffix: torch.Tensor | None = group.prompt_ids[ctx.length :]  # the row's own tokens after the prefix
                 row_state: PromptState | Branch = state
                 branch: Branch | None = None
-                if suffix is not None and suffix.numel() and not exact and not parallel:
+                if suffix is not None and suffix.numel() and not exact:
                     # detached: the row's question read once, into its own branch, which each response replays after
                     branch = state.fork()
                     with torch.no_grad():
@@ -151,7 +151,7 @@ def policy_update(
                     at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
                     last = before_last_backward if at_end and not exact else None
                     if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                        _padding_backward(state, group.responses[0], settings, last, suffix)
+                        _padding_backward(row_state, group.responses[0], settings, last, suffix)
                         continue
                     i = offsets[b] + k
                     _response_backward(

@@ -47,6 +47,16 @@ def _response(rank: int, n: int, round_: int) -> torch.Tensor:
     return tokens(RESPONSE_LENGTHS[r] + round_, seed=100 + 10 * round_ + r)
 
 
+#: the replay rounds of each case: plain, with activation checkpointing, and after a row's own suffix (`prefix_ids`:
+#: the tokens between a shared captured prefix and the response, read into a branch of the state without autograd)
+ROUNDS = 3
+SUFFIX = tokens(5, seed=77)
+
+
+def _prefix(round_: int) -> torch.Tensor | None:
+    return SUFFIX if round_ == 2 else None
+
+
 def _advantage(rank: int, length: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0 + rank, length)
 
@@ -61,9 +71,10 @@ def _tie_free_seed(arch: str, p: int, n: int) -> int:
     for seed in range(1, 40):
         prompt = tokens(p, seed=seed)
         try:
-            for round_ in range(2):
+            for round_ in range(ROUNDS):
                 for r in range(n):
-                    assert_tie_free(model, torch.cat([prompt, _response(r, n, round_)]))
+                    middle = [] if _prefix(round_) is None else [_prefix(round_)]
+                    assert_tie_free(model, torch.cat([prompt, *middle, _response(r, n, round_)]))
         except AssertionError:
             continue
         return seed
@@ -115,11 +126,12 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         for h in hooks:
             h.remove()
         rounds = []
-        for round_ in range(2):  # two replays of the same state: replays never write it
+        for round_ in range(ROUNDS):  # replays of the same state: replays never write it
             model.zero_grad(set_to_none=True)
             response = _response(rank, n, round_)
-            # the second with activation checkpointing: its backward recomputes each layer, collectives included
-            out = state.replay(response, checkpoint_layers=round_ == 1)
+            # the second with activation checkpointing: its backward recomputes each layer, collectives included;
+            # the third after a suffix (a collective branch of the state, replayed with its own K/V as constants)
+            out = state.replay(response, checkpoint_layers=round_ == 1, prefix_ids=_prefix(round_))
             (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
             grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
             for g in grads:  # the sum over the ranks' branches
@@ -218,7 +230,7 @@ def _reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block:
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=chunk, block_size=block)
     rounds = []
-    for round_ in range(2):
+    for round_ in range(ROUNDS):
         model.zero_grad(set_to_none=True)
         logprobs = _replay_branches(state, n, round_)
         # parameters no branch reaches (the DSA indexer runs without grad, experts no token routes to): zero
@@ -234,7 +246,7 @@ def _replay_branches(state, n: int, round_: int = 0) -> list[torch.Tensor]:
     logprobs = []
     for r in range(n):
         response = _response(r, n, round_)
-        out = state.replay(response)
+        out = state.replay(response, prefix_ids=_prefix(round_))
         (_advantage(r, response.numel()) * out.logprobs).sum().backward()
         logprobs.append(out.logprobs.detach())
     return logprobs

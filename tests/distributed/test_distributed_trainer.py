@@ -2,7 +2,8 @@
 
 One spawn of 2 ranks (forkserver, `file://` rendezvous, as tests/distributed/test_distributed.py) trains run A for 3 steps (a
 full-sequence supervised step, split over the ranks, then 2 GRPO steps of 2 prompts with G = 3 responses each, so
-rank 1 pads its replays, prompts recaptured for the update, beta > 0: reference log-probs) and run X (a replayed
+rank 1 pads its replays, the 2 prompts two questions of one document (a shared prefix captured once, each row's
+question read into a branch), prompts recaptured for the update, beta > 0: reference log-probs) and run X (a replayed
 supervised step, then GRPO with 1 prompt of G = 4 whose state serves the update, exact prompt gradients), then run B
 (A's config), in which rank 1 dies after step 2; a second spawn resumes B. The single-process references run in the
 test process. The ranks record every step's sampled responses, rewards and advantages and
@@ -39,7 +40,8 @@ def token_reward(prompts, completions, completion_ids, **kw) -> list[float]:
 
 
 #: run X's differences from A
-OTHER = dict(prompts_per_step=1, num_generations=4, sft_full_sequence=False, prompt_grad="exact", beta=0.0)
+OTHER = dict(prompts_per_step=1, num_generations=4, sft_full_sequence=False, prompt_grad="exact", beta=0.0,
+             rows_per_context=None)
 
 
 class CountingEnv:
@@ -76,7 +78,7 @@ def _cfg(out: str, **kw) -> TrainConfig:
                 reward_funcs=[f"{__name__}:token_reward"],
                 num_steps=STEPS, num_generations=3, max_completion_length=2, prompts_per_step=2, eval_examples=2,
                 progress=False, threads=1, learning_rate=1e-2, beta=0.05, lora=True, sft_warmup_steps=1,
-                dist_timeout=TIMEOUT_S)
+                dist_timeout=TIMEOUT_S, rows_per_context=2, min_shared_prefix=4)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -287,6 +289,11 @@ def test_two_processes_train_like_one(runs, run):
     assert all(w["advantages"].abs().max() > 0.1 for w in one["rollouts"])
     # the metrics every rank returns are the same; the losses are the single process's
     assert [r["loss"] for r in a0["rows"]] == [r["loss"] for r in a1["rows"]]
+    # run A's two rows of a step ask two questions of one document: captured once, each row's question read into a
+    # branch on every rank (sampling, detached replays, reference log-probs), as in one process
+    shared = [r.get("prompt_shared_frac") for r in a0["rows"] if r["phase"] == "grpo"]
+    assert shared == [r.get("prompt_shared_frac") for r in one["rows"] if r["phase"] == "grpo"]
+    assert all(0.4 < f < 0.5 for f in shared) if run == "A" else all(f == 0 for f in shared), shared  # 1 − 1/Q at most
     for got, want in zip(a0["rows"], one["rows"]):
         assert got["phase"] == want["phase"] and "skipped" not in got
         for key in ("loss", "entropy", "kl", "clip_ratio", "grad_norm", "reward"):
@@ -329,6 +336,8 @@ def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
         for g, w in zip(got, one["rollouts"]):
             assert torch.allclose(g["rewards"], w["rewards"]) and torch.allclose(g["advantages"], w["advantages"])
     assert all(w["advantages"].abs().max() > 0.1 for w in one["rollouts"])
+    # the step's two rows share their document: each trajectory starts from the shared state + its row's question
+    assert all(r["prompt_shared_frac"] > 0.2 for r in y0["rows"]), [r["prompt_shared_frac"] for r in y0["rows"]]
     grad_err = [_rel(g, w) for g, w in zip(y0["grads"], one["grads"])]
     assert len(grad_err) == 2 and max(grad_err) <= GRAD_TOL, grad_err
     assert all(torch.equal(y0["weights"][k], y1["weights"][k]) for k in y0["weights"])

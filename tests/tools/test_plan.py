@@ -118,3 +118,25 @@ def test_every_layer_kind_has_a_byte_formula():
     from longstraw.kinds.sizes import kinds_with_formulas
 
     assert registered_layer_types() == kinds_with_formulas()
+
+
+def test_row_suffix_adds_one_branch_of_own_state():
+    """Rows sharing a document (`row_suffix`): the durable state is the shared prefix's alone, and the sampler and the
+    detached replay each hold one row's suffix more, exactly the bytes of a branch extended by it
+    (`Branch.nbytes`, measured); exact mode replays the suffix with each response instead."""
+    model = make_model("llama")
+    cfg = model.config.get_text_config()
+    with torch.no_grad():
+        state = longstraw.capture(model, tokens(65, 1), chunk_size=32)
+        with state.fork() as branch:
+            branch.extend(tokens(20, 2))
+            own = branch.nbytes
+    base = plan(PlanConfig(cfg, 65, dtype="fp32"))
+    shared = plan(PlanConfig(cfg, 65, dtype="fp32", row_suffix=20))
+    assert shared.durable_state == base.durable_state == state.nbytes
+    assert own > 0
+    assert shared.sampler - base.sampler == own
+    assert shared.replay_graph - base.replay_graph == own
+    exact = plan(PlanConfig(cfg, 65, dtype="fp32", prompt_grad="exact", row_suffix=20))
+    longer = plan(PlanConfig(cfg, 65, dtype="fp32", prompt_grad="exact", completion_length=256 + 20))
+    assert exact.replay_graph == longer.replay_graph - 4 * 20 * min(cfg.vocab_size, 32768)

@@ -396,6 +396,13 @@ class ReplayBranchLayer(AttentionBranchLayer):
         super().__init__(None, None, prompt_length=prompt_length)
         self.info = info
 
+    def adopt(self, grown: AttentionBranchLayer) -> ReplayBranchLayer:
+        """Start after what a branch added to this layer (`grown`: the branch's `SampleBranchLayer`, its own K/V
+        `[1, Hkv, T, D]`): a replay after a branch reads those K/V as constants, the response's appended after them.
+        Returns self."""
+        self.keys, self.values, self.own_offset = grown.keys, grown.values, grown.own_offset
+        return self
+
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
         if q.shape[0] != 1:
             raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")

@@ -152,6 +152,13 @@ class DsaCaptureBranchLayer(LatentCaptureBranchLayer):
 class LatentReplayBranchLayer(_LatentOwn, ReplayBranchLayer):
     """`ReplayBranchLayer` of an MLA layer."""
 
+    def adopt(self, grown) -> LatentReplayBranchLayer:
+        """`ReplayBranchLayer.adopt`: the branch's own latents (and DSA indexer keys); the absorbed up-projections
+        are recomputed by the replay (with autograd)."""
+        super().adopt(grown)
+        self.index_keys = grown.index_keys
+        return self
+
 
 class LatentSampleBranchLayer(_LatentOwn, SampleBranchLayer):
     """`SampleBranchLayer` of an MLA layer."""

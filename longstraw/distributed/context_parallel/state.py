@@ -9,6 +9,7 @@ from typing import cast
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from ...branch import Branch
 from ...hf.cache import BranchCache
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...kinds.sliding_window import SlidingKVState
@@ -80,7 +81,7 @@ class ContextParallelState(PromptState):
             f"positions [{s}, {e}), {status})"
         )
 
-    def _response(self, response_ids, checkpoint_layers: bool) -> torch.Tensor:
+    def _response(self, response_ids, checkpoint_layers: bool, length: int | None = None) -> torch.Tensor:
         """`PromptState.replay`'s check of the response, as a collective: every rank's response length is agreed
         (with the replay's number, `checkpoint_layers` and grad mode, which must match), and an invalid response on
         any rank is refused on every rank."""
@@ -88,7 +89,7 @@ class ContextParallelState(PromptState):
         self._live()
         try:
             response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-            check_length(parts.config, self.prompt_length + response.numel())
+            check_length(parts.config, (self.prompt_length if length is None else length) + response.numel())
             mine, error = response.numel(), None
         except (ValueError, TypeError) as err:
             mine, error = -1, err
@@ -102,6 +103,7 @@ class ContextParallelState(PromptState):
                     "replay number": self._replays,
                     "checkpoint_layers": bool(checkpoint_layers),
                     "grad enabled": torch.is_grad_enabled(),
+                    "replayed after position": self.prompt_length if length is None else length,
                 },
                 free=(mine,),
             )
@@ -113,25 +115,20 @@ class ContextParallelState(PromptState):
             ) from error
         return response
 
-    def _replay_after(self, prefix, response_ids, temperature: float, checkpoint_layers: bool):
-        raise NotImplementedError(
-            "a detached context-parallel replay does not read a prefix between the prompt and the response yet: "
-            "capture the prompt with the prefix (or use prompt_grad='exact', which replays prefix + response whole)"
-        )
-
-    def _replay_cache(self) -> BranchCache:
+    def _replay_cache(self, branch: Branch | None = None) -> BranchCache:
         """The cache of a replay: sliced layers attend across the ranks' slices (`ReplayAttention`), the others read
-        their replicated state locally."""
+        their replicated state locally. After `branch` (a branch of this state, the same on every rank): the sliced
+        layers start from the branch's own K/V, the others from snapshots of the branch's layers."""
         start = self.prompt_length - 1
-        return BranchCache(
-            [
-                replay_branch(layer, ReplayInfo(self.group, self._lengths, layer), start)
-                if isinstance(layer, SliceKVState)
-                else layer.branch()
-                for layer in self._live()
-            ],
-            block=self.block,
-        )
+        grown = None if branch is None else branch._cache(1).layers
+        layers = []
+        for i, layer in enumerate(self._live()):
+            if isinstance(layer, SliceKVState):
+                replay = replay_branch(layer, ReplayInfo(self.group, self._lengths, layer), start)
+                layers.append(replay if grown is None else replay.adopt(grown[i]))
+            else:
+                layers.append(layer.branch() if grown is None else grown[i])
+        return BranchCache(layers, block=self.block)
 
     def backward(self) -> None:
         """Exact mode, a collective: push the gradient the replays accumulated on every rank's slice into the
