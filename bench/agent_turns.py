@@ -4,9 +4,10 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 `--tool-tokens` tokens (the last turn is the answer). Three ways to get the gradient of its masked log-prob sum
 (LoRA on the dense benchmark model, `longstraw.tools.compare.bench_model("dense")`), each in a fresh process:
 
-- `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one policy turn's graph at a time;
-- `exact`: the same with `prompt_grad="exact"` (the gradient also through the earlier turns, the tool output and the
-  prompt: the trajectory's own K/V as leaf buffers, then a reverse pass over the segments and the prompt's);
+- `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one segment's graph at a time, the
+  whole trajectory's gradient (its own K/V as leaf buffers, then a reverse pass over the segments), the prompt a
+  constant;
+- `exact`: the same with `prompt_grad="exact"` (the gradient also through the prompt: its reverse pass too);
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
 
@@ -76,8 +77,12 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
             (lp * mask).sum().backward()
     seconds = time.perf_counter() - t0
     res = meter.results()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # the trajectory's own K/V (float32 keys and values of every layer): the floor a replay of it holds once
+    own_kv = tokens.numel() * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
     return dict(method=method, turns=turns, P=P, trajectory_tokens=tokens.numel(), policy_tokens=int(mask.sum()),
-                backward_mem_mb=res["step_mem_mb"], seconds=round(seconds, 3),
+                backward_mem_mb=res["step_mem_mb"], own_kv_mb=round(own_kv / 2**20, 2), seconds=round(seconds, 3),
                 prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2), threads=threads)
 
 

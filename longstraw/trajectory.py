@@ -1,24 +1,27 @@
-"""Segmented replay: a multi-turn trajectory replayed one policy turn at a time against the prompt state.
+"""Segmented replay: a multi-turn trajectory replayed one segment at a time against the prompt state, with the
+gradient of replaying it whole.
 
 A trajectory after the prompt is `tokens` `[T]` with a `mask` `[T]` (1: the policy wrote it, 0: the environment did:
 tool output, observations). Its segments are the maximal runs of equal mask. `replay_segments` walks them in order
-on one branch cache forked from the prompt state (`longstraw.branch`):
+on one branch cache forked from the prompt state (`longstraw.branch`), each policy segment with autograd, its loss
+(`segment_loss`) back-propagated at once, environment segments without autograd; then a reverse pass recomputes the
+segments last to first with autograd and pushes the gradient that later segments sent to each one's own K/V (or
+recurrent states) back through it (`_Carry`).
 
-- an environment segment runs without autograd, `chunk_size` tokens at a time: it is never in a graph;
-- a policy segment runs with autograd, its log-probs go to `segment_loss`, whose result is back-propagated at once;
-  the branch's own state is then cut from the freed graph (`detach_own`) and read as a constant by what follows.
+The gradient is the whole trajectory's, whichever way it is replayed: one forward + backward of
+[prompt + trajectory] with the prompt read as the state holds it. With a detached prompt state (`prompt_grad=
+"detached"`, the LongStraw objective) the prompt is a constant and everything after it is differentiated: each turn
+through its own computation, the earlier turns and the tool output it reads (the reference is
+`longstraw.model.oracles.cache_reference_logprobs` over the whole trajectory, and `PromptState.replay` of it whole);
+with `prompt_grad="exact"` also through the prompt (its share left on the state's leaves for
+`PromptState.backward()`). The values are the model's either way: each token's log-prob equals the full-sequence
+forward's. Layer kinds the carry does not serve (DeepSeek-V4's compressed attention) replay whole: the same gradient,
+the whole trajectory's graph.
 
-With a detached prompt state the gradient is the detached one, turn by turn: each policy segment's log-probs are
-differentiated through that segment's own computation, the prompt and the earlier segments held as constants, as a
-transformers cache filled without grad would hold them (`longstraw.model.oracles.segmented_reference_logprobs` is that
-reference). With `prompt_grad="exact"` it is the full-sequence gradient (`_replay_exact`): through the earlier turns,
-the tool output and the prompt, as one forward + backward of [prompt + trajectory] would send it. The values are the
-model's either way: each token's log-prob equals the full-sequence forward's.
-
-Memory: the prompt state + the branch's own growth (the whole trajectory's K/V or states, without autograd; exact
-mode: twice that, with its gradient) + one segment's graph: independent of the number of turns and of G
-(trajectories are replayed one at a time). Work: every trajectory token runs once (exact mode: a second forward and a
-backward of the segments before the last turn).
+Memory: the prompt state + the trajectory's own K/V or states (without autograd) + their gradient (accumulated during
+the reverse pass) + one segment's graph: independent of G (trajectories are replayed one at a time); the graph does
+not grow with the number of turns. Work: every trajectory token runs once forward, and the segments before the last
+policy turn once more forward and backward.
 """
 
 from __future__ import annotations
@@ -114,28 +117,29 @@ def replay_segments(
     if m.numel() != response.numel():
         raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
     check_length(parts.config, state.prompt_length + response.numel())
-    if state.prompt_grad == "exact":
-        return _replay_exact(state, response, m, segment_loss, temperature, checkpoint_layers)
-    inputs = torch.cat([state.last_token, response[:-1]])
-    start = state.prompt_length - 1
     cache = state._cache(1)
-    for layer in cache.layers:  # sliding-window layers keep only the own K/V later tokens can read
-        if isinstance(layer, AttentionBranchLayer):
-            layer.trim = True
-    logprobs = torch.zeros(response.numel(), device=device)
-    entropy = torch.zeros(response.numel(), device=device)
-    parts_list = segments(m)
-    last_policy = max((i for i, seg in enumerate(parts_list) if seg.policy), default=-1)
-    for i, seg in enumerate(parts_list[: last_policy + 1]):  # environment tokens after the last turn: never read
-        if not seg.policy:
-            _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
-            continue
-        _run_policy(
-            parts, cache, inputs, response, start, seg, segment_loss, temperature, checkpoint_layers, logprobs, entropy
-        )
-        if i < last_policy:
-            detach_own(cache)
-    return Replay(logprobs=logprobs, entropy=entropy)
+    if not _Carry.serves(cache):  # the same gradient, the whole trajectory's graph
+        return _replay_whole(state, response, m, segment_loss, temperature, checkpoint_layers)
+    return _replay_carried(state, cache, response, m, segment_loss, temperature, checkpoint_layers)
+
+
+def _replay_whole(state, response, mask, segment_loss, temperature: float, checkpoint_layers: bool) -> Replay:
+    """The trajectory in one replay; each policy segment's loss taken on its slice of it, back-propagated together."""
+    out = state.replay(response, temperature=temperature, checkpoint_layers=checkpoint_layers)
+    losses = []
+    for seg in segments(mask):
+        if seg.policy:
+            sl = slice(seg.start, seg.end)
+            loss = segment_loss(sl, Replay(logprobs=out.logprobs[sl], entropy=out.entropy[sl]))
+            if loss is not None and loss.requires_grad:
+                losses.append(loss)
+    if losses:
+        torch.stack(losses).sum().backward()
+    on = mask > 0
+    zero = torch.zeros((), device=out.logprobs.device)
+    return Replay(
+        logprobs=torch.where(on, out.logprobs.detach(), zero), entropy=torch.where(on, out.entropy.detach(), zero)
+    )
 
 
 def _run_environment(parts, cache, inputs, start: int, seg: Segment, chunk: int) -> None:
@@ -179,7 +183,7 @@ def _run_policy(
     logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
 
 
-# ----------------------------------------------------------------------------------------- exact mode
+# ----------------------------------------------------------------------------------------- the carry
 
 
 #: per branch-layer class, the own tensors that grow along the trajectory: (attribute, token dimension)
@@ -190,15 +194,26 @@ _APPENDED = (
 
 
 class _Carry:
-    """Exact mode: what later segments read of one trajectory's own growth, as tensors that collect its gradient.
+    """What later segments read of one trajectory's own growth, as tensors that collect its gradient.
 
     Tensors that grow with the trajectory (attention keys and values `[1, Hkv, T, D]`, MLA latents `[1, 1, T, r + dr]`
     and DSA indexer keys `[1, T, Di]`): one buffer each for the whole trajectory (leaves that require grad); a segment
     reads the positions before it as a view of the buffer (its gradient lands in `buffer.grad`) and what it produced
     is copied in after its forward. Recurrent layers (linear attention, SSM, short convolutions): the states at each
     segment boundary as leaves (O(1) each); boundary 0 is the prompt state's own (exact-mode leaves of the
-    `PromptState`). Memory: 2 × the trajectory's own state + the boundary states.
+    `PromptState`). What the cache already held of its own when the carry was made (a `Branch`'s tokens: a row's
+    question after a shared document) is the buffers' first positions, constants the trajectory reads.
+    Memory: 2 × the trajectory's own state + the boundary states.
     """
+
+    @staticmethod
+    def serves(cache) -> bool:
+        """Whether every layer of `cache` is a kind the carry holds (attention, latent, recurrent, mixer-less)."""
+        return all(
+            isinstance(layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer))
+            and not isinstance(layer, CompressedBranchLayer)
+            for layer in cache.layers
+        )
 
     def __init__(self, cache, total: int):
         self.total = total
@@ -209,16 +224,20 @@ class _Carry:
                     self.appended[i] = attrs
                     break
         self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
-        for i, layer in enumerate(cache.layers):
-            served = isinstance(
-                layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer)
-            ) and not isinstance(layer, CompressedBranchLayer)
-            if not served:
-                raise NotImplementedError(
-                    f"segmented replay with prompt_grad='exact' does not serve layer {i} ({type(layer).__name__}) "
-                    "yet: use prompt_grad='detached' or replay the trajectory whole (segment_replay: false)"
-                )
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+        #: what each appended tensor held before the trajectory (a branch's own tokens; None: nothing), its length
+        #: along the token dimension, and the attention layers' trimmed positions before it
+        self.base: dict[tuple[int, str], torch.Tensor | None] = {}
+        self.kept: dict[tuple[int, str], int] = {}
+        self.offset: dict[int, int] = {}
+        for i, attrs in self.appended.items():
+            layer = cache.layers[i]
+            if isinstance(layer, AttentionBranchLayer):
+                self.offset[i] = layer.own_offset
+            for name, dim in attrs:
+                t = getattr(layer, name)
+                self.base[(i, name)] = t
+                self.kept[(i, name)] = 0 if t is None else t.shape[dim]
         self.initial = {i: snapshot(cache.layers[i]) for i in self.recurrent}
         self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
 
@@ -231,10 +250,14 @@ class _Carry:
         for i, attrs in self.appended.items():
             layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`_APPENDED`)
             if isinstance(layer, AttentionBranchLayer):
-                layer.trim, layer.own_offset = False, 0
+                layer.trim, layer.own_offset = False, self.offset[i]
             for name, dim in attrs:
-                buf = self.buffers.get((i, name))
-                setattr(layer, name, None if start == 0 or buf is None else self._slice(buf, dim, 0, start))
+                key = (i, name)
+                buf = self.buffers.get(key)
+                before = (
+                    self.base[key] if start == 0 or buf is None else self._slice(buf, dim, 0, self.kept[key] + start)
+                )
+                setattr(layer, name, before)
             if layer.values_alias:
                 layer.values = layer.keys
         for i in self.recurrent:
@@ -263,19 +286,24 @@ class _Carry:
                 own = getattr(layer, name)
                 if own is None:
                     continue
-                new = self._slice(own, dim, start, end)
                 key = (i, name)
+                k = self.kept[key]
+                new = self._slice(own, dim, k + start, k + end)
                 if first_pass:
                     if key not in self.buffers:
                         shape = list(new.shape)
-                        shape[dim % new.dim()] = self.total
-                        self.buffers[key] = new.new_zeros(shape).requires_grad_(True)
+                        shape[dim % new.dim()] = k + self.total
+                        self.buffers[key] = new.new_zeros(shape)
+                        base = self.base[key]
+                        if base is not None:
+                            self._slice(self.buffers[key], dim, 0, k).copy_(base)
+                        self.buffers[key].requires_grad_(True)
                     with torch.no_grad():
-                        self._slice(self.buffers[key], dim, start, end).copy_(new)
+                        self._slice(self.buffers[key], dim, k + start, k + end).copy_(new)
                 else:
                     buf = self.buffers[key]
                     if buf.grad is not None and new.requires_grad:
-                        out.append((new, self._slice(buf.grad, dim, start, end)))
+                        out.append((new, self._slice(buf.grad, dim, k + start, k + end)))
         if first_pass:
             nxt = {}
             for i in self.recurrent:
@@ -298,20 +326,20 @@ def _states(layer: RecurrentBranchLayer, which: str) -> dict[int, torch.Tensor |
     return layer.conv_states if which == "conv" else layer.recurrent_states
 
 
-def _replay_exact(
-    state: PromptState, response, mask, segment_loss, temperature: float, checkpoint_layers: bool = False
+def _replay_carried(
+    state, cache, response, mask, segment_loss, temperature: float, checkpoint_layers: bool = False
 ) -> Replay:
-    """Exact mode: the gradient of every policy segment's loss through the whole trajectory and the prompt, as one
-    full-sequence backward would send it. A first pass in order runs each segment (policy segments with autograd,
-    their loss back-propagated at once into the parameters and into the carry of what they read); a reverse pass
-    recomputes segments last to first with autograd and pushes the gradient accumulated on what each produced back
-    through it. The prompt's share stays on the prompt state's leaves for `PromptState.backward()`. Cost: about one
-    more forward + backward of the trajectory; memory: the carry (`_Carry`) + one segment's graph."""
+    """The whole trajectory's gradient of every policy segment's loss (see the module doc), through the earlier
+    segments, and with an exact prompt state through the prompt. A first pass in order runs each segment (policy
+    segments with autograd, their loss back-propagated at once into the parameters and into the carry of what they
+    read); a reverse pass recomputes segments last to first with autograd and pushes the gradient accumulated on what
+    each produced back through it. An exact prompt's share stays on the prompt state's leaves for
+    `PromptState.backward()`. Cost: about one more forward + backward of the trajectory before its last policy turn;
+    memory: the carry (`_Carry`) + one segment's graph."""
     parts = state._parts
     device = state.last_token.device
     inputs = torch.cat([state.last_token, response[:-1]])
     start = state.prompt_length - 1
-    cache = state._cache(1)
     carry = _Carry(cache, response.numel())
     logprobs = torch.zeros(response.numel(), device=device)
     entropy = torch.zeros(response.numel(), device=device)

@@ -1,7 +1,8 @@
 """Trajectories that grow after the prompt: a `Branch` forked from the prompt state (extend by tool output, sample
-the next turn) and segmented replay (one policy turn at a time against the prompt and the earlier turns), held to the
-unmodified model: its full-sequence log-probs and the detached cache reference per turn
-(`longstraw.model.oracles.segmented_reference_logprobs`). One model per layer kind."""
+the next turn) and segmented replay (one segment at a time, the whole trajectory's gradient), held to the unmodified
+model: its full-sequence log-probs and gradients, and its own cache filled under `no_grad` over the prompt with the
+whole trajectory after it differentiated (`longstraw.model.oracles.cache_reference_logprobs`, the detached
+objective). One model per layer kind."""
 
 import pytest
 import torch
@@ -32,18 +33,18 @@ def _grad_errors(params, got, ref):
 
 
 @pytest.mark.parametrize("arch", KINDS)
-def test_segmented_replay_equals_the_detached_reference_turn_by_turn(arch):
+def test_segmented_replay_equals_the_detached_reference_of_the_whole_trajectory(arch):
     """Log-probs of the policy tokens equal the full-sequence forward's (float32: 4 × eps32 of log-probs of O(1-10));
-    the accumulated gradient of Σ w·log-probs equals the per-turn cache reference's within `FP32_GRAD_TOL` (as
-    `test_equivalence` holds replay to it); environment tokens get log-prob 0 and no gradient of their own."""
+    the accumulated gradient of Σ w·mask·log-probs equals the detached reference's within `FP32_GRAD_TOL` (the
+    model's cache filled under `no_grad` over the prompt, the whole trajectory after it with grad: through the earlier
+    turns and the tool output; as `test_equivalence` holds replay to it); environment tokens get log-prob 0."""
     model = make_model(arch, False)
     params = [p for p in model.parameters() if p.requires_grad]
     prompt, response = tie_free_tokens(model, 19, MASK.numel(), seed=3)
-    w = torch.linspace(-1.0, 1.5, MASK.numel())
+    w = torch.linspace(-1.0, 1.5, MASK.numel()) * MASK
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
-        ref = segmented_reference_logprobs(model, prompt, response, MASK)
-        g_ref = torch.autograd.grad(sum((w[sl] * lp).sum() for sl, lp in ref), params, allow_unused=True)
-    assert [sl for sl, _ in ref] == [slice(s.start, s.end) for s in segments(MASK) if s.policy]
+        ref = cache_reference_logprobs(model, prompt, response)
+        g_ref = torch.autograd.grad((w * ref).sum(), params, allow_unused=True)
     state = longstraw.capture(model, prompt, chunk_size=5, block_size=4)
     for p in params:
         p.grad = None
@@ -54,7 +55,7 @@ def test_segmented_replay_equals_the_detached_reference_turn_by_turn(arch):
         return (w[sl] * out.logprobs).sum()
 
     out = replay_segments(state, response, MASK, loss)
-    assert seen == [sl for sl, _ in ref]
+    assert seen == [slice(s.start, s.end) for s in segments(MASK) if s.policy]
     with torch.no_grad():
         full = full_sequence_logprobs(model, prompt, response)
     on = MASK > 0
@@ -66,9 +67,10 @@ def test_segmented_replay_equals_the_detached_reference_turn_by_turn(arch):
         e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
 
 
-def test_segmented_replay_differs_from_whole_replay():
-    """The turn-by-turn gradient is not the whole-trajectory one (which also flows through the earlier turns and the
-    tool output): the test above would notice a replay that kept them in the graph."""
+def test_segmented_replay_equals_whole_replay_and_not_the_per_turn_gradient():
+    """Segmented = whole replay of the trajectory (`PromptState.replay`), the same detached objective, within
+    `FP32_GRAD_TOL`; and the per-turn truncated gradient (each turn with the earlier turns as constants,
+    `segmented_reference_logprobs`) is far from it, so the test above tells the two apart."""
     model = make_model("llama", False)
     params = [p for p in model.parameters() if p.requires_grad]
     prompt, response = tie_free_tokens(model, 19, MASK.numel(), seed=3)
@@ -78,8 +80,14 @@ def test_segmented_replay_differs_from_whole_replay():
     for p in params:
         p.grad = None
     replay_segments(state, response, MASK, lambda sl, out: (w[sl] * out.logprobs).sum())
-    rel = (sum((p.grad - g).pow(2).sum() for p, g in zip(params, whole)) / sum(g.pow(2).sum() for g in whole)).sqrt()
-    assert rel > 100 * FP32_GRAD_TOL
+
+    def rel(got):
+        return (sum((a - g).pow(2).sum() for a, g in zip(got, whole)) / sum(g.pow(2).sum() for g in whole)).sqrt()
+
+    assert rel([p.grad for p in params]) <= FP32_GRAD_TOL
+    turns = segmented_reference_logprobs(model, prompt, response, MASK)
+    per_turn = torch.autograd.grad(sum((w[sl] * lp).sum() for sl, lp in turns), params)
+    assert rel(per_turn) > 100 * FP32_GRAD_TOL
 
 
 @pytest.mark.parametrize("arch", KINDS)
@@ -164,13 +172,27 @@ def test_exact_segmented_replay_equals_naive_full_sequence(arch, mask):
         e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v4"])
-def test_exact_segmented_replay_refuses_the_kinds_it_does_not_serve(arch):
-    model = make_model(arch, False)
+@pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
+def test_segmented_replay_of_a_kind_the_carry_does_not_serve_replays_whole(prompt_grad):
+    """DeepSeek-V4's compressed attention: replayed whole, the same gradient as `PromptState.replay` of the
+    trajectory (bit for bit: the same arithmetic)."""
+    model = make_model("deepseek_v4", False)
+    params = [p for p in model.parameters() if p.requires_grad]
     prompt, response = tie_free_tokens(model, 12, MASK.numel(), seed=2)
-    state = longstraw.capture(model, prompt, prompt_grad="exact")
-    with pytest.raises(NotImplementedError, match="prompt_grad='exact' does not serve layer"):
-        replay_segments(state, response, MASK, lambda sl, out: out.logprobs.sum())
+    w = torch.linspace(-1.0, 1.5, MASK.numel()) * MASK
+    grads = []
+    for segmented in (False, True):
+        state = longstraw.capture(model, prompt, prompt_grad=prompt_grad)
+        for p in params:
+            p.grad = None
+        if segmented:
+            replay_segments(state, response, MASK, lambda sl, out: (w[sl] * out.logprobs).sum())
+        else:
+            (w * state.replay(response).logprobs).sum().backward()
+        state.backward()
+        grads.append([p.grad.clone() for p in params if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_reference_is_the_cache_reference_per_turn():
@@ -184,3 +206,31 @@ def test_reference_is_the_cache_reference_per_turn():
         assert sl == slice(8, 12)
         want = cache_reference_logprobs(model, torch.cat([prompt, response[:8]]), response[8:12])
         assert torch.equal(lp, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "deepseek_v3", "glm_moe_dsa"])
+def test_segmented_replay_after_a_branch_reads_its_tokens_as_constants(arch):
+    """A row's question read into a `Branch` of a shared document's state (sliding layers trimmed to their window),
+    then its trajectory replayed in segments from the branch: the detached reference over [document + question]
+    (`FP32_GRAD_TOL`), the question a constant as the document is."""
+    model = make_model(arch, False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prompt, response = tie_free_tokens(model, 19 + 9, MASK.numel(), seed=4)
+    document, question = prompt[:19], prompt[19:]
+    w = torch.linspace(-1.0, 1.5, MASK.numel()) * MASK
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        ref = cache_reference_logprobs(model, prompt, response)
+        g_ref = torch.autograd.grad((w * ref).sum(), params, allow_unused=True)
+    state = longstraw.capture(model, document, chunk_size=5, block_size=4)
+    for p in params:
+        p.grad = None
+    with state.fork() as branch:
+        with torch.no_grad():
+            branch.extend(question)
+        out = replay_segments(branch, response, MASK, lambda sl, r: (w[sl] * r.logprobs).sum())
+    on = MASK > 0
+    assert (out.logprobs - ref.detach())[on].abs().max().item() <= 16 * 2**-23 * max(ref.abs().max().item(), 1.0)
+    err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
+    scale = max(norm)
+    assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))

@@ -113,9 +113,11 @@ def cache_reference_logprobs(
 
 
 def segmented_reference_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> list:
-    """The detached reference of a multi-turn trajectory: for each policy segment (a run of mask 1) its log-probs with
-    grad from `cache_reference_logprobs` over [prompt + the trajectory before it] (the model's own cache filled under
-    `no_grad`): [(slice, log-probs `[len]`)] in order."""
+    """The per-turn truncated reference of a multi-turn trajectory: for each policy segment (a run of mask 1) its
+    log-probs with grad from `cache_reference_logprobs` over [prompt + the trajectory before it] (the model's own cache
+    filled under `no_grad`): [(slice, log-probs `[len]`)] in order. Its values are the model's; its gradient holds the
+    earlier turns as constants, which is not the objective longstraw trains (the whole trajectory differentiated:
+    `cache_reference_logprobs` over it): the tests use it to show the two apart."""
     m = torch.as_tensor(mask).reshape(-1)
     flips = (m[1:] != m[:-1]).nonzero().flatten().add(1).tolist()
     bounds = [0, *flips, m.numel()]

@@ -163,12 +163,10 @@ class TrainConfig:
     )
     segment_replay: bool | None = _f(
         None,
-        "replay a multi-turn response one turn at a time against the prompt and "
-        "its earlier turns held without a graph (memory flat in turns; with "
-        "prompt_grad: exact the gradient still reaches the earlier turns, the tool "
-        "output and the prompt); null: on with `environment` in one process, off "
-        "otherwise (the whole response in one graph; on N processes, which "
-        "replay with context parallelism, it is not available yet)",
+        "replay a multi-turn response one segment at a time (one segment's graph, the trajectory's own K/V and "
+        "their gradient held once) with the gradient of replaying it whole: the prompt a constant (detached) or "
+        "not (exact), everything after it differentiated; null: on with `environment` in one process, off "
+        "otherwise (the whole response in one graph: the same gradient; on N processes trajectories replay whole)",
     )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
@@ -262,8 +260,8 @@ class TrainConfig:
 
     @property
     def replays_segments(self) -> bool:
-        """Whether multi-turn responses are replayed turn by turn (`segment_replay`, on by default with an
-        `environment`)."""
+        """Whether multi-turn responses are replayed one segment at a time (`segment_replay`, on by default with an
+        `environment`; the gradient is the whole replay's either way)."""
         return self.segment_replay if self.segment_replay is not None else self.environment is not None
 
     def __post_init__(self):

@@ -196,8 +196,8 @@ class Trainer(Evaluation):
             if cfg.segment_replay:
                 raise ValueError(
                     f"segment_replay: true on {self.ranks.size} processes: a context-parallel prompt "
-                    "state replays each trajectory whole (segmented replay runs in one process); set "
-                    "segment_replay: false, or train in one process"
+                    "state replays each trajectory whole (segmented replay runs in one process; the gradient is the "
+                    "same, the graph the whole trajectory's); set segment_replay: false, or train in one process"
                 )
             self.update_settings = dataclasses.replace(self.update_settings, segment_replay=False)
         self.meter = MemoryMeter(next(self.model.parameters()).device)

@@ -7,7 +7,7 @@ import torch
 
 from longstraw.agent import AgentSettings, EnvironmentRollout, ToolCall, parse_tool_calls, tool_message_ids
 from longstraw.agent.environment import call_tool, environment_tools
-from longstraw.model.oracles import full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import TurnSampler
 from longstraw.train.trainer import Trainer
@@ -122,11 +122,10 @@ def _step_error(tmp_path, reference_logprobs, **kw) -> float:
     return (num / den).sqrt().item()
 
 
-def _per_turn_reference(model, prompt, r):
-    lp = torch.zeros(r.tokens.numel())
-    for sl, seg in segmented_reference_logprobs(model, prompt, r.tokens, r.mask):
-        lp = lp.index_put((torch.arange(sl.start, sl.stop),), seg)
-    return lp
+def _detached_reference(model, prompt, r):
+    """The detached objective: the model's cache filled under `no_grad` over the row's prompt, the whole trajectory
+    after it with grad (through the earlier turns and the tool output)."""
+    return cache_reference_logprobs(model, prompt, r.tokens)
 
 
 #: two questions of one document per step (`rows_per_context`): the rows share its capture, each trajectory forks
@@ -136,9 +135,10 @@ SHARED = dict(rows_per_context=2, min_shared_prefix=4)
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-document"])
 def test_update_replays_turn_by_turn_and_equals_the_reference(tmp_path, shared):
-    """The trainer's accumulated gradient over a step of multi-turn trajectories equals the same GRPO loss computed
-    on the per-turn detached cache reference's log-probs over each row's whole prompt (`FP32_GRAD_TOL` relative)."""
-    assert _step_error(tmp_path, _per_turn_reference, **(SHARED if shared else {})) <= FP32_GRAD_TOL
+    """The trainer's accumulated gradient over a step of multi-turn trajectories, replayed in segments (the default
+    with an environment), equals the same GRPO loss computed on the detached reference's log-probs over each row's
+    whole prompt, the whole trajectory differentiated (`FP32_GRAD_TOL` relative)."""
+    assert _step_error(tmp_path, _detached_reference, **(SHARED if shared else {})) <= FP32_GRAD_TOL
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-document"])
