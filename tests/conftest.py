@@ -36,24 +36,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _real(name: str):
+    """The real model's folder. Missing, the test skips on a developer's machine, but fails under CI (`CI` set, as
+    `.ci/run` runs): CI installs both real models, so a missing one means the real-model tests would pass unrun."""
     from longstraw.tools.real_models import installed
 
     path = installed(name)
     if path is None:
-        pytest.skip(f"the real model is not installed: run `longstraw real {name}` once")
+        message = f"the real model is not installed: run `longstraw real {name}` once"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{message} (CI installs it: a real-model test must not skip there)", pytrace=False)
+        pytest.skip(message)
     return path
 
 
 @pytest.fixture(scope="session")
 def real_smollm2():
     """The folder of the project's real model, SmolLM2-135M-Instruct (`longstraw.tools.real_models`), when it is in the
-    cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it."""
+    cache (`longstraw real smollm2` puts it there; `.ci/run` does); the tests marked `real` skip without it, and fail
+    without it under CI."""
     return _real("smollm2")
 
 
 @pytest.fixture(scope="session")
 def real_gemma3():
-    """The folder of Gemma 3 270M (`longstraw real gemma3`), the real sliding-window model; skips without it."""
+    """The folder of Gemma 3 270M (`longstraw real gemma3`), the real sliding-window model; skips without it (fails
+    under CI)."""
     return _real("gemma3")
 
 

@@ -158,3 +158,19 @@ def test_demo_real_trains_the_real_model_and_scores_it_before_and_after(real_smo
     assert set(result["accuracy_before"]) == set(result["accuracy"]) == set(result["gain"])
     assert list(result["examples_per_length"].values()) == [2]
     assert "before training" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ci,outcome", [("true", "failed"), ("", "skipped")])
+def test_a_missing_real_model_fails_under_ci_and_skips_elsewhere(monkeypatch, ci, outcome):
+    """`conftest._real` with the model missing: CI (which installs both) fails the test, a developer's machine skips
+    it."""
+    import longstraw.tools.real_models as real_models
+
+    from ..conftest import _real
+
+    monkeypatch.setattr(real_models, "installed", lambda name: None)
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(BaseException) as got:
+        _real("smollm2")
+    assert type(got.value).__name__ == {"failed": "Failed", "skipped": "Skipped"}[outcome]
+    assert "longstraw real smollm2" in str(got.value)
