@@ -230,6 +230,11 @@ class _Carry:
         self.base: dict[tuple[int, str], torch.Tensor | None] = {}
         self.kept: dict[tuple[int, str], int] = {}
         self.offset: dict[int, int] = {}
+        #: attention layers whose earlier own K/V are read in place as a part of their own (`carried_k`): a segment's
+        #: forward then appends only its own keys, no copy of the trajectory's (latent layers concatenate)
+        self.carried = {
+            i for i, layer in enumerate(cache.layers) if type(layer) is AttentionBranchLayer and i in self.appended
+        }
         for i, attrs in self.appended.items():
             layer = cache.layers[i]
             if isinstance(layer, AttentionBranchLayer):
@@ -249,6 +254,19 @@ class _Carry:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
         for i, attrs in self.appended.items():
             layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`_APPENDED`)
+            if i in self.carried:
+                attention = cast(AttentionBranchLayer, layer)
+                k = self.kept[(i, "keys")]
+                buf_k, buf_v = self.buffers.get((i, "keys")), self.buffers.get((i, "values"))
+                if start == 0 or buf_k is None or buf_v is None:
+                    attention.carried_k, attention.carried_v = self.base[(i, "keys")], self.base[(i, "values")]
+                else:
+                    attention.carried_k = self._slice(buf_k, -2, 0, k + start)
+                    attention.carried_v = self._slice(buf_v, -2, 0, k + start)
+                attention.carried_start = attention.prompt_length + self.offset[i]
+                attention.trim, attention.keys, attention.values = False, None, None
+                attention.own_offset = self.offset[i] + k + start
+                continue
             if isinstance(layer, AttentionBranchLayer):
                 layer.trim, layer.own_offset = False, self.offset[i]
             for name, dim in attrs:
@@ -288,7 +306,12 @@ class _Carry:
                     continue
                 key = (i, name)
                 k = self.kept[key]
-                new = self._slice(own, dim, k + start, k + end)
+                # a carried layer's own tensors are this segment's only
+                new = (
+                    self._slice(own, dim, 0, end - start)
+                    if i in self.carried
+                    else self._slice(own, dim, k + start, k + end)
+                )
                 if first_pass:
                     if key not in self.buffers:
                         shape = list(new.shape)
