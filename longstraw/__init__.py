@@ -5,6 +5,10 @@ Public surface (docs/design.md):
     state = longstraw.capture(model, prompt_ids, chunk_size=4096, prompt_grad="detached")  # or "exact"
     samples = state.sample(num=8, max_new_tokens=256)  # G responses from the one state
     out = state.replay(response_ids)   # out.logprobs, out.entropy: [R], differentiable
+    branch = state.fork()              # a trajectory's own state: branch.extend(tool_output), branch.sample(...),
+    out = branch.replay(turn_ids)      # its replay (the branch's tokens constants, as the prompt); your loss, backward
+    longstraw.replay_segments(state, trajectory, mask, segment_loss)  # a long trajectory, one segment's graph at a
+                                       # time, the whole trajectory's gradient (each segment's loss back-propagated)
     state.backward()                   # exact mode: the prompt's share of the gradient
     state.nbytes; state.release()      # or: with longstraw.capture(...) as state: ...
     longstraw.prepare(model)           # once per model (capture calls it); the model still works normally
@@ -17,16 +21,19 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Train
 
 from ._moved import install as _install_moved
 from .api import capture
+from .branch import Branch
 from .errors import UnsupportedArchitectureError
 from .model.capability import tested_families
 from .model.prepare import prepare, unprepare
 from .prompt_state import PromptState, Replay
 from .self_check import CheckReport, check
+from .trajectory import replay_segments
 
 __version__ = "0.1.0"
 _install_moved()  # the old paths of moved modules (one release, with a warning): longstraw/_moved.py
 
 __all__ = [
+    "Branch",
     "CheckReport",
     "GRPOConfig",
     "GRPOTrainer",
@@ -36,6 +43,7 @@ __all__ = [
     "capture",
     "check",
     "prepare",
+    "replay_segments",
     "tested_families",
     "unprepare",
 ]

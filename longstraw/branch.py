@@ -33,6 +33,7 @@ attention against the prompt split over the ranks' slices and the branch's own g
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -44,6 +45,7 @@ from .kinds.base import BranchLayer
 from .sampler import (
     Replay,
     Samples,
+    TokenIds,
     as_ids,
     banned_tokens,
     check_generator,
@@ -144,7 +146,11 @@ class Branch:
         return new
 
     def replay(
-        self, response_ids, temperature: float = 1.0, checkpoint_layers: bool = False, prefix_ids=None
+        self,
+        response_ids: TokenIds,
+        temperature: float = 1.0,
+        checkpoint_layers: bool = False,
+        prefix_ids: TokenIds | None = None,
     ) -> Replay:
         """`PromptState.replay` after the branch: `[last_token] + response[:-1]` with autograd, the prompt and the
         branch's own tokens (and `prefix_ids`, run without autograd first) read as constants; a `Replay` of the
@@ -171,7 +177,7 @@ class Branch:
 
     # ------------------------------------------------------------------ growth
     @torch.no_grad()
-    def extend(self, tokens) -> None:
+    def extend(self, tokens: TokenIds) -> None:
         """Append `tokens` `[n]` (tool output, an observation, a scripted turn) to the trajectory without autograd."""
         cache = self._live()
         device = self.last_token.device
@@ -200,9 +206,9 @@ class Branch:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop_token_ids=(),
+        stop_token_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
-        allowed_token_ids=None,
+        allowed_token_ids: TokenIds | None = None,
     ) -> Samples:
         """Decode the next turn (one sequence) from the branch, `longstraw.sampler.sample`'s options; the turn's
         tokens (its stop token included) become part of the trajectory. `max_new_tokens` is cut to the positions

@@ -26,10 +26,9 @@ from .model.chunking import auto_chunk_size
 from .model.prepare import prepare
 from .ops import quant
 from .ops.attention import DEFAULT_BLOCK
-from .sampler import Replay, Samples, as_ids, check_length, replay_tokens, sample
+from .sampler import Replay, Samples, TokenIds, as_ids, check_length, replay_tokens, sample
 
 #: token ids as the public functions take them: a 1-D (or `[1, T]`) integer tensor, or a sequence of ints
-TokenIds = torch.Tensor | Sequence[int]
 
 PROMPT_GRAD_MODES = ("detached", "exact")
 

@@ -15,6 +15,7 @@ activations for the active rows; O(G · V) for one step's logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,10 @@ from .ops.logprobs import chunked_logprobs
 if TYPE_CHECKING:
     from .branch import Branch
     from .prompt_state import PromptState
+
+
+#: token ids as callers pass them: a 1-D (or `[1, T]`) integer tensor, or a sequence of ints
+TokenIds = torch.Tensor | Sequence[int]
 
 
 @dataclass

@@ -26,13 +26,13 @@ policy turn once more forward and backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 
-from .branch import detach_own
+from .branch import Branch, detach_own
 from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import (
@@ -44,7 +44,7 @@ from .kinds import (
     RecurrentBranchLayer,
 )
 from .ops.logprobs import chunked_logprobs
-from .prompt_state import PromptState, Replay, as_ids, check_length
+from .prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ def segments(mask: torch.Tensor) -> list[Segment]:
 
 
 def replay_segments(
-    state: PromptState,
-    response_ids,
-    mask,
-    segment_loss: Callable[[slice, Replay], torch.Tensor],
+    state: PromptState | Branch,
+    response_ids: TokenIds,
+    mask: torch.Tensor | Sequence[float],
+    segment_loss: Callable[[slice, Replay], torch.Tensor | None],
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
-    prefix_ids=None,
+    prefix_ids: TokenIds | None = None,
 ) -> Replay:
     """Replay a trajectory one policy segment at a time (see the module doc); back-propagates each segment's loss.
 
