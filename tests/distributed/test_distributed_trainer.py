@@ -323,11 +323,11 @@ def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
     step: the same trajectories (policy turns and tool replies, every rank growing them on collective branches over
     the context-parallel prompt), the same per-trajectory columns, rewards and advantages, the gradient each step
     applies within `GRAD_TOL`. The environment exists on rank 0 only (rank 1 made none). On N ranks the trajectories
-    replay whole (the single process is given segment_replay: false to match), and asking for segments is refused
-    by name."""
+    replay whole, in one process in segments (each at its default): the same gradient, the whole trajectory's; asking
+    for segments on N ranks is refused by name."""
     two = _spawn(tmp_path, "agent")
     y0, y1 = two[0]["Y"], two[1]["Y"]
-    one = _train(str(tmp_path / "one-Y"), dict(AGENT, segment_replay=False), force=weights_at(y0))
+    one = _train(str(tmp_path / "one-Y"), AGENT, force=weights_at(y0))  # segment_replay at its default: on
     assert len(one["rollouts"]) == 2
     assert any(e["tool_calls"] > 0 for w in one["rollouts"] for e in w["extra"]), "no tool was called"
     for got in (y0["rollouts"], y1["rollouts"]):
