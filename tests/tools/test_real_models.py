@@ -174,3 +174,139 @@ def test_a_missing_real_model_fails_under_ci_and_skips_elsewhere(monkeypatch, ci
         _real("smollm2")
     assert type(got.value).__name__ == {"failed": "Failed", "skipped": "Skipped"}[outcome]
     assert "longstraw real smollm2" in str(got.value)
+
+
+# ------------------------------------------------------------------------------------------------ the modes they train in
+
+
+def _real_model(name: str, folder, dtype=torch.float32, lora_rank: int = 0):
+    """A real model and its tokenizer; with `lora_rank`, LoRA (non-zero B, seeded) on the attention projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    if lora_rank:
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights=False,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model, tok
+
+
+@pytest.fixture(params=["smollm2", "gemma3"])
+def real_folder(request):
+    """Each real model's folder in turn (SmolLM2: full attention; Gemma 3: 512-token sliding windows)."""
+    return request.param, request.getfixturevalue(f"real_{request.param}")
+
+
+@pytest.mark.slow
+@pytest.mark.real
+@pytest.mark.parametrize("chunk_size", [100, 333, None], ids=["chunk100", "chunk333", "auto"])
+def test_real_forward_equals_the_model_at_three_chunk_sizes(real_folder, chunk_size):
+    """Capture of a 700-token prompt of real text in chunks of 100 (Gemma 3's windowed layers walked in query tiles
+    across seven chunks), 333 and the size chosen for the model, then a 16-token response replayed: the unmodified
+    model's full-sequence log-probs within `FP32_LOGPROB_TOL`."""
+    name, folder = real_folder
+    torch.set_num_threads(2)
+    model, tok = _real_model(name, folder)
+    ids = _document_ids(tok, 716, seed=2)
+    prompt, response = ids[:700], ids[700:]
+    with torch.no_grad():
+        ref = full_sequence_logprobs(model, prompt, response)
+        with longstraw.capture(model, prompt, chunk_size=chunk_size) as state:
+            got = state.replay(response).logprobs
+    err = (got - ref).abs().max().item()
+    assert err <= FP32_LOGPROB_TOL, err
+
+
+def _detached_grads(model, prompt, responses, adv, chunk_size):
+    """LoRA gradients of Σ adv_i · Σ log p(response_i) through longstraw's detached capture + replay."""
+
+    def run():
+        with longstraw.capture(model, prompt, chunk_size=chunk_size) as state:
+            for a, r in zip(adv, responses):
+                (a * state.replay(r).logprobs).sum().backward()
+
+    return _grads(model, run)
+
+
+def _cache_reference_grads(model, prompt, responses, adv):
+    """The same loss through transformers' own cache (the prompt under `no_grad`, each response with grad): the
+    detached-mode reference, `longstraw.model.oracles.cache_reference_logprobs`."""
+    from longstraw.model.oracles import cache_reference_logprobs
+
+    def run():
+        for a, r in zip(adv, responses):
+            (a * cache_reference_logprobs(model, prompt, r)).sum().backward()
+
+    return _grads(model, run)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_real_detached_lora_gradients_equal_the_cache_reference_in_float64(real_folder):
+    """The mode behind the learning curves: LoRA r 8, `prompt_grad="detached"`, a 600-token prompt of real text
+    captured in chunks of 256 and two responses with their advantages; the LoRA gradients equal transformers' own
+    cache reference computed in float64 (a float32 reference would judge longstraw by its own rounding, as the exact
+    test above found), within `FP32_GRAD_TOL`."""
+    name, folder = real_folder
+    torch.set_num_threads(2)
+    model, tok = _real_model(name, folder, lora_rank=8)
+    ids = _document_ids(tok, 620, seed=3)
+    prompt, responses, adv = ids[:600], [ids[600:614], ids[614:620]], [0.9, -1.1]
+    got = _detached_grads(model, prompt, responses, adv, 256)
+    model.double()
+    want = [None if g is None else g.float() for g in _cache_reference_grads(model, prompt, responses, adv)]
+    assert sum(g is not None for g in want) >= 8
+    assert_grads_close(got, want, tol=FP32_GRAD_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_real_bf16_detached_gradients_as_close_to_fp32_as_transformers_bf16(real_folder):
+    """The bf16 learning curves' mode: the model in bf16 with float32 LoRA adapters (as PEFT keeps them), and a
+    float32 copy holding the same rounded values (so an error against it is bf16 arithmetic alone,
+    `tests/test_bf16.py`'s rule). longstraw's detached LoRA gradient on the bf16 model is off the float32 copy's (the
+    cache reference) by at most `BOUND` × transformers' own bf16 gradient's error, relative; its replay log-probs
+    likewise against the float32 full-sequence forward (mean and max abs)."""
+    import copy
+
+    from longstraw.model.oracles import cache_reference_logprobs
+
+    from ..test_bf16 import BOUND, errors
+
+    name, folder = real_folder
+    torch.set_num_threads(2)
+    model, tok = _real_model(name, folder, lora_rank=8)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m32 = copy.deepcopy(m16).to(torch.float32)
+    for m in (m16, m32):
+        for n, p in m.named_parameters():
+            if n in adapters:
+                p.data = adapters[n].clone()
+    ids = _document_ids(tok, 632, seed=4)
+    prompt, responses, adv = ids[:600], [ids[600:616], ids[616:632]], [0.9, -1.1]
+    with torch.no_grad():
+        ref = torch.cat([full_sequence_logprobs(m32, prompt, r) for r in responses])
+        hf = torch.cat([full_sequence_logprobs(m16, prompt, r) for r in responses])
+        with longstraw.capture(m16, prompt, chunk_size=256) as state:
+            ls = torch.cat([state.replay(r).logprobs for r in responses])
+    (hf_mean, hf_max), (ls_mean, ls_max) = errors(hf, ref), errors(ls, ref)
+    assert ls_mean <= BOUND * hf_mean and ls_max <= BOUND * hf_max, ((ls_mean, ls_max), (hf_mean, hf_max))
+
+    def flat(gs):
+        return torch.cat([g.float().flatten() for g in gs if g is not None])
+
+    want = flat(_cache_reference_grads(m32, prompt, responses, adv))
+
+    def hf_run():
+        for a, r in zip(adv, responses):
+            (a * cache_reference_logprobs(m16, prompt, r)).sum().backward()
+
+    eps_hf = ((flat(_grads(m16, hf_run)) - want).norm() / want.norm()).item()
+    eps_ls = ((flat(_detached_grads(m16, prompt, responses, adv, 256)) - want).norm() / want.norm()).item()
+    print(f"\n{name} bf16: log-probs mean/max transformers {hf_mean:.2e}/{hf_max:.2e}, longstraw "
+          f"{ls_mean:.2e}/{ls_max:.2e}; LoRA gradient relative error transformers {eps_hf:.2e}, longstraw {eps_ls:.2e}")
+    assert 0 < eps_hf < 1
+    assert eps_ls <= BOUND * eps_hf, (eps_ls, eps_hf)
