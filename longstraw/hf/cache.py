@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..ops.attention import DEFAULT_BLOCK, merge_by_lse, split_attention
+from ..ops.attention import DEFAULT_BLOCK, split_attention
 
 if TYPE_CHECKING:  # the branch layers' types (`longstraw.kinds` sits above this bridge: annotations only)
     from ..kinds.base import BranchLayer, CollectiveAttention
@@ -260,50 +260,26 @@ def longstraw_attention(
             block=cache.block,
         )
         return out.transpose(1, 2).contiguous(), None
-    q_start = own_start + key.shape[-2] - query.shape[-2]
-    common = dict(scale=scaling, window=layer.window, softcap=softcap, chunk=layer.chunk, block=cache.block)
-    if layer.carried_k is None:
-        out = split_attention(
-            query,
-            key,
-            value,
-            layer.prompt_k,
-            layer.prompt_v,
-            q_start=q_start,
-            own_start=own_start,
-            prompt_start=layer.prompt_start,
-            sinks=sinks,
-            **common,
-        )
-        return out.transpose(1, 2).contiguous(), None
-    # a segmented replay (`longstraw.trajectory`): the trajectory's earlier own K/V are a part of their own, read
-    # in place (no concatenation with this forward's), merged with [prompt | own] by log-sum-exp
-    main, lse = split_attention(
+    carried = None
+    if layer.carried_k is not None and layer.carried_v is not None:  # a segmented replay's earlier own K/V
+        carried = (layer.carried_k, layer.carried_v, layer.carried_start)
+    out = split_attention(
         query,
         key,
         value,
         layer.prompt_k,
         layer.prompt_v,
-        q_start=q_start,
+        q_start=own_start + key.shape[-2] - query.shape[-2],
         own_start=own_start,
         prompt_start=layer.prompt_start,
-        with_lse=True,
-        **common,
+        scale=scaling,
+        window=layer.window,
+        softcap=softcap,
+        chunk=layer.chunk,
+        sinks=sinks,
+        block=cache.block,
+        carried=carried,
     )
-    carried, lse_c = split_attention(
-        query,
-        layer.carried_k,
-        layer.carried_v,
-        q_start=q_start,
-        own_start=layer.carried_start,
-        with_lse=True,
-        **common,
-    )
-    out, _ = merge_by_lse(carried, lse_c, main, lse)
-    if sinks is not None:
-        total = torch.logaddexp(lse.float(), lse_c.float())
-        keep = torch.sigmoid(total - sinks.float()[None, :, None])
-        out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

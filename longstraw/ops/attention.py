@@ -67,8 +67,25 @@ class SplitAttention(torch.autograd.Function):
     rows are folded into one batch row, so the prompt K/V is read once and never repeated."""
 
     @staticmethod
-    def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own: Part, prompt: Part | None):
+    def forward(
+        ctx,
+        q,
+        own_k,
+        own_v,
+        prompt_k,
+        prompt_v,
+        own: Part,
+        prompt: Part | None,
+        carried_k=None,
+        carried_v=None,
+        carried: Part | None = None,
+    ):
         ctx.set_materialize_grads(False)
+        if carried is not None:
+            return _CarriedParts.forward(
+                ctx, q, own_k, own_v, prompt_k, prompt_v, own, prompt, carried_k, carried_v, carried
+            )
+        ctx.carried = None
         out_o, lse_o = part_forward(q, own_k, own_v, own)
         if prompt is None:
             out, lse_p, lse = out_o, None, lse_o
@@ -91,6 +108,8 @@ class SplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.carried is not None:
+            return _CarriedParts.backward(ctx, dout, dlse)
         q, own_k, own_v, prompt_k, prompt_v, out, lse_o, lse_p = ctx.saved_tensors
         if ctx.compressed is not None:
             prompt_k, prompt_v = ctx.compressed
@@ -100,7 +119,7 @@ class SplitAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if prompt is None:
             dq, dk, dv = part_backward(dout, q, own_k, own_v, out, lse_o, own, need_kv=True, g_lse=dlse)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None, None
         w_p = torch.sigmoid(lse_p - lse_o)[..., None]
         g_p = (dout.to(w_p.dtype) * w_p).to(dout.dtype)
         g_o = (dout.to(w_p.dtype) * (1 - w_p)).to(dout.dtype)
@@ -129,7 +148,90 @@ class SplitAttention(torch.autograd.Function):
             dq_p, dkp, dvp = part_backward(
                 g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt, g_lse=gl_p
             )
-        return dq_o + dq_p, dk, dv, dkp, dvp, None, None
+        return dq_o + dq_p, dk, dv, dkp, dvp, None, None, None, None, None
+
+
+class _CarriedParts:
+    """`SplitAttention` with a third part between the prompt and the own keys: a segmented replay's earlier own K/V
+    (`carried_k` / `carried_v` `[1, Hkv, C, D]`, `longstraw.trajectory`), read in place instead of concatenated with
+    the forward's own. Every part's (out, lse) is merged by log-sum-exp in float32; the backward runs each part with
+    dO weighted by its share of the softmax mass, w_i = exp(lse_i − lse), and the merged output (the split-softmax
+    identity: P = w_i · P_i), so no part's log-sum-exp needs a gradient and the fused kernels serve every part.
+    Saves inputs by reference, the merged output and the log-sum-exps: nothing of size R × T."""
+
+    @staticmethod
+    def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own, prompt, carried_k, carried_v, carried):
+        pieces = [part_forward(q, own_k, own_v, own), part_forward(q, carried_k, carried_v, carried)]
+        if prompt is not None:
+            b = q.shape[0]
+            if b > 1 and prompt_k.shape[0] == 1:
+                out_p, lse_p = part_forward(fold_batch(q), prompt_k, prompt_v, prompt)
+                pieces.append((unfold_batch(out_p, b), unfold_batch(lse_p, b)))
+            else:
+                pieces.append(part_forward(q, prompt_k, prompt_v, prompt))
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lses = torch.stack([lse.to(acc) for _, lse in pieces])
+        lse = torch.logsumexp(lses, 0)
+        out = sum(torch.exp(li - lse)[..., None] * o.to(acc) for (o, _), li in zip(pieces, lses))
+        out = out.to(q.dtype)
+        stored = prompt is None or isinstance(prompt_k, torch.Tensor)
+        ctx.save_for_backward(
+            q,
+            own_k,
+            own_v,
+            carried_k,
+            carried_v,
+            prompt_k if stored else None,
+            prompt_v if stored else None,
+            out,
+            lses,
+            lse,
+        )
+        ctx.compressed = None if stored else (prompt_k, prompt_v)
+        ctx.parts = (own, prompt)
+        ctx.carried = carried
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, own_k, own_v, carried_k, carried_v, prompt_k, prompt_v, out, lses, lse = ctx.saved_tensors
+        if ctx.compressed is not None:
+            prompt_k, prompt_v = ctx.compressed
+        own, prompt = ctx.parts
+        need = ctx.needs_input_grad
+        if dout is None:
+            dout = torch.zeros_like(out)
+        w = torch.exp(lses - lse)  # [parts, B, H, R]: each part's share of the softmax mass
+
+        def one(i, k, v, part, need_kv, fold=False):
+            g = (dout.to(w.dtype) * w[i][..., None]).to(dout.dtype)
+            gl = None if dlse is None else dlse * w[i]
+            li = lses[i].to(lse.dtype if fold else lses.dtype)
+            if fold:
+                b = q.shape[0]
+                dq_i, dk_i, dv_i = part_backward(
+                    fold_batch(g),
+                    fold_batch(q),
+                    k,
+                    v,
+                    fold_batch(out),
+                    fold_batch(li),
+                    part,
+                    need_kv=need_kv,
+                    g_lse=None if gl is None else fold_batch(gl),
+                )
+                return unfold_batch(dq_i, b), dk_i, dv_i
+            return part_backward(g, q, k, v, out, li, part, need_kv=need_kv, g_lse=gl)
+
+        dq, dk, dv = one(0, own_k, own_v, own, True)
+        dq_c, dkc, dvc = one(1, carried_k, carried_v, ctx.carried, need[8] or need[9])
+        dq = dq + dq_c
+        dkp = dvp = None
+        if prompt is not None:
+            fold = q.shape[0] > 1 and prompt_k.shape[0] == 1
+            dq_p, dkp, dvp = one(2, prompt_k, prompt_v, prompt, need[3] or need[4], fold)
+            dq = dq + dq_p
+        return dq, dk, dv, dkp, dvp, None, None, dkc, dvc, None
 
 
 def split_attention(
@@ -149,8 +251,12 @@ def split_attention(
     sinks: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
     with_lse: bool = False,
+    carried: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ):
     """Attention of q `[B, H, R, D]` over [prompt | own] keys: out `[B, H, R, Dv]`.
+
+    `carried` (keys `[1, Hkv, C, D]`, values, the position of the first): a third part between the prompt and the
+    own keys, read in place (`_CarriedParts`: a segmented replay's earlier own K/V); None: none.
 
     own K/V have batch B; the prompt K/V batch B or 1 (shared by all B sequences).
     Gradients reach `prompt_k` / `prompt_v` only if they require grad (exact mode).
@@ -179,7 +285,13 @@ def split_attention(
             prompt = None
     if prompt is None:
         prompt_k = prompt_v = None
-    out, lse = SplitAttention.apply(q, own_k, own_v, prompt_k, prompt_v, own, prompt)
+    carried_k = carried_v = carried_part = None
+    if carried is not None and carried[0].shape[-2] > 0:
+        carried_k, carried_v, carried_start = carried
+        carried_part = Part(int(q_start), int(carried_start), window, softcap, scale, int(block), chunk=chunk)
+    out, lse = SplitAttention.apply(
+        q, own_k, own_v, prompt_k, prompt_v, own, prompt, carried_k, carried_v, carried_part
+    )
     if with_lse:
         if sinks is not None:
             raise ValueError("with_lse returns the parts' merge before sinks: apply the sinks after the last merge")
