@@ -169,3 +169,34 @@ def _variant(h, hkv, r, p, keep_from, chunk, window, use_sinks):
             assert b is None or b.numel() == 0 or b.abs().max() == 0  # reference, so their gradient is exactly 0
             continue
         torch.testing.assert_close(a, b, atol=tol(dtype, GRAD_GROWTH), rtol=tol(dtype, GRAD_GROWTH))
+
+
+@pytest.mark.parametrize("kernel,window,use_sinks", [
+    ("flash_cpu", None, False), ("flash_cpu", None, True),  # the fused kernel takes unmasked parts only
+    ("blockwise", None, False), ("blockwise", 9, False), ("blockwise", None, True)])
+def test_a_carried_part_equals_attention_over_the_concatenated_keys(kernel, window, use_sinks):
+    """A segmented replay's earlier own K/V passed as a part of their own (`split_attention(carried=...)`): output
+    and every input's gradient (queries, own, carried and prompt K/V, sinks) equal `reference_attention` over
+    [prompt | carried | own] concatenated. Blockwise in float64 (bound 1e-10: float64's rounding); the fused CPU
+    kernel, which serves float32 only, in float32 (bound 64 float32 eps relative to the largest value: sums of at
+    most 25 terms per element, rounded a few times each)."""
+    torch.manual_seed(0)
+    dtype = torch.float64 if kernel == "blockwise" else torch.float32
+    h, hkv, d, p, c, r = 4, 2, 8, 11, 7, 5
+    q = torch.randn(1, h, r, d, dtype=dtype, requires_grad=True)
+    pk, pv, ck, cv, ok, ov = (torch.randn(1, hkv, n, d, dtype=dtype, requires_grad=True) for n in (p, p, c, c, r, r))
+    sinks = torch.randn(h, dtype=dtype, requires_grad=True) if use_sinks else None
+    g = torch.randn(1, h, r, d, dtype=dtype)
+    with kernels.use(kernel):
+        got = split_attention(q, ok, ov, pk, pv, q_start=p + c, own_start=p + c, window=window, sinks=sinks, block=4,
+                              carried=(ck, cv, p))
+    ref = [t.detach().double().requires_grad_(True) for t in (q, pk, pv, ck, cv, ok, ov)]
+    ref_sinks = None if sinks is None else sinks.detach().double().requires_grad_(True)
+    want = reference_attention(ref[0], torch.cat([ref[1], ref[3], ref[5]], 2), torch.cat([ref[2], ref[4], ref[6]], 2),
+                               q_start=p + c, k_start=0, window=window, sinks=ref_sinks)
+    inputs = [q, pk, pv, ck, cv, ok, ov] + ([sinks] if use_sinks else [])
+    g_got = torch.autograd.grad(got, inputs, g)
+    g_want = torch.autograd.grad(want, ref + ([ref_sinks] if use_sinks else []), g.double())
+    for a, b in [(got, want), *zip(g_got, g_want)]:
+        tol = 1e-10 if dtype == torch.float64 else 64 * torch.finfo(torch.float32).eps * max(b.abs().max().item(), 1)
+        assert (a.double() - b).abs().max().item() <= tol
