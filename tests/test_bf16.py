@@ -70,8 +70,11 @@ def bf16_pair(arch: str, use_lora: bool):
     to float32 (weights and buffers such as RoPE's `inv_freq` rounded to bf16 in both). LoRA adapters stay
     float32 in both, unrounded, as PEFT keeps them on a bf16 base."""
     model = tiny_model(arch, **DENSE_FFN.get(arch, {}))
-    if use_lora:
-        model = lora(model)
+    return bf16_copies(lora(model) if use_lora else model)
+
+
+def bf16_copies(model):
+    """(float32, bf16) copies of `model` holding the same values (see `bf16_pair`); LoRA adapters float32 in both."""
     adapters = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
     m16 = copy.deepcopy(model).to(torch.bfloat16)
     m32 = copy.deepcopy(m16).to(torch.float32)

@@ -269,22 +269,14 @@ def test_real_bf16_detached_gradients_as_close_to_fp32_as_transformers_bf16(real
     `tests/test_bf16.py`'s rule). longstraw's detached LoRA gradient on the bf16 model is off the float32 copy's (the
     cache reference) by at most `BOUND` × transformers' own bf16 gradient's error, relative; its replay log-probs
     likewise against the float32 full-sequence forward (mean and max abs)."""
-    import copy
-
     from longstraw.model.oracles import cache_reference_logprobs
 
-    from ..test_bf16 import BOUND, errors
+    from ..test_bf16 import BOUND, bf16_copies, errors
 
     name, folder = real_folder
     torch.set_num_threads(2)
     model, tok = _real_model(name, folder, lora_rank=8)
-    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    m16 = copy.deepcopy(model).to(torch.bfloat16)
-    m32 = copy.deepcopy(m16).to(torch.float32)
-    for m in (m16, m32):
-        for n, p in m.named_parameters():
-            if n in adapters:
-                p.data = adapters[n].clone()
+    m32, m16 = bf16_copies(model)
     ids = _document_ids(tok, 632, seed=4)
     prompt, responses, adv = ids[:600], [ids[600:616], ids[616:632]], [0.9, -1.1]
     with torch.no_grad():
