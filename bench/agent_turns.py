@@ -17,6 +17,7 @@ trajectories are replayed one at a time, so a step's memory is one trajectory's.
 
     python bench/agent_turns.py                   # → bench/results/agent_turns.{json,md,png}
     python bench/agent_turns.py --turns 2 4 --out /tmp/quick
+    python bench/agent_turns.py --model smollm2 --turns 2 4 8   # SmolLM2-135M-Instruct (8,192 positions)
 """
 
 from __future__ import annotations
@@ -35,18 +36,39 @@ RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("segments", "exact", "whole", "naive")
 
 
-def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, threads: int) -> dict:
+def _model(name: str):
+    """The dense benchmark model (`bench_model("dense")`), or SmolLM2-135M-Instruct (`longstraw real smollm2`) with
+    LoRA r 16 on the attention projections, float32."""
+    import torch
+
+    if name == "dense":
+        from longstraw.tools.compare import bench_model
+
+        return bench_model("dense")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.tools.real_models import model_path
+
+    model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=torch.float32)
+    return get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+
+
+def worker(
+    method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, threads: int, model_name: str = "dense"
+) -> dict:
     import time
 
     import torch
 
     import longstraw
-    from longstraw.tools.compare import bench_model
     from longstraw.train.memory import MemoryMeter
     from longstraw.trajectory import replay_segments
 
     torch.set_num_threads(threads)
-    model = bench_model("dense")
+    model = _model(model_name)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (P,), generator=g)
@@ -61,8 +83,9 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
     meter = MemoryMeter("cpu")
     state = None
     if method != "naive":
-        state = longstraw.capture(model, prompt, chunk_size=1024,
-                                  prompt_grad="exact" if method == "exact" else "detached")
+        state = longstraw.capture(
+            model, prompt, chunk_size=1024, prompt_grad="exact" if method == "exact" else "detached"
+        )
     meter.start_step()
     t0 = time.perf_counter()
     with meter.stage("backward"):
@@ -81,9 +104,19 @@ def worker(method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     # the trajectory's own K/V (float32 keys and values of every layer): the floor a replay of it holds once
     own_kv = tokens.numel() * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
-    return dict(method=method, turns=turns, P=P, trajectory_tokens=tokens.numel(), policy_tokens=int(mask.sum()),
-                backward_mem_mb=res["step_mem_mb"], own_kv_mb=round(own_kv / 2**20, 2), seconds=round(seconds, 3),
-                prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2), threads=threads)
+    return dict(
+        method=method,
+        model=model_name,
+        turns=turns,
+        P=P,
+        trajectory_tokens=tokens.numel(),
+        policy_tokens=int(mask.sum()),
+        backward_mem_mb=res["step_mem_mb"],
+        own_kv_mb=round(own_kv / 2**20, 2),
+        seconds=round(seconds, 3),
+        prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2),
+        threads=threads,
+    )
 
 
 def _plot(rows, path: Path) -> None:
@@ -112,12 +145,16 @@ def _plot(rows, path: Path) -> None:
 
 
 def _table(rows) -> str:
-    lines = ["| turns | trajectory tokens | method | backward memory (MiB) | backward time (s) |",
-             "|---:|---:|---|---:|---:|"]
+    lines = [
+        "| turns | trajectory tokens | method | backward memory (MiB) | backward time (s) |",
+        "|---:|---:|---|---:|---:|",
+    ]
     for r in rows:
         if "backward_mem_mb" in r:
-            lines.append(f"| {r['turns']} | {r['trajectory_tokens']:,} | {r['method']} | {r['backward_mem_mb']:,.1f} | "
-                         f"{r['seconds']:.1f} |")
+            lines.append(
+                f"| {r['turns']} | {r['trajectory_tokens']:,} | {r['method']} | {r['backward_mem_mb']:,.1f} | "
+                f"{r['seconds']:.1f} |"
+            )
         else:
             lines.append(f"| {r['turns']} | – | {r['method']} | error: {r.get('error', '')[:60]} | – |")
     return "\n".join(lines)
@@ -132,18 +169,36 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=32)
     ap.add_argument("--tool-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(RESULTS / "agent_turns"))
+    ap.add_argument("--model", default="dense", choices=["dense", "smollm2"])
+    ap.add_argument("--out", default=None, help="default: bench/results/agent_turns (-smollm2)")
     args = ap.parse_args()
     if args.worker:
-        row = worker(args.worker[0], int(args.worker[1]), args.P, args.turn_tokens, args.tool_tokens, args.threads)
+        row = worker(
+            args.worker[0], int(args.worker[1]), args.P, args.turn_tokens, args.tool_tokens, args.threads, args.model
+        )
         print(json.dumps(row))
         return
     rows: list[dict] = []
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / ("agent_turns" if args.model == "dense" else f"agent_turns-{args.model}"))
     for turns in args.turns:
         for method in args.methods:
-            cmd = [sys.executable, __file__, "--worker", method, str(turns), "--P", str(args.P), "--turn-tokens",
-                   str(args.turn_tokens), "--tool-tokens", str(args.tool_tokens), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                str(turns),
+                "--P",
+                str(args.P),
+                "--turn-tokens",
+                str(args.turn_tokens),
+                "--tool-tokens",
+                str(args.tool_tokens),
+                "--threads",
+                str(args.threads),
+                "--model",
+                args.model,
+            ]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # RSS follows the live tensors (see compare.py)
             done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
             if done.returncode != 0:
