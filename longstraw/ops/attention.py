@@ -90,12 +90,7 @@ class SplitAttention(torch.autograd.Function):
         if prompt is None:
             out, lse_p, lse = out_o, None, lse_o
         else:
-            b = q.shape[0]
-            if b > 1 and prompt_k.shape[0] == 1:
-                out_p, lse_p = part_forward(fold_batch(q), prompt_k, prompt_v, prompt)
-                out_p, lse_p = unfold_batch(out_p, b), unfold_batch(lse_p, b)
-            else:
-                out_p, lse_p = part_forward(q, prompt_k, prompt_v, prompt)
+            out_p, lse_p = _prompt_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
             lse = torch.logaddexp(lse_p, lse_o)
         stored = isinstance(prompt_k, torch.Tensor)  # else a compressed state: a constant, kept by reference
@@ -129,26 +124,37 @@ class SplitAttention(torch.autograd.Function):
         gl_p = None if dlse is None else dlse * w_p[..., 0]
         gl_o = None if dlse is None else dlse * (1 - w_p[..., 0])
         dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True, g_lse=gl_o)
-        need_prompt = need[3] or need[4]
-        b = q.shape[0]
-        if b > 1 and prompt_k.shape[0] == 1:
-            dq_p, dkp, dvp = part_backward(
-                fold_batch(g_p),
-                fold_batch(q),
-                prompt_k,
-                prompt_v,
-                fold_batch(out),
-                fold_batch(lse_p),
-                prompt,
-                need_kv=need_prompt,
-                g_lse=None if gl_p is None else fold_batch(gl_p),
-            )
-            dq_p = unfold_batch(dq_p, b)
-        else:
-            dq_p, dkp, dvp = part_backward(
-                g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need_kv=need_prompt, g_lse=gl_p
-            )
+        dq_p, dkp, dvp = _prompt_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need[3] or need[4], gl_p)
         return dq_o + dq_p, dk, dv, dkp, dvp, None, None, None, None, None
+
+
+def _prompt_forward(q, prompt_k, prompt_v, prompt: Part):
+    """(out, lse) of the prompt part; a prompt of batch 1 read by B > 1 query rows serves them folded into one row
+    block (`fold_batch`), so its K/V are read once."""
+    b = q.shape[0]
+    if b > 1 and prompt_k.shape[0] == 1:
+        out_p, lse_p = part_forward(fold_batch(q), prompt_k, prompt_v, prompt)
+        return unfold_batch(out_p, b), unfold_batch(lse_p, b)
+    return part_forward(q, prompt_k, prompt_v, prompt)
+
+
+def _prompt_backward(g, q, prompt_k, prompt_v, out, lse, prompt: Part, need_kv: bool, g_lse):
+    """(dq, dk, dv) of the prompt part (`part_backward`), folded as `_prompt_forward` folded it."""
+    b = q.shape[0]
+    if b > 1 and prompt_k.shape[0] == 1:
+        dq, dk, dv = part_backward(
+            fold_batch(g),
+            fold_batch(q),
+            prompt_k,
+            prompt_v,
+            fold_batch(out),
+            fold_batch(lse),
+            prompt,
+            need_kv=need_kv,
+            g_lse=None if g_lse is None else fold_batch(g_lse),
+        )
+        return unfold_batch(dq, b), dk, dv
+    return part_backward(g, q, prompt_k, prompt_v, out, lse, prompt, need_kv=need_kv, g_lse=g_lse)
 
 
 class _CarriedParts:
@@ -163,12 +169,7 @@ class _CarriedParts:
     def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own, prompt, carried_k, carried_v, carried):
         pieces = [part_forward(q, own_k, own_v, own), part_forward(q, carried_k, carried_v, carried)]
         if prompt is not None:
-            b = q.shape[0]
-            if b > 1 and prompt_k.shape[0] == 1:
-                out_p, lse_p = part_forward(fold_batch(q), prompt_k, prompt_v, prompt)
-                pieces.append((unfold_batch(out_p, b), unfold_batch(lse_p, b)))
-            else:
-                pieces.append(part_forward(q, prompt_k, prompt_v, prompt))
+            pieces.append(_prompt_forward(q, prompt_k, prompt_v, prompt))
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lses = torch.stack([lse.to(acc) for _, lse in pieces])
         lse = torch.logsumexp(lses, 0)
@@ -203,33 +204,19 @@ class _CarriedParts:
             dout = torch.zeros_like(out)
         w = torch.exp(lses - lse)  # [parts, B, H, R]: each part's share of the softmax mass
 
-        def one(i, k, v, part, need_kv, fold=False):
+        def weighted(i):  # part i's dO and log-sum-exp gradient: weighted by its share of the softmax mass
             g = (dout.to(w.dtype) * w[i][..., None]).to(dout.dtype)
-            gl = None if dlse is None else dlse * w[i]
-            li = lses[i].to(lse.dtype if fold else lses.dtype)
-            if fold:
-                b = q.shape[0]
-                dq_i, dk_i, dv_i = part_backward(
-                    fold_batch(g),
-                    fold_batch(q),
-                    k,
-                    v,
-                    fold_batch(out),
-                    fold_batch(li),
-                    part,
-                    need_kv=need_kv,
-                    g_lse=None if gl is None else fold_batch(gl),
-                )
-                return unfold_batch(dq_i, b), dk_i, dv_i
-            return part_backward(g, q, k, v, out, li, part, need_kv=need_kv, g_lse=gl)
+            return g, None if dlse is None else dlse * w[i]
 
-        dq, dk, dv = one(0, own_k, own_v, own, True)
-        dq_c, dkc, dvc = one(1, carried_k, carried_v, ctx.carried, need[8] or need[9])
+        g, gl = weighted(0)
+        dq, dk, dv = part_backward(g, q, own_k, own_v, out, lses[0], own, need_kv=True, g_lse=gl)
+        g, gl = weighted(1)
+        dq_c, dkc, dvc = part_backward(g, q, carried_k, carried_v, out, lses[1], ctx.carried, need[8] or need[9], gl)
         dq = dq + dq_c
         dkp = dvp = None
         if prompt is not None:
-            fold = q.shape[0] > 1 and prompt_k.shape[0] == 1
-            dq_p, dkp, dvp = one(2, prompt_k, prompt_v, prompt, need[3] or need[4], fold)
+            g, gl = weighted(2)
+            dq_p, dkp, dvp = _prompt_backward(g, q, prompt_k, prompt_v, out, lses[2], prompt, need[3] or need[4], gl)
             dq = dq + dq_p
         return dq, dk, dv, dkp, dvp, None, None, dkc, dvc, None
 
