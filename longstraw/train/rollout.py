@@ -279,17 +279,13 @@ def reference_logprobs(
     if not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
     after = suffixes if suffixes is not None else [None] * len(responses)
+    parallel = ranks is not None and ranks.size > 1
+    out: list[torch.Tensor | None] = [None] * len(responses)
     with torch.no_grad(), model.disable_adapter():
-        if ranks is None or ranks.size == 1:
-            with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype) as ref_state:
-                return [
-                    ref_state.replay(r.tokens, temperature=temperature, prefix_ids=s).logprobs
-                    for r, s in zip(responses, after)
-                ]
-        out: list[torch.Tensor | None] = [None] * len(responses)
-        with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype, group=ranks.pg) as ref_state:
-            # row by row (responses with the same suffix, consecutive): the row's suffix read into a branch on every
-            # rank (a collective), the row's responses spread over the ranks
+        group = ranks.pg if ranks is not None and parallel else None
+        with capture(model, prompt, chunk_size=chunk_size, state_dtype=state_dtype, group=group) as ref_state:
+            # row by row (responses with the same suffix, consecutive): the row's suffix read once into a branch (on
+            # every rank: a collective), the row's responses replayed after it (spread over the ranks)
             start = 0
             while start < len(responses):
                 end = start + 1
@@ -299,13 +295,15 @@ def reference_logprobs(
                 with ref_state.fork() as branch:
                     if suffix is not None:
                         branch.extend(suffix)
-                    for i in ranks.spread(end - start):  # every rank replays as often (None: padding)
+                    # on N ranks every rank replays as often (None: padding)
+                    turns = ranks.spread(end - start) if ranks is not None and parallel else range(end - start)
+                    for i in turns:
                         j = start + (0 if i is None else i)
                         lp = branch.replay(responses[j].tokens, temperature=temperature).logprobs
                         if i is not None:
                             out[j] = lp
                 start = end
-        return out
+    return out
 
 
 def _same_suffix(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
