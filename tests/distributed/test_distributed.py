@@ -7,6 +7,7 @@ reference runs in the test process. The ranks write what they measured with `tor
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import os
@@ -24,7 +25,7 @@ from longstraw.model.observe import observe_attention
 
 from ..conftest import assert_tie_free, lora, rel_err, spawn_ranks, tokens
 from .test_distributed_trainer import EPS32, GRAD_TOL
-from ..test_equivalence import FLOOR_FACTOR
+from ..test_equivalence import FLOOR_FACTOR, FP32_GRAD_TOL, FP32_LOGPROB_TOL
 
 #: one family per layer kind the context-parallel capture serves: full attention (sliced K/V), sliding window +
 #: full attention (replicated window), gated DeltaNet + full attention (recurrent state relayed rank to rank), MLA
@@ -36,9 +37,6 @@ SPARSE = ("glm_moe_dsa",)  # DSA: prompts chosen tie-free (`_tie_free_seed`)
 RESPONSE_LENGTHS = (5, 7, 3, 6)
 TIMEOUT_S = 60
 SAMPLE = dict(num=3, max_new_tokens=6, temperature=1.0, top_k=50, stop_token_ids=(1, 183, 229))
-#: the single-process capture reordered (other chunks, other key blocks: the ranks regroup the same sums by slice):
-#: its difference from the reference is the rounding floor the ranks are held to (`_floors`)
-REORDERED = (dict(chunk=3), dict(chunk=5), dict(block=5))
 
 
 def _response(rank: int, n: int, round_: int) -> torch.Tensor:
@@ -264,30 +262,96 @@ def _exact_reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, 
     return dict(logprobs=logprobs, grads=[q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
 
 
-def _floors(want: dict, reordered: list[dict]) -> dict:
-    """The rounding floor of one round (`_reference`'s or `_exact_reference`'s): the largest difference of the
-    reordered single-process runs from it, for the log-probs (absolute), each parameter's gradient (absolute norm)
-    and the summed gradient (relative)."""
-    flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
-    return dict(logprobs=max((a - b).abs().max().item() for v in reordered
-                             for a, b in zip(v["logprobs"], want["logprobs"])),
-                grads=[max((v["grads"][i] - b).norm().item() for v in reordered) for i, b in enumerate(want["grads"])],
-                whole=max(rel_err(flat(v["grads"]), flat(want["grads"])) for v in reordered))
+def float32_floor(model, prompt: torch.Tensor, branches: list, exact: bool = False) -> dict:
+    """The model's own float32 rounding over `branches` ((suffix or None, response, advantage) after `prompt`),
+    measured on transformers, not on longstraw: its reference (the detached mode's cache reference, the suffix
+    prefilled with the prompt; or exact mode's full-sequence forward) in float32 against the same reference of a float64
+    copy, for the log-probs (absolute), each trainable parameter's gradient summed over the branches (absolute norm, in
+    `model.parameters()` order) and the summed gradient (relative). Each is capped at the float32 bound (log-probs at
+    `FP32_LOGPROB_TOL`, each parameter at `FP32_GRAD_TOL` relative with the parameters below 1e-3 of the largest norm
+    held at that scale, as tests/test_equivalence.py holds one process), so a model whose float32 is far from its
+    float64 cannot widen the bound the ranks are held to beyond what the one-process test allows."""
+    from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+
+    def run(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = [q for q in model.parameters() if q.requires_grad]
+        dtype = params[0].dtype
+        sums = [torch.zeros_like(q) for q in params]
+        logprobs = []
+        for suffix, response, advantage in branches:
+            with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                if exact:
+                    lp = full_sequence_logprobs(model, prompt, response)
+                else:
+                    lp = cache_reference_logprobs(model, prompt if suffix is None else torch.cat([prompt, suffix]),
+                                                  response)
+                grads = torch.autograd.grad((advantage.to(dtype) * lp).sum(), params, allow_unused=True)
+            sums = [s if g is None else s + g for s, g in zip(sums, grads)]
+            logprobs.append(lp.detach())
+        return logprobs, sums
+
+    model64 = copy.deepcopy(model).double()
+    model64.set_experts_implementation("eager")  # grouped_mm (the default) has no float64 kernel
+    lp32, g32 = run(model)
+    lp64, g64 = run(model64)
+    lp_floor = max((a.double() - b).abs().max().item() for a, b in zip(lp32, lp64))
+    scale = max(b.norm().item() for b in g64)
+    grads = [min((a.double() - b).norm().item(), FP32_GRAD_TOL * max(b.norm().item(), 1e-3 * scale))
+             for a, b in zip(g32, g64)]
+    whole = sum(f * f for f in grads) ** 0.5 / sum(b.norm().item() ** 2 for b in g64) ** 0.5
+    return dict(logprobs=min(lp_floor, FP32_LOGPROB_TOL), grads=grads, whole=whole)
+
+
+def _floors(arch: str, p: int, n: int, use_lora: bool, round_: int = 0, exact: bool = False) -> dict:
+    """`float32_floor` of one round's n branches (the ranks' responses after the prompt and the round's suffix)."""
+    model = longstraw.testing.models.tiny_model(arch)
+    model = lora(model) if use_lora else model
+    branches = [(_prefix(round_), _response(r, n, round_), _advantage(r, _response(r, n, round_).numel()))
+                for r in range(n)]
+    return float32_floor(model, _prompt(p, arch=arch, n=n), branches, exact)
+
+
+def planted_index(arch: str, use_lora: bool, want: list) -> int:
+    """Which trainable parameter a planted error goes into: a small one (an SSM's `A_log`, else a norm weight, else,
+    with LoRA, an adapter matrix) whose gradient in `want` carries signal (at least 1e-3 of the largest norm: below,
+    the bound holds a parameter at that scale), as `model.parameters()` orders them."""
+    model = longstraw.testing.models.tiny_model(arch)
+    model = lora(model) if use_lora else model
+    names = [name for name, q in model.named_parameters() if q.requires_grad]
+    scale = max(g.norm().item() for g in want)
+    live = [i for i, g in enumerate(want) if g.norm().item() >= 1e-3 * scale]
+    for key in ("A_log", "norm", "lora_"):
+        hits = [i for i in live if key in names[i]]
+        if hits:
+            return hits[0]
+    raise AssertionError(f"{arch}: no small parameter with a gradient to plant an error in")
+
+
+def assert_plant_refused(got: list, want: list, floor: dict, index: int, what: str) -> None:
+    """The bound `_assert_grads_within_floor` holds refuses `got` with a 1e-4 relative error planted in parameter
+    `index`'s gradient (a bound that cannot see it would let a bug confined to a small parameter through)."""
+    planted = [g * (1 + 1e-4) if i == index else g for i, g in enumerate(got)]
+    with pytest.raises(AssertionError):
+        _assert_grads_within_floor(planted, want, floor, what)
 
 
 def _logprob_tol(floor: dict, want: torch.Tensor) -> float:
-    """N ranks vs one process, log-probs, absolute: `FLOOR_FACTOR` × the reordered floor (the ranks regroup the same
-    sums once more), + one float32 rounding of the log-prob itself (a reorder may leave the floor at 0)."""
+    """N ranks vs one process, log-probs, absolute: `FLOOR_FACTOR` × the model's float32 floor (`_floors`: the ranks
+    regroup the same float32 sums, whose rounding is of that size), + one float32 rounding of the log-prob itself."""
     return FLOOR_FACTOR * floor["logprobs"] + EPS32 * want.abs().max().item()
 
 
 def _assert_grads_within_floor(got: list, want: list, floor: dict, what: str) -> float:
-    """Each parameter's summed gradient within `FLOOR_FACTOR` × its reordered floor + `GRAD_TOL` (the all-reduce: the
-    same sum of the branches in another order) relative, a parameter below 1e-3 of the largest norm held at that
-    scale instead (`conftest.assert_grads_close`); the concatenation likewise, relative. Its relative error."""
+    """Each parameter's summed gradient within `FLOOR_FACTOR` × its float32 floor (`_floors`) + `GRAD_TOL` (the
+    all-reduce: the same sum of the branches in another order) relative, a parameter below 1e-3 of the largest norm
+    held at that scale instead (`conftest.assert_grads_close`: its gradient is what is left of cancelling terms of the
+    others' size, and longstraw's chunked scans cancel them in another order than transformers' one pass); the
+    concatenation likewise, relative. Its relative error."""
     scale = max(b.norm().item() for b in want)
-    for a, b, f in zip(got, want, floor["grads"]):
-        assert (a - b).norm().item() <= FLOOR_FACTOR * f + GRAD_TOL * max(b.norm().item(), 1e-3 * scale), what
+    for i, (a, b, f) in enumerate(zip(got, want, floor["grads"])):
+        err = (a - b).norm().item()
+        bound = FLOOR_FACTOR * f + GRAD_TOL * max(b.norm().item(), 1e-3 * scale)
+        assert err <= bound, f"{what}: parameter {i} off by {err:.2e} (norm {b.norm().item():.2e}), bound {bound:.2e}"
     err = rel_err(torch.cat([a.flatten() for a in got]), torch.cat([b.flatten() for b in want]))
     assert err <= FLOOR_FACTOR * floor["whole"] + GRAD_TOL, f"{what}: summed gradient off by {err:.2e} relative"
     return err
@@ -295,10 +359,10 @@ def _assert_grads_within_floor(got: list, want: list, floor: dict, what: str) ->
 
 def _check_exact(results, n: int, cases, measured: dict):
     """Exact mode: the parameter gradients summed over the ranks equal one process's exact-mode gradient over the same
-    branches (which tests/test_exact.py holds equal to naive full-sequence GRPO), within its reordered floor."""
+    branches (which tests/test_exact.py holds equal to naive full-sequence GRPO), within the model's float32 floor."""
     for arch, p, use_lora in cases:
         want = _exact_reference(arch, p, n, use_lora)
-        floor = _floors(want, [_exact_reference(arch, p, n, use_lora, **kw) for kw in REORDERED])
+        floor = _floors(arch, p, n, use_lora, exact=True)
         worst = 0.0
         for r in range(n):
             got = results[r]["exact", arch, p, use_lora]
@@ -306,14 +370,15 @@ def _check_exact(results, n: int, cases, measured: dict):
             assert err <= _logprob_tol(floor, want["logprobs"][r]), f"exact {arch} N={n} P={p} rank {r}: {err:.2e}"
             err = _assert_grads_within_floor(got["grads"], want["grads"], floor, f"exact {arch} N={n} P={p} rank {r}")
             worst = max(worst, err)
+        assert_plant_refused(results[0]["exact", arch, p, use_lora]["grads"], want["grads"], floor,
+                             planted_index(arch, use_lora, want["grads"]), f"exact {arch}")
         measured[("exact", arch, n, p, use_lora)] = dict(grad_rel_err=worst, grad_floor=floor["whole"])
 
 
 def _check(results, n: int, cases, measured: dict):
     for arch, p, use_lora in cases:
         ref, ref_bytes, ref_growing, ref_samples = _reference(arch, p, n, use_lora)
-        reordered = [_reference(arch, p, n, use_lora, **kw)[0] for kw in REORDERED]
-        floors = [_floors(want, [v[round_] for v in reordered]) for round_, want in enumerate(ref)]
+        floors = [_floors(arch, p, n, use_lora, round_) for round_ in range(len(ref))]
         bounds = slice_bounds(p - 1, n)
         worst_lp = worst_g = 0.0
         for round_, (want, floor) in enumerate(zip(ref, floors)):
@@ -329,6 +394,8 @@ def _check(results, n: int, cases, measured: dict):
                 got = results[r][arch, p, use_lora]["rounds"][round_]["grads"]
                 err = _assert_grads_within_floor(got, want["grads"], floor, f"{arch} N={n} P={p} rank {r}")
                 worst_g = max(worst_g, err)
+            assert_plant_refused(results[0][arch, p, use_lora]["rounds"][round_]["grads"], want["grads"], floor,
+                                 planted_index(arch, use_lora, want["grads"]), f"{arch} round {round_}")
         # sampling with a fixed generator: the same tokens as one process, on every rank; their log-probs are the
         # model's log-probs from the same state, held to the replays' floor
         for r in range(n):
