@@ -43,10 +43,12 @@ class TrainConfig:
     lora_r: int = _f(16, "LoRA rank")
     lora_alpha: int = _f(32, "LoRA alpha")
     lora_target_modules: str | list = _f("all-linear", "PEFT target_modules (a name pattern or a list)")
-    train_embeddings: bool = _f(
-        True,
-        "with LoRA, also train the embeddings and LM head (`modules_to_save`); a "
-        "random-initialised tiny model needs them to learn anything",
+    train_embeddings: bool | None = _f(
+        None,
+        "with LoRA, also train the embeddings and LM head in full (`modules_to_save`). Default: true for a built-in "
+        "tiny model (random-initialised, it needs them to learn anything), false for a checkpoint (the adapter "
+        "alone, as PEFT's LoRA: on Gemma 3 270M the two 262K-token matrices are 2 × 168M parameters, more than the "
+        "model, with their gradients and AdamW moments)",
     )
     # ------------------------------------------------------------------ data
     task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
@@ -268,6 +270,11 @@ class TrainConfig:
         def need(cond, msg):
             if not cond:
                 raise ValueError(f"config: {msg}")
+
+        if self.train_embeddings is None:  # a random-initialised tiny model needs them; a checkpoint does not
+            from ..testing.models import TINY_CONFIGS
+
+            self.train_embeddings = self.model in TINY_CONFIGS
 
         need(self.num_steps >= 1, "num_steps must be >= 1")
         need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
