@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--prompt-grad", choices=["detached", "exact"], default="detached")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--train-embeddings", action="store_true",
+                    help="also train the embeddings and LM head in full beside the adapter (the trainer's default for "
+                         "checkpoints until 2026-12-04: the results files from before then were run with it)")
     ap.add_argument("--out", default="bench/out/real_learning_curve")
     args = ap.parse_args()
 
@@ -83,7 +86,7 @@ def main() -> None:
                       lora=True, lora_r=16, lora_alpha=32, num_generations=args.G, prompts_per_step=args.prompts_per_step,
                       num_steps=args.steps, max_completion_length=16, dtype=args.dtype, prompt_grad=args.prompt_grad,
                       threads=args.threads, output_dir=str(out / "run"), learning_rate=1e-4,
-                      eval_at_start=False, num_completions_to_print=1)
+                      eval_at_start=False, num_completions_to_print=1, train_embeddings=args.train_embeddings)
     trainer = Trainer(cfg)
     held = {n: load_jsonl(files[f"eval-{n}"], tok) for n in args.lengths}
     result = RESULTS / f"real_learning_curve{'-' + args.tag if args.tag else ''}"
