@@ -101,9 +101,13 @@ class GRPOLoss:
         return Normalizer(tuple(1.0 / (max(l, 1) * n) for l in lengths), f"grpo: 1/(|o_i|·{n})")
 
     # ------------------------------------------------------------------ per token
-    def per_token(self, logps, old_logps, advantage, ref_logps=None, mask=None) -> tuple[torch.Tensor, TokenStats]:
+    def per_token(
+        self, logps, old_logps, advantage, ref_logps=None, mask=None, is_weight=None
+    ) -> tuple[torch.Tensor, TokenStats]:
         """l_t `[T]` for one response and its diagnostics. `advantage` is a float or 0-d tensor; `mask` `[T]`
-        (None: all ones) only matters here for the sequence-level ratio, a mean over unmasked tokens."""
+        (None: all ones) only matters here for the sequence-level ratio, a mean over unmasked tokens. `is_weight`
+        `[T]` (no grad): an external sampler's importance-sampling correction
+        (`longstraw.losses.sampler_correction`), multiplying the surrogate before the KL term is added, as TRL does."""
         log_ratio = logps - old_logps
         if self.importance_sampling_level == "sequence":
             m = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
@@ -112,6 +116,8 @@ class GRPOLoss:
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon, 1 + self.eps_high)
         adv = torch.as_tensor(advantage, dtype=logps.dtype, device=logps.device)
         loss = -torch.minimum(coef_1 * adv, coef_2 * adv)
+        if is_weight is not None:
+            loss = loss * is_weight.to(loss.dtype)
         kl = None
         if self.beta != 0.0:
             if ref_logps is None:
@@ -129,9 +135,10 @@ class GRPOLoss:
             )
         return loss, stats
 
-    def response_loss(self, logps, old_logps, advantage, scale: float, ref_logps=None, mask=None):
-        """scale · Σ_t mask_t · l_t: one response's share of the batch loss (`mask` `[T]`, None: all ones)."""
-        loss, stats = self.per_token(logps, old_logps, advantage, ref_logps, mask)
+    def response_loss(self, logps, old_logps, advantage, scale: float, ref_logps=None, mask=None, is_weight=None):
+        """scale · Σ_t mask_t · l_t: one response's share of the batch loss (`mask` `[T]`, None: all ones;
+        `is_weight` as `per_token`)."""
+        loss, stats = self.per_token(logps, old_logps, advantage, ref_logps, mask, is_weight)
         if mask is not None:
             loss = loss * mask.to(loss.dtype)
         return loss.sum() * scale, stats

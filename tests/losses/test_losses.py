@@ -123,6 +123,58 @@ def test_batched_reference_and_serial_equal_trl_compute_loss(tmp_path, loss_type
     _assert_grads_equal([lp.grad for lp in logps], trl_grads)
 
 
+@pytest.mark.parametrize("clip", [(None, 3.0), (0.5, 1.5)], ids=["trl-default-clip", "both-bounds"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sampler_correction_equals_trl_with_vllm(tmp_path, loss_type, mode, clip):
+    """An external sampler's importance-sampling correction (`SamplerCorrection`, per response) gives TRL 1.16's
+    `_compute_loss` run as with vLLM and its correction on, over the same batch (tool tokens masked out of the ratio as
+    TRL's `tool_mask` masks them), for every mode; the sampler's log-probs drawn so that the truncation or the mask
+    acts (checked), so a rule applied on the wrong side, or not at all, fails."""
+    from longstraw.losses.sampler_correction import SamplerCorrection
+
+    from ..trl_oracle import trl_config, trl_is_ratio, trl_loss
+
+    truncated = [False] * len(LENGTHS)
+    logps, old, ref, adv, m = _batch(13, LENGTHS, truncated, False, env_tokens=True, shift=0.5)
+    g = torch.Generator().manual_seed(5)
+    scale = 0.7 if mode.startswith("sequence") else 0.8  # a sequence's ratio sums its tokens' differences
+    sampler = [o + scale * torch.randn(o.shape, generator=g) for o in old]
+    correction = SamplerCorrection(mode, *clip)
+    loss_fn = make_loss(loss_type, beta=0.04)
+    norm = loss_fn.normalizer([int(x.sum()) for x in m], GROUPS, max_completion_length=LMAX)
+    total, changed = 0.0, 0
+    for i in range(len(logps)):
+        w = correction.weights(old[i], sampler[i], m[i])
+        changed += correction.stats(old[i], sampler[i], m[i])["changed"]
+        part, _ = loss_fn.response_loss(logps[i], old[i], adv[i], norm[i], ref_logps=ref[i], mask=m[i], is_weight=w)
+        part.backward()
+        total += part.item()
+    assert changed > 0, "the clip / mask never acted: the test would not see it misapplied"
+
+    args = trl_config(tmp_path, loss_type=loss_type, max_completion_length=LMAX, beta=0.04,
+                      vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip[0],
+                      vllm_importance_sampling_clip_max=clip[1])
+    leaf = _pad([lp.detach() for lp in logps]).requires_grad_()
+    completion = _pad([torch.ones(l) for l in LENGTHS])
+    tool_mask = _pad(m, value=1.0)
+    ratio = trl_is_ratio(args, _pad(old), _pad(sampler), completion, tool_mask)
+    trl = trl_loss(args, lambda: (leaf, torch.zeros_like(leaf)), completion, adv, _pad(old), _pad(ref), tool_mask,
+                   is_ratio=ratio)
+    trl.backward()
+    assert abs(total - trl.item()) <= LOSS_TOL * abs(trl.item())
+    _assert_grads_equal([lp.grad for lp in logps], [leaf.grad[i, :l] for i, l in enumerate(LENGTHS)])
+
+
+def test_sampler_correction_settings_are_validated():
+    from longstraw.losses.sampler_correction import SamplerCorrection
+
+    with pytest.raises(ValueError, match="must be one of"):
+        SamplerCorrection("token")
+    with pytest.raises(ValueError, match="clip_min 2.0 > clip_max 1.0"):
+        SamplerCorrection("token_mask", 2.0, 1.0)
+
+
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 def test_duplicating_the_batch_leaves_the_loss_unchanged(loss_type):
     """Every loss type is a mean (over tokens, responses or groups, or a fixed N · L for dr_grpo): the same
