@@ -21,6 +21,7 @@ the wait times out. `stop()` ends the server's whole process group (its engine c
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -135,7 +136,7 @@ def start(
     dtype: str = "float32",
     max_model_len: int | None = None,
     lora_rank: int = 0,
-    kv_cache_gb: float = 2.0,
+    kv_cache_gb: int = 2,
     log_path: str | Path | None = None,
     timeout_s: float = 900.0,
     extra: list[str] | None = None,
@@ -164,7 +165,7 @@ def start(
         args += ["--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora_rank)), "--max-loras", "2"]
     args += list(extra or [])
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.pop("PYTHONPATH", None)  # the server imports its own environment's packages only
     with open(log_path, "wb") as log:
@@ -179,6 +180,7 @@ def start(
         server.stop()
         raise
     server.started_s = time.perf_counter() - t0
+    atexit.register(server.stop)  # never outlive the process that started it (the server runs in its own session)
     return server
 
 

@@ -150,6 +150,28 @@ class TrainConfig:
         "trajectory's own state (longstraw.agent); max_completion_length bounds a "
         "whole trajectory, tool tokens included",
     )
+    rollout_backend: str = _f(
+        "own",
+        "who samples the rollouts: 'own' (longstraw's sampler, decoding from the captured prompt state: the prompt "
+        "prefilled once per step) or 'vllm' (a vLLM server: token ids in, token ids and its log-probs out; the LoRA "
+        "adapter hot-loaded every step; longstraw.train.vllm_client)",
+    )
+    vllm_url: str | None = _f(
+        None,
+        "with rollout_backend: vllm, the server's URL (e.g. http://127.0.0.1:8000, started by `longstraw vllm-serve "
+        "MODEL`); null: the trainer starts one on the model for the run and stops it after",
+    )
+    vllm_timeout_s: float = _f(600.0, "with rollout_backend: vllm, seconds one request may take before it is an error")
+    vllm_importance_sampling_correction: bool = _f(
+        True,
+        "with rollout_backend: vllm, weight each token's loss by the detached ratio of the trainer's old log-probs to "
+        "vLLM's (TRL's names and defaults; longstraw.losses.sampler_correction)",
+    )
+    vllm_importance_sampling_mode: str = _f(
+        "sequence_mask", "token_truncate, token_mask, sequence_truncate or sequence_mask (TRL 1.16's default)"
+    )
+    vllm_importance_sampling_clip_min: float | None = _f(None, "lower bound of the ratio (null: none)")
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "upper bound of the ratio (null: none)")
     tool_parser: str | None = _f(
         None,
         "with `environment`: 'package.module:function' reading a policy turn's text "
@@ -276,6 +298,25 @@ class TrainConfig:
 
             self.train_embeddings = self.model in TINY_CONFIGS
 
+        need(self.rollout_backend in ("own", "vllm"), "rollout_backend must be 'own' or 'vllm'")
+        if self.rollout_backend == "vllm":
+            from ..losses.sampler_correction import SamplerCorrection
+
+            SamplerCorrection(  # validates the mode and bounds
+                self.vllm_importance_sampling_mode,
+                self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max,
+            )
+            need(
+                self.lora and not self.train_embeddings,
+                "rollout_backend: vllm hot-loads the LoRA adapter every step: set lora: true and train_embeddings: "
+                "false (full fine-tuning's weight sync to vLLM, and trained embeddings, are not built)",
+            )
+            need(
+                not self.environment,
+                "rollout_backend: vllm samples single-turn rows; agent trajectories (environment) use the own sampler",
+            )
+            need(self.vllm_timeout_s > 0, "vllm_timeout_s must be > 0")
         need(self.num_steps >= 1, "num_steps must be >= 1")
         need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
         need(self.min_shared_prefix >= 1 and self.max_row_suffix >= 0, "min_shared_prefix >= 1, max_row_suffix >= 0")

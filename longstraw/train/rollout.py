@@ -39,6 +39,7 @@ from .memory import MemoryMeter
 from .rewards import RewardSet
 from .sharing import Context, shared_contexts, shared_fraction
 from .staleness import StateStore
+from .vllm_client import VLLMClient, VLLMSampler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -74,10 +75,13 @@ class Response:
     was cut at max_completion_length, and the reference log-probs `[R]` when beta > 0."""
 
     tokens: torch.Tensor
-    old_logprobs: torch.Tensor
+    #: None when another program sampled the response (vLLM): the update's first replay fills them in
+    old_logprobs: torch.Tensor | None
     mask: torch.Tensor
     truncated: bool
     ref_logprobs: torch.Tensor | None = None
+    #: `[R]` the external sampler's log-probs of the tokens (vLLM's), for the importance-sampling correction
+    sampler_logprobs: torch.Tensor | None = None
     #: per-response columns for the reward functions (a multi-turn rollout's turns, tool calls, environment reward)
     extra: dict = field(default_factory=dict)
 
@@ -248,6 +252,8 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
         item = Response(tokens, logprobs, mask, truncated)
     if not isinstance(item, Response):
         raise TypeError(f"{where}: a rollout hook returns Response objects or dicts with tokens, mask, logprobs")
+    if item.old_logprobs is None:
+        raise ValueError(f"{where}: a response needs the log-probs its sampler gave its tokens")
     n = item.tokens.numel()
     if n == 0 or n > max_len:
         raise ValueError(f"{where}: a response must hold 1..max_completion_length={max_len} tokens; got {n}")
@@ -337,6 +343,8 @@ class RolloutStage:
     max_row_suffix: int | None = 2048
     #: prompt states kept across optimizer steps (`recapture_every`, `longstraw.train.staleness`); None: none kept
     store: StateStore | None = None
+    #: the vLLM server that samples the responses (`rollout_backend: vllm`); None: the own sampler
+    vllm: VLLMClient | None = None
 
     def contexts(self, examples: list[Example], prompts: list[torch.Tensor]) -> list[Context]:
         """How the step's rows are captured: together where they share a prefix (`longstraw.train.sharing`), else
@@ -373,6 +381,8 @@ class RolloutStage:
         groups: list[Group | None],
     ) -> int:
         """Capture one context, sample and score each of its rows (into `groups`); returns its state's bytes."""
+        if self.vllm is not None:
+            return self._vllm_context(ctx, examples, prompts, step, meter, groups)
         model = self.policy.model
         prefix = prompts[ctx.rows[0]][: ctx.length]
         state: PromptState | None  # None once released (a state only sampled from)
@@ -432,6 +442,41 @@ class RolloutStage:
         if not keep_state:
             state.release()
         return nbytes
+
+    def _vllm_context(self, ctx, examples, prompts, step: int, meter: MemoryMeter, groups) -> int:
+        """`_context` with vLLM sampling: each row's whole prompt sent as token ids (vLLM's prefix cache shares the
+        context's prefix); nothing is captured here (the update captures the context for its replays, and the
+        reference its own). The responses keep vLLM's log-probs as `sampler_logprobs`; their old log-probs are the
+        trainer's, from the update's first replay. Returns 0: no state held."""
+        assert self.vllm is not None
+        for b in ctx.rows:
+            ex, prompt = examples[b], prompts[b]
+            with meter.stage("sample"):
+                g = self.generator(step, b)  # the row's seed, as the own sampler's generator is seeded
+                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device))
+                sampler = VLLMSampler(self.vllm, prompt, self.policy, self.settings, seed)
+                responses = self._responses(sampler, ex)  # type: ignore[arg-type]
+                for r in responses:
+                    r.sampler_logprobs, r.old_logprobs = r.old_logprobs, None
+            with meter.stage("reward"):
+                rewards = self._score(ex, responses)
+            groups[b] = Group(ex, prompt, responses, rewards, None, ctx.length)
+        if self.beta > 0:
+            with meter.stage("reference"):
+                prefix = prompts[ctx.rows[0]][: ctx.length]
+                rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]
+                refs = reference_logprobs(
+                    self.policy.model,
+                    prefix,
+                    [r for _, r in rows],
+                    self.settings.temperature,
+                    self.chunk_size,
+                    self.state_dtype,
+                    suffixes=[s for s, _ in rows],
+                )
+            for (_, r), ref in zip(rows, refs):
+                r.ref_logprobs = ref
+        return 0
 
     def _score(self, ex: Example, responses: list[Response]) -> torch.Tensor:
         """`[G, F]` the reward functions' values of one row's responses; on N ranks scored once, on rank 0 (its

@@ -190,6 +190,7 @@ class Trainer(Evaluation):
             min_shared_prefix=cfg.min_shared_prefix,
             max_row_suffix=cfg.max_row_suffix,
             store=self.store,
+            vllm=self._vllm_client(),
         )
         self.update_settings = UpdateSettings.from_config(cfg)
         if self.ranks.size > 1 and self.update_settings.segment_replay:
@@ -201,6 +202,46 @@ class Trainer(Evaluation):
                 )
             self.update_settings = dataclasses.replace(self.update_settings, segment_replay=False)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
+        #: seconds of this step's adapter sync to vLLM (None: no sync this step)
+        self.sync_seconds: float | None = None
+
+    def _vllm_client(self):
+        """`rollout_backend: vllm`: the client of `vllm_url`, or of a server started here on the model (stopped by
+        `close`); None with the own sampler."""
+        self.vllm_server = None
+        if self.cfg.rollout_backend != "vllm":
+            return None
+        from .vllm_client import VLLMClient
+
+        if self.ranks.size > 1:
+            raise ValueError("rollout_backend: vllm runs in one process for now (N processes: the own sampler)")
+        url = self.cfg.vllm_url
+        if url is None:
+            from ..tools import vllm_server
+
+            folder = self.out / "vllm-base"
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            if not Path(self.cfg.model).is_dir():  # a built-in tiny model: vLLM reads a folder
+                base.save_pretrained(folder)
+                self.tok.save_pretrained(folder)
+            dtype = str(next(base.parameters()).dtype).replace("torch.", "")
+            self.vllm_server = vllm_server.start(
+                folder if not Path(self.cfg.model).is_dir() else self.cfg.model,
+                dtype=dtype,
+                lora_rank=self.cfg.lora_r,
+                max_model_len=getattr(base.config, "max_position_embeddings", None),
+                log_path=self.out / "vllm-server.log",
+            )
+            url = self.vllm_server.url
+        client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
+        client.health()
+        return client
+
+    def close(self) -> None:
+        """Stop what the trainer started (a vLLM server); idempotent."""
+        server = getattr(self, "vllm_server", None)
+        if server is not None:
+            server.stop()
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -233,6 +274,10 @@ class Trainer(Evaluation):
         if cached is not None and cached[0] == g:
             return cached[1]
         self._rollout = None
+        client = self.rollout_stage.vllm
+        if client is not None:  # vLLM samples with the adapter as it is now
+            with self.meter.stage("sync"):
+                self.sync_seconds = client.sync_adapter(self.model, self.out / "vllm-adapter", g)
         r = self.rollout_stage.collect(self.examples(g), g, self.meter)
         if self.cfg.num_iterations > 1:
             self._rollout = (g, r)
@@ -264,8 +309,11 @@ class Trainer(Evaluation):
         if store is not None:
             store.begin(step)
             before = store.captures, store.reuses
+        self.sync_seconds = None
         r = self.rollout(step)
         m = dict(phase="grpo", **self.update(r))
+        if self.sync_seconds is not None:
+            m["vllm/sync_s"] = self.sync_seconds
         if store is not None:
             store.end()
             m.update(state_captures=store.captures - before[0], state_reuses=store.reuses - before[1])
@@ -523,8 +571,15 @@ class Trainer(Evaluation):
             tmp = self.out / ".config.yaml.tmp"
             tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
             os.replace(tmp, self.out / "config.yaml")
-        done = []
+        done: list[dict] = []
         writer_cm = MetricsWriter(self.out, self.step if resumed else 0, self.cfg) if self.ranks.main else _NoWriter()
+        try:
+            self._run(writer_cm, done, on_step)
+        finally:
+            self.close()
+        return done
+
+    def _run(self, writer_cm, done: list, on_step) -> None:
         with writer_cm as writer:
             while self.step < self.cfg.num_steps:
                 m = self.train_step(self.step)
@@ -549,7 +604,6 @@ class Trainer(Evaluation):
             self.store.clear()
         if self.ranks.main:
             self.export()
-        return done
 
 
 class _NoWriter:

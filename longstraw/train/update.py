@@ -24,7 +24,7 @@ prompt's answer on its owner rank (replayed, context parallel).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -33,6 +33,7 @@ from ..api import capture
 from ..branch import Branch
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
+from ..losses.sampler_correction import SamplerCorrection
 from ..model.capability import model_parts
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState
@@ -57,9 +58,18 @@ class UpdateSettings:
     state_dtype: str | None = None
     #: replay a response with environment tokens one policy turn at a time (`longstraw.trajectory`)
     segment_replay: bool = False
+    #: an external sampler's importance-sampling correction (`rollout_backend: vllm`); None: none
+    sampler_correction: SamplerCorrection | None = None
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
+        correction = None
+        if cfg.rollout_backend == "vllm" and cfg.vllm_importance_sampling_correction:
+            correction = SamplerCorrection(
+                cfg.vllm_importance_sampling_mode,
+                cfg.vllm_importance_sampling_clip_min,
+                cfg.vllm_importance_sampling_clip_max,
+            )
         return cls(
             cfg.max_completion_length,
             cfg.temperature,
@@ -70,6 +80,7 @@ class UpdateSettings:
             cfg.checkpoint_layers,
             cfg.state_dtype,
             cfg.replays_segments,
+            correction,
         )
 
 
@@ -87,6 +98,8 @@ class _Totals:
     clipped: float = 0.0
     entropy: float = 0.0
     tokens: int = 0
+    #: an external sampler's mismatch, summed over tokens (`SamplerCorrection.stats`); empty with the own sampler
+    sampler: dict = field(default_factory=dict)
 
 
 def policy_update(
@@ -183,6 +196,17 @@ def policy_update(
         totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
+    if totals.sampler:  # TRL's sampling/* metrics of an external sampler
+        t = max(totals.sampler["tokens"], 1)
+        metrics.update(
+            {
+                "sampling/sampling_logp_difference/mean": totals.sampler["abs_diff"] / t,
+                "sampling/sampling_logp_difference/max": totals.sampler["max_abs_diff"],
+                "sampling/kl": totals.sampler["kl"] / t,
+                "sampling/importance_sampling_ratio/mean": totals.sampler["weight"] / t,
+                "sampling/corrected_frac": totals.sampler["changed"] / t,
+            }
+        )
     if loss_fn.beta > 0:
         metrics["kl"] = totals.kl / n
     return metrics
@@ -214,8 +238,29 @@ def _response_backward(
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
     )
+    if response.old_logprobs is None:
+        # another program sampled it (vLLM): the trainer's old log-probs are this first replay's, at the weights the
+        # batch was drawn at (TRL recomputes them likewise); later iterations (`num_iterations`) read them back
+        response.old_logprobs = out.logprobs.detach().clone()
+    weight = None
+    if response.sampler_logprobs is not None and settings.sampler_correction is not None:
+        weight = settings.sampler_correction.weights(response.old_logprobs, response.sampler_logprobs, mask)
+        for key, value in settings.sampler_correction.stats(
+            response.old_logprobs, response.sampler_logprobs, mask
+        ).items():
+            totals.sampler[key] = (
+                max(totals.sampler.get(key, 0.0), value)
+                if key.startswith("max")
+                else (totals.sampler.get(key, 0) + value)
+            )
     loss, st = loss_fn.response_loss(
-        out.logprobs, response.old_logprobs, advantage, scale, ref_logps=response.ref_logprobs, mask=mask
+        out.logprobs,
+        response.old_logprobs,
+        advantage,
+        scale,
+        ref_logps=response.ref_logprobs,
+        mask=mask,
+        is_weight=weight,
     )
     if entropy_scale > 0:
         loss = loss - entropy_scale * (out.entropy * mask).sum()
@@ -240,6 +285,11 @@ def _segments_backward(
 ) -> None:
     """`_response_backward` turn by turn: each policy segment's share of the loss (the token-level surrogate is a sum
     over tokens, so the shares add up to the response's) back-propagated as soon as it is replayed."""
+    if response.old_logprobs is None:
+        raise ValueError(
+            "a response holding environment tokens from an external sampler (rollout_backend: vllm) has no old "
+            "log-probs to replay segments against: multi-turn rollouts use the own sampler"
+        )
     loss_value = 0.0
     stats = []
 

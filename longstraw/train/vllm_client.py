@@ -1,0 +1,194 @@
+"""Rollouts from a vLLM server (`rollout_backend: vllm`): token ids in, token ids and the sampler's log-probs out.
+
+The server is vLLM's OpenAI-compatible one (`longstraw vllm-serve`, `longstraw.tools.vllm_server`), on localhost. A
+request sends the prompt as **token ids** (never text: what the trainer replays is exactly what vLLM read), `n` = G,
+the run's temperature, top-p, top-k, stop token, `max_tokens`, `allowed_token_ids` and a seed, and reads back each
+sample's token ids (`return_token_ids`) and the log-probs of the distribution vLLM sampled from (the server runs with
+`--logprobs-mode processed_logprobs`). With LoRA the requests name the adapter the trainer last loaded
+(`sync_adapter`: saved atomically, hot-loaded by `/v1/load_lora_adapter`, the previous one unloaded).
+
+A server that is not there, dies, or does not answer within `timeout_s` is an error naming its URL, never a hang.
+
+`VLLMSampler` stands where the rollout's `TurnSampler` stands for a single-turn row (`sample(num, max_new_tokens,
+prefix_ids)`); the responses it gives carry the sampler's log-probs apart (`Response.sampler_logprobs`), and the
+trainer's own old log-probs come from the first replay of the update (`longstraw.train.update`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import torch
+
+from ..sampler import Samples
+
+
+class VLLMError(RuntimeError):
+    """The vLLM server is unreachable, failed a request, or answered something the backend cannot use."""
+
+
+class VLLMClient:
+    """HTTP client of one vLLM server at `url` (e.g. "http://127.0.0.1:8000"), serving the base model as `model`."""
+
+    def __init__(self, url: str, model: str = "policy", timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        #: the adapter requests name (None: the base model)
+        self.adapter: str | None = None
+        self.sync_seconds: list[float] = []
+        #: this client's adapters' prefix on the server (several runs may share one server)
+        self._tag = f"lora-{uuid.uuid4().hex[:8]}"
+
+    # ------------------------------------------------------------------ transport
+    def _post(self, path: str, body: dict, expect_json: bool = True):
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise VLLMError(f"the vLLM server at {self.url} refused {path} (HTTP {err.code}): {detail}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+            raise VLLMError(
+                f"the vLLM server at {self.url} did not answer {path} ({err}); start it with "
+                f"`longstraw vllm-serve MODEL` or check `vllm_url`"
+            ) from None
+        return json.loads(raw) if expect_json else raw.decode(errors="replace")
+
+    def health(self) -> None:
+        """Raise `VLLMError` unless the server answers `/health`."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=min(self.timeout_s, 10.0)) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+            raise VLLMError(f"the vLLM server at {self.url} is not reachable ({err})") from None
+        raise VLLMError(f"the vLLM server at {self.url} is not healthy")
+
+    # ------------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        n: int,
+        max_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=(),
+        seed: int | None = None,
+        allowed_token_ids=None,
+    ) -> Samples:
+        """`n` samples after `prompt_ids` `[P]`: each one's token ids (its stop token included, as longstraw's own
+        sampler returns them) and vLLM's log-probs of them, float32; truncated when it hit `max_tokens`."""
+        ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        greedy = temperature == 0  # vLLM refuses n > 1 with greedy decoding: one sample, repeated
+        body: dict = dict(
+            model=self.adapter or self.model,
+            prompt=ids,
+            n=1 if greedy else n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k > 0 else -1,
+            logprobs=0,
+            return_token_ids=True,
+            return_tokens_as_token_ids=True,
+            skip_special_tokens=False,
+            stop_token_ids=[int(t) for t in stop_token_ids],
+            ignore_eos=not stop_token_ids,
+        )
+        if seed is not None:
+            body["seed"] = int(seed)
+        if allowed_token_ids is not None:
+            body["allowed_token_ids"] = [int(t) for t in allowed_token_ids]
+        out = self._post("/v1/completions", body)
+        choices = sorted(out.get("choices", []), key=lambda c: c["index"])
+        if greedy:
+            choices = choices * n
+        if len(choices) != n:
+            raise VLLMError(f"the vLLM server at {self.url} returned {len(choices)} samples for n={n}")
+        tokens, logprobs, truncated = [], [], []
+        for c in choices:
+            t = c.get("token_ids")
+            lp = (c.get("logprobs") or {}).get("token_logprobs")
+            if t is None or lp is None or len(t) != len(lp):
+                raise VLLMError(
+                    f"the vLLM server at {self.url} did not return token ids and their log-probs (vLLM "
+                    "≥ 0.10.2 with return_token_ids; the backend is tested on 0.32)"
+                )
+            tokens.append(torch.tensor(t, dtype=torch.long))
+            logprobs.append(torch.tensor([float("nan") if x is None else x for x in lp], dtype=torch.float32))
+            truncated.append(c.get("finish_reason") == "length")
+        return Samples(tokens=tokens, logprobs=logprobs, truncated=torch.tensor(truncated, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ weights
+    def sync_adapter(self, model, folder: str | Path, step: int) -> float:
+        """Save `model`'s LoRA adapter (a PEFT model) to `folder`/step-`step` (written beside, then renamed: the server
+        never reads a half-written adapter) and hot-load it; the previous one is unloaded. Seconds taken."""
+        t0 = time.perf_counter()
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"step-{step}"
+        tmp = folder / f".step-{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        name = f"{self._tag}-step-{step}"
+        self._post("/v1/load_lora_adapter", dict(lora_name=name, lora_path=str(final.resolve())), expect_json=False)
+        previous, self.adapter = self.adapter, name
+        if previous is not None:
+            self._post("/v1/unload_lora_adapter", dict(lora_name=previous), expect_json=False)
+            shutil.rmtree(folder / previous.removeprefix(f"{self._tag}-"), ignore_errors=True)
+        seconds = time.perf_counter() - t0
+        self.sync_seconds.append(seconds)
+        return seconds
+
+
+class VLLMSampler:
+    """A rollout's sampler for one row whose responses vLLM draws: `sample(num, max_new_tokens, prefix_ids)` after the
+    row's whole prompt (`prompt_ids`) and `prefix_ids`, with the run's settings and a seed per (step, row)."""
+
+    def __init__(self, client: VLLMClient, prompt_ids: torch.Tensor, policy, settings, seed: int):
+        self.client, self.prompt_ids, self.settings, self.seed = client, prompt_ids, settings, seed
+        self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
+        self._allowed = policy.allowed_token_ids
+        self.calls = 0
+
+    is_main = True
+
+    def on_main(self, name: str, fn):
+        return fn()
+
+    def fork(self):
+        raise NotImplementedError(
+            "rollout_backend: vllm samples single-turn rows; agent trajectories (environment:) use the own sampler"
+        )
+
+    def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
+        s = self.settings
+        prompt = self.prompt_ids
+        if prefix_ids is not None and len(prefix_ids) > 0:
+            prompt = torch.cat([prompt, torch.as_tensor(prefix_ids, dtype=torch.long).reshape(-1).cpu()])
+        self.calls += 1
+        return self.client.generate(
+            prompt,
+            num,
+            max_new_tokens or s.max_completion_length,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
+            seed=self.seed + 7919 * (self.calls - 1),
+            allowed_token_ids=self._allowed,
+        )

