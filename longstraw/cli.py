@@ -6,6 +6,7 @@ longstraw train CONFIG.yaml [--field value ...] [--nproc N]
 torchrun --nproc-per-node N -m longstraw train CONFIG.yaml     (several nodes: --nnodes, --rdzv-backend c10d, ...)
 longstraw eval RUN_DIR [--lengths 256 1024] [--examples 64]
 longstraw compare                   memory and time of one GRPO step: naive batched, naive serial, longstraw
+longstraw vllm-serve MODEL [--port 8000]   a vLLM server for `rollout_backend: vllm` (its environment created once)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 # (compare, check, plan, real), and `flags` (the config fields as flags)
 from .commands.demo import REAL_DEMO_LENGTH, cmd_demo
 from .commands.flags import add_config_flags
-from .commands.tools import cmd_check, cmd_compare, cmd_plan, cmd_real
+from .commands.tools import cmd_check, cmd_compare, cmd_plan, cmd_real, cmd_vllm_serve
 from .commands.training import cmd_eval, cmd_train
 
 #: names this module held before the commands moved to `longstraw.commands` (kept for one release)
@@ -177,6 +178,21 @@ def main(argv=None) -> int:
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
     pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    vs = sub.add_parser(
+        "vllm-serve",
+        help="start a vLLM server on localhost for `rollout_backend: vllm` (creating its own environment once)",
+    )
+    vs.add_argument("model", nargs="?", default=None, help="a local model folder (a real model: `longstraw real NAME`)")
+    vs.add_argument("--port", type=int, default=8000)
+    vs.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="as the trainer runs it"
+    )
+    vs.add_argument(
+        "--lora-rank", dest="lora_rank", type=int, default=16, help="largest adapter rank to load (0: no LoRA)"
+    )
+    vs.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
+    vs.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=int, default=4, help="vLLM's CPU KV cache (GiB)")
+    vs.add_argument("--setup", action="store_true", help="only create the vLLM environment, then exit")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     args.argv = argv
@@ -192,6 +208,7 @@ def main(argv=None) -> int:
             "check": cmd_check,
             "plan": cmd_plan,
             "real": cmd_real,
+            "vllm-serve": cmd_vllm_serve,
         }[args.command](args)
     except (ValueError, FileNotFoundError, RewardFunctionError) as err:
         print(f"longstraw: error: {err}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The commands about a model rather than a run, each behind a tool (`longstraw.tools`) or the self-check:
-`longstraw compare`, `check`, `plan` and `real`."""
+`longstraw compare`, `check`, `plan`, `real` and `vllm-serve`."""
 
 from __future__ import annotations
 
@@ -131,3 +131,39 @@ def cmd_real(args) -> int:
         print(f"longstraw: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_vllm_serve(args) -> int:
+    """Create the vLLM environment if needed; with a model, serve it on 127.0.0.1 until interrupted."""
+    import signal
+    import time
+
+    from ..tools import vllm_server
+
+    vllm_server.ensure_environment()
+    print(f"longstraw: the vLLM environment is {vllm_server.environment()}")
+    if args.setup:
+        return 0
+    if args.model is None or not Path(args.model).is_dir():
+        print("longstraw: error: vllm-serve needs a local model folder (or --setup)", file=sys.stderr)
+        return 2
+    print(f"longstraw: starting vLLM on {args.model} (the first start compiles for a minute or more) ...", flush=True)
+    server = vllm_server.start(
+        args.model,
+        port=args.port,
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb,
+    )
+    print(f"longstraw: vLLM serves {args.model} at {server.url} (log {server.log_path}); set vllm_url: {server.url}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while server.alive():
+            time.sleep(1.0)
+        print(f"longstraw: the vLLM server exited; its log ends:\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
