@@ -138,7 +138,7 @@ def cmd_vllm_serve(args) -> int:
     import signal
     import time
 
-    from ..tools import vllm_server
+    from ..train import vllm_server
 
     vllm_server.ensure_environment()
     print(f"longstraw: the vLLM environment is {vllm_server.environment()}")

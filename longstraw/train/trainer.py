@@ -217,7 +217,7 @@ class Trainer(Evaluation):
             raise ValueError("rollout_backend: vllm runs in one process for now (N processes: the own sampler)")
         url = self.cfg.vllm_url
         if url is None:
-            from ..tools import vllm_server
+            from . import vllm_server
 
             folder = self.out / "vllm-base"
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model

@@ -1,6 +1,6 @@
 """Rollouts from a vLLM server (`rollout_backend: vllm`): token ids in, token ids and the sampler's log-probs out.
 
-The server is vLLM's OpenAI-compatible one (`longstraw vllm-serve`, `longstraw.tools.vllm_server`), on localhost. A
+The server is vLLM's OpenAI-compatible one (`longstraw vllm-serve`, `longstraw.train.vllm_server`), on localhost. A
 request sends the prompt as **token ids** (never text: what the trainer replays is exactly what vLLM read), `n` = G,
 the run's temperature, top-p, top-k, stop token, `max_tokens`, `allowed_token_ids` and a seed, and reads back each
 sample's token ids (`return_token_ids`) and the log-probs of the distribution vLLM sampled from (the server runs with

