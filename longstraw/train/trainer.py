@@ -219,6 +219,7 @@ class Trainer(Evaluation):
         if url is None:
             from . import vllm_server
 
+            self.out.mkdir(parents=True, exist_ok=True)
             folder = self.out / "vllm-base"
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             if not Path(self.cfg.model).is_dir():  # a built-in tiny model: vLLM reads a folder

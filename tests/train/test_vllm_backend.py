@@ -186,3 +186,27 @@ def test_trainer_with_vllm_rollouts_runs_end_to_end(smollm2_server, real_smollm2
         assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
         assert abs(m["sampling/importance_sampling_ratio/mean"] - 1.0) <= 1e-2
         assert m["vllm/sync_s"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_trainer_starts_and_stops_its_own_server(vllm_env, real_smollm2, tmp_path):
+    """Without `vllm_url` the trainer serves the model itself for the run, and the server is gone after it."""
+    import json
+
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 2? Answer with the number only.", "answer": "4"}) + "\n")
+    cfg = TrainConfig(model=str(real_smollm2), dataset=str(data), eval_fraction=0.0, reward_funcs=["contains_answer"],
+                      lora=True, lora_r=8, lora_alpha=16, num_generations=2, prompts_per_step=1, num_steps=1,
+                      max_completion_length=4, threads=2, output_dir=str(tmp_path / "run"), eval_at_start=False,
+                      rollout_backend="vllm", save_every=100)
+    trainer = Trainer(cfg)
+    server = trainer.vllm_server
+    assert server is not None and server.alive()
+    metrics = trainer.train()
+    assert metrics[0]["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
+    assert not server.alive()
+    assert (tmp_path / "run" / "vllm-server.log").exists()
