@@ -159,8 +159,13 @@ def start(
         "--logprobs-mode", "processed_logprobs",
         "--max-logprobs", "1",
     ]  # fmt: skip
+    if not max_model_len:
+        max_model_len = _max_positions(model)
     if max_model_len:
-        args += ["--max-model-len", str(max_model_len)]
+        # the whole prompt prefilled in one engine step: vLLM 0.32 on a CPU crashes its engine ("CPU Generator does
+        # not use offset") when a seeded request's prefill is split over steps, which a prompt longer than the
+        # default batch budget is
+        args += ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_model_len)]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora_rank)), "--max-loras", "2"]
     args += list(extra or [])
@@ -182,6 +187,19 @@ def start(
     server.started_s = time.perf_counter() - t0
     atexit.register(server.stop)  # never outlive the process that started it (the server runs in its own session)
     return server
+
+
+def _max_positions(model: str | Path) -> int | None:
+    """The model folder's `max_position_embeddings` (its text config's), or None."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    value = cfg.get("max_position_embeddings")
+    return int(value) if value else None
 
 
 def _lora_rank_slot(rank: int) -> int:

@@ -221,3 +221,19 @@ def test_trainer_starts_and_stops_its_own_server(vllm_env, real_smollm2, tmp_pat
     assert metrics[0]["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
     assert not server.alive()
     assert (tmp_path / "run" / "vllm-server.log").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_a_seeded_long_prompt_samples_and_repeats(served):
+    """A seeded request whose prompt (3,000 tokens) passes vLLM's default batch budget on a CPU server (2,048): the
+    server prefills it in one step (`vllm_server.start` sets `--max-num-batched-tokens`), since vLLM 0.32 crashed its
+    engine when a seeded prefill was split ("CPU Generator does not use offset"); the same seed draws the same tokens."""
+    name, folder, server = served
+    client = VLLMClient(server.url)
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(100, 30000, (3000,), generator=g)
+    a = client.generate(prompt, 3, 6, temperature=1.0, seed=123)
+    b = client.generate(prompt, 3, 6, temperature=1.0, seed=123)
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
+    assert server.alive()
