@@ -425,20 +425,7 @@ class RolloutStage:
                 rewards = self._score(ex, responses)
             groups[b] = Group(ex, prompt, responses, rewards, state if keep_state else None, ctx.length)
         if self.beta > 0:
-            with meter.stage("reference"):
-                rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]  # type: ignore[union-attr]
-                refs = reference_logprobs(
-                    model,
-                    prefix,
-                    [r for _, r in rows],
-                    self.settings.temperature,
-                    self.chunk_size,
-                    self.state_dtype,
-                    ranks=self.ranks,
-                    suffixes=[s for s, _ in rows],
-                )
-            for (_, r), ref in zip(rows, refs):
-                r.ref_logprobs = ref
+            self._reference(ctx, prompts, meter, groups)
         if not keep_state:
             state.release()
         return nbytes
@@ -462,21 +449,25 @@ class RolloutStage:
                 rewards = self._score(ex, responses)
             groups[b] = Group(ex, prompt, responses, rewards, None, ctx.length)
         if self.beta > 0:
-            with meter.stage("reference"):
-                prefix = prompts[ctx.rows[0]][: ctx.length]
-                rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]
-                refs = reference_logprobs(
-                    self.policy.model,
-                    prefix,
-                    [r for _, r in rows],
-                    self.settings.temperature,
-                    self.chunk_size,
-                    self.state_dtype,
-                    suffixes=[s for s, _ in rows],
-                )
-            for (_, r), ref in zip(rows, refs):
-                r.ref_logprobs = ref
+            self._reference(ctx, prompts, meter, groups)
         return 0
+
+    def _reference(self, ctx: Context, prompts: list[torch.Tensor], meter: MemoryMeter, groups) -> None:
+        """The reference policy's log-probs of every response of the context's rows (`ref_logprobs`)."""
+        with meter.stage("reference"):
+            rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]
+            refs = reference_logprobs(
+                self.policy.model,
+                prompts[ctx.rows[0]][: ctx.length],
+                [r for _, r in rows],
+                self.settings.temperature,
+                self.chunk_size,
+                self.state_dtype,
+                ranks=self.ranks,
+                suffixes=[s for s, _ in rows],
+            )
+        for (_, r), ref in zip(rows, refs):
+            r.ref_logprobs = ref
 
     def _score(self, ex: Example, responses: list[Response]) -> torch.Tensor:
         """`[G, F]` the reward functions' values of one row's responses; on N ranks scored once, on rank 0 (its

@@ -188,7 +188,8 @@ def test_trainer_with_vllm_rollouts_runs_end_to_end(served, tmp_path):
     cfg = TrainConfig(model=str(real_smollm2), dataset=str(data), eval_fraction=0.0, reward_funcs=["contains_answer"],
                       lora=True, lora_r=8, lora_alpha=16, num_generations=4, prompts_per_step=2, num_steps=2,
                       max_completion_length=8, threads=2, output_dir=str(tmp_path / "run"), learning_rate=1e-3,
-                      eval_at_start=False, rollout_backend="vllm", vllm_url=smollm2_server.url, save_every=100)
+                      eval_at_start=False, rollout_backend="vllm", vllm_url=smollm2_server.url, save_every=100,
+                      beta=0.04)  # the reference policy's log-probs too
     trainer = Trainer(cfg)
     metrics = trainer.train()
     assert len(metrics) == 2
@@ -197,6 +198,9 @@ def test_trainer_with_vllm_rollouts_runs_end_to_end(served, tmp_path):
         assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
         assert abs(m["sampling/importance_sampling_ratio/mean"] - 1.0) <= 1e-2
         assert m["vllm/sync_s"] > 0
+    # the reference policy (the adapter off) read: equal to the policy before the first update (PEFT's B = 0), apart
+    # after it
+    assert metrics[0]["kl"] <= 1e-6 < metrics[1]["kl"]
 
 
 @pytest.mark.vllm
