@@ -181,16 +181,25 @@ void rows_over_keys(const Args& a, int64_t b, int64_t r0, int64_t nr) {
 }
 
 // worker w of nw: its share of every head's rows (contiguous, a multiple of MR)
+// Worker w of nw takes a contiguous share of the (head, block of MR rows) pairs, heads outer: a decode step's few
+// query rows (G samples x the query heads of one key head: 3 blocks at G = 8 on SmolLM2) spread over the threads
+// through the heads too, where splitting the rows alone left a thread idle a third of the time. Each row is computed
+// alike whichever worker takes it (its block starts at a multiple of MR), so the result does not depend on nw.
 void worker(const Args& a, int w, int nw) {
-    const int64_t blocks = (a.rows + MR - 1) / MR;
-    const int64_t lo = blocks * w / nw * MR, hi = std::min(a.rows, blocks * (w + 1) / nw * MR);
-    if (hi <= lo) return;
-    for (int64_t b = 0; b < a.bh; ++b) rows_over_keys(a, b, lo, hi - lo);
+    const int64_t blocks = (a.rows + MR - 1) / MR, items = a.bh * blocks;
+    const int64_t lo = items * w / nw, hi = items * (w + 1) / nw;
+    for (int64_t i = lo; i < hi;) {
+        const int64_t b = i / blocks, first = i % blocks;
+        const int64_t last = std::min(blocks, first + (hi - i));  // this head's blocks in the share
+        const int64_t r0 = first * MR;
+        rows_over_keys(a, b, r0, std::min(a.rows, last * MR) - r0);
+        i += last - first;
+    }
 }
 
 // all workers over `a`: the calling thread and threads - 1 more
 int run(const Args& a, int threads) {
-    const int64_t blocks = (a.rows + MR - 1) / MR;
+    const int64_t blocks = a.bh * ((a.rows + MR - 1) / MR);
     const int nw = blocks < threads ? (int)blocks : threads;
     if (nw <= 1) {
         worker(a, 0, 1);
