@@ -87,7 +87,7 @@ class EnvironmentRollout:
         first = sampler.on_main("agent: environment reset", lambda: env.reset(**example.reward_columns()))
         budget = s.max_completion_length
         turn_cap = self.settings.max_turn_tokens or budget
-        limit = getattr(sampler.state._parts.config, "max_position_embeddings", None) or float("inf")
+        limit = sampler.max_positions or float("inf")
         pieces: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (tokens, old log-probs, policy)
         added = 0
         calls = failures = turns = 0

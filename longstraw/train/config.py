@@ -286,7 +286,10 @@ class TrainConfig:
     def replays_segments(self) -> bool:
         """Whether multi-turn responses are replayed one segment at a time (`segment_replay`, on by default with an
         `environment`; the gradient is the whole replay's either way)."""
-        return self.segment_replay if self.segment_replay is not None else self.environment is not None
+        if self.segment_replay is not None:
+            return self.segment_replay
+        # vLLM trajectories replay whole: their old log-probs are the first replay's (`longstraw.train.update`)
+        return self.environment is not None and self.rollout_backend != "vllm"
 
     def __post_init__(self):
         def need(cond, msg):
@@ -313,8 +316,10 @@ class TrainConfig:
                 "false (full fine-tuning's weight sync to vLLM, and trained embeddings, are not built)",
             )
             need(
-                not self.environment,
-                "rollout_backend: vllm samples single-turn rows; agent trajectories (environment) use the own sampler",
+                not self.segment_replay,
+                "segment_replay: true with rollout_backend: vllm: the trainer's old log-probs of a vLLM trajectory "
+                "come from its first replay, whole (the same gradient as segments, the whole trajectory's graph); "
+                "leave segment_replay unset",
             )
             need(self.vllm_timeout_s > 0, "vllm_timeout_s must be > 0")
         need(self.num_steps >= 1, "num_steps must be >= 1")

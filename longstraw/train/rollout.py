@@ -181,6 +181,11 @@ class TurnSampler:
         self.ranks = ranks  # `longstraw.distributed.ranks.Ranks` of a multi-process run, else None
 
     @property
+    def max_positions(self) -> int | None:
+        """The model's positions (`max_position_embeddings`; None: unbounded), which a trajectory may not pass."""
+        return getattr(self.state._parts.config, "max_position_embeddings", None)
+
+    @property
     def is_main(self) -> bool:
         """Whether this process runs what `on_main` runs (rank 0, or the only process)."""
         return self.ranks is None or self.ranks.main
@@ -441,7 +446,8 @@ class RolloutStage:
             with meter.stage("sample"):
                 g = self.generator(step, b)  # the row's seed, as the own sampler's generator is seeded
                 seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device))
-                sampler = VLLMSampler(self.vllm, prompt, self.policy, self.settings, seed)
+                positions = getattr(self.policy.model.config, "max_position_embeddings", None)
+                sampler = VLLMSampler(self.vllm, prompt, self.policy, self.settings, seed, positions)
                 responses = self._responses(sampler, ex)  # type: ignore[arg-type]
                 for r in responses:
                     r.sampler_logprobs, r.old_logprobs = r.old_logprobs, None

@@ -155,25 +155,87 @@ class VLLMClient:
         return seconds
 
 
+class VLLMBranch:
+    """One agent trajectory sampled by vLLM: the token ids so far (the row's prompt, then what the trajectory added),
+    as `longstraw.Branch` keeps a trajectory's state — `extend(tokens)` appends tool output, `sample(...)` sends the
+    whole trajectory (vLLM's prefix cache makes the earlier turns cheap) and keeps the sampled turn. The tokens are the
+    ones the trainer replays, so what vLLM read is exactly what the replay reads."""
+
+    def __init__(self, client: VLLMClient, prompt_ids: torch.Tensor):
+        self.client = client
+        self.ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        self.prompt_length = len(self.ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def added(self) -> int:
+        return len(self.ids) - self.prompt_length
+
+    def extend(self, tokens) -> None:
+        self.ids += [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+
+    def sample(
+        self,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids=(),
+        generator: torch.Generator | None = None,
+        allowed_token_ids=None,
+    ) -> Samples:
+        """The next turn (one sample), its seed drawn from `generator`; its tokens stay in the branch."""
+        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        out = self.client.generate(
+            torch.tensor(self.ids),
+            1,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            allowed_token_ids=allowed_token_ids,
+        )
+        self.extend(out.tokens[0])
+        return out
+
+    def release(self) -> None:
+        self.ids = []
+
+    def __enter__(self) -> VLLMBranch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class VLLMSampler:
     """A rollout's sampler for one row whose responses vLLM draws: `sample(num, max_new_tokens, prefix_ids)` after the
-    row's whole prompt (`prompt_ids`) and `prefix_ids`, with the run's settings and a seed per (step, row)."""
+    row's whole prompt (`prompt_ids`) and `prefix_ids`, with the run's settings and a seed per (step, row); `fork()` a
+    `VLLMBranch` for an agent trajectory (`longstraw.agent`), as `TurnSampler.fork()` gives a `Branch`."""
 
-    def __init__(self, client: VLLMClient, prompt_ids: torch.Tensor, policy, settings, seed: int):
+    def __init__(self, client: VLLMClient, prompt_ids: torch.Tensor, policy, settings, seed: int, max_positions=None):
         self.client, self.prompt_ids, self.settings, self.seed = client, prompt_ids, settings, seed
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
         self.calls = 0
+        #: what agent turns draw their seeds from (`VLLMBranch.sample`)
+        self.generator = torch.Generator().manual_seed(seed)
+        #: the model's positions (None: unbounded), which a trajectory may not pass
+        self.max_positions = max_positions
 
     is_main = True
 
     def on_main(self, name: str, fn):
         return fn()
 
-    def fork(self):
-        raise NotImplementedError(
-            "rollout_backend: vllm samples single-turn rows; agent trajectories (environment:) use the own sampler"
-        )
+    def fork(self) -> VLLMBranch:
+        return VLLMBranch(self.client, self.prompt_ids)
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings

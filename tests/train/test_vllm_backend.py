@@ -241,3 +241,45 @@ def test_a_seeded_long_prompt_samples_and_repeats(served):
     b = client.generate(prompt, 3, 6, temperature=1.0, seed=123)
     assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
     assert server.alive()
+
+
+def lookup_until_answered(text: str):
+    """A turn without the value v1 calls `lookup("k1")` (so every trajectory reads tool replies); one with it answers."""
+    from longstraw.agent import ToolCall
+
+    return [] if "v1" in text else [ToolCall("lookup", {"key": "k1"})]
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+def test_agent_trajectories_sampled_by_vllm(served, tmp_path):
+    """Agent trajectories through vLLM (`VLLMBranch`): each turn sent as the trajectory's token ids so far, tool replies
+    appended as token ids; the trainer replays the same tokens whole, so the trainer's old log-probs of the policy's
+    turns equal vLLM's within the float32 bound — a tool reply read differently by the two would not."""
+    import json
+
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
+
+    name, folder, server = served
+    if name != "smollm2":
+        pytest.skip("agents on SmolLM2 (its chat template)")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "Look up the key k1 with the lookup tool, then tell me its value."}) + "\n")
+    cfg = TrainConfig(model=str(folder), dataset=str(data), eval_fraction=0.0, reward_funcs=["environment_reward"],
+                      lora=True, lora_r=8, lora_alpha=16, num_generations=3, prompts_per_step=1, num_steps=1,
+                      max_completion_length=64, max_turns=3, max_turn_tokens=8, max_tool_tokens=32, threads=2,
+                      output_dir=str(tmp_path / "run"), eval_at_start=False, rollout_backend="vllm",
+                      vllm_url=server.url, environment="tests.agent.test_agent:LookupEnv",
+                      tool_parser="tests.train.test_vllm_backend:lookup_until_answered", save_every=100)
+    assert cfg.replays_segments is False  # vLLM trajectories replay whole
+    trainer = Trainer(cfg)
+    rollout = trainer.rollout(0)
+    responses = rollout.responses
+    assert any(bool((r.mask == 0).any()) for r in responses), "no trajectory called a tool: nothing was appended"
+    for r in responses:
+        assert r.old_logprobs is None and r.sampler_logprobs is not None
+    m = trainer.update(rollout)
+    print({k: v for k, v in m.items() if k.startswith("sampling/")}, [r.extra.get("turns") for r in responses])
+    assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
+    assert m["sampling/sampling_logp_difference/max"] <= 10 * LOGPROB_TOL
