@@ -29,7 +29,9 @@ there (`TurnSampler.on_main`), so a tool runs once per call, not once per rank.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -71,10 +73,20 @@ class EnvironmentRollout:
         if not callable(factory):
             raise TypeError(f"environment factory must be callable; got {type(factory).__name__}")
         self.factory, self.settings, self.parse = factory, settings or AgentSettings(), parse
+        #: one tokenizer call at a time when trajectories run in threads (a fast tokenizer is not safe to share)
+        self._tokenizing = threading.Lock()
         self.__name__ = getattr(factory, "__name__", type(factory).__name__)
 
     def __call__(self, sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
-        return [self.trajectory(sampler, example) for _ in range(num_generations)]
+        split = getattr(sampler, "split", None)
+        if split is None:  # the own sampler: one trajectory after another, each on its own branch
+            return [self.trajectory(sampler, example) for _ in range(num_generations)]
+        # a sampler that is a server (vLLM): the G trajectories run at once, so that the server batches their turns
+        # (tool calls run as their trajectory's turn ends); trajectory i draws from its own seeded sampler, so the
+        # result does not depend on the threads' order
+        with ThreadPoolExecutor(max_workers=num_generations, thread_name_prefix="longstraw-agent") as pool:
+            futures = [pool.submit(self.trajectory, split(i), example) for i in range(num_generations)]
+            return [f.result() for f in futures]
 
     def trajectory(self, sampler: TurnSampler, example: Example) -> Response:
         """One trajectory from the sampler's prompt state (its branch is freed on return)."""
@@ -94,7 +106,8 @@ class EnvironmentRollout:
         stopped, truncated = "max_turns", False
         with sampler.fork() as branch:  # the row's prompt: its shared prefix's state and its own suffix
             if first:  # the environment's first observation: a tool message before the first turn
-                obs = torch.tensor([eos, *tool_message_ids(tok, "reset", str(first))])
+                with self._tokenizing:
+                    obs = torch.tensor([eos, *tool_message_ids(tok, "reset", str(first))])
                 if obs.numel() < budget and branch.length + obs.numel() < limit:
                     branch.extend(obs)
                     pieces.append((obs, torch.zeros(obs.numel()), False))
@@ -117,7 +130,9 @@ class EnvironmentRollout:
                 pieces.append((turn, lp, True))
                 added += turn.numel()
                 turns += 1
-                requested = self.parse(cast(str, tok.decode(turn, skip_special_tokens=True)))  # one sequence: a str
+                with self._tokenizing:
+                    text = cast(str, tok.decode(turn, skip_special_tokens=True))  # one sequence: a str
+                requested = self.parse(text)
                 if not requested:  # the answer, or a turn that ran out of tokens without one
                     stopped, truncated = ("no_stop", True) if bool(out.truncated[0]) else ("answer", False)
                     break
@@ -162,7 +177,8 @@ class EnvironmentRollout:
         for call in requested:
             reply, failed = call_tool(tools, call)
             failures += failed
-            obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
+            with self._tokenizing:
+                obs += tool_message_ids(tok, call.name, self._cut(tok, reply))
         return obs, failures, bool(getattr(env, "done", False))
 
     def _cut(self, tok, text: str) -> str:

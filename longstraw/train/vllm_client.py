@@ -221,6 +221,7 @@ class VLLMSampler:
 
     def __init__(self, client: VLLMClient, prompt_ids: torch.Tensor, policy, settings, seed: int, max_positions=None):
         self.client, self.prompt_ids, self.settings, self.seed = client, prompt_ids, settings, seed
+        self.policy = policy
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
         self._allowed = policy.allowed_token_ids
         self.calls = 0
@@ -236,6 +237,13 @@ class VLLMSampler:
 
     def fork(self) -> VLLMBranch:
         return VLLMBranch(self.client, self.prompt_ids)
+
+    def split(self, i: int) -> VLLMSampler:
+        """The sampler of trajectory `i` of the row: the same prompt, a seed of its own, so that trajectories run at
+        once (`longstraw.agent.rollout.EnvironmentRollout`) draw what they would draw one after another."""
+        return VLLMSampler(
+            self.client, self.prompt_ids, self.policy, self.settings, self.seed * 1_000_003 + i + 1, self.max_positions
+        )
 
     def sample(self, num: int, max_new_tokens: int | None = None, prefix_ids=None) -> Samples:
         s = self.settings

@@ -253,8 +253,8 @@ def lookup_until_answered(text: str):
 @pytest.mark.vllm
 @pytest.mark.real
 def test_agent_trajectories_sampled_by_vllm(served, tmp_path):
-    """Agent trajectories through vLLM (`VLLMBranch`): each turn sent as the trajectory's token ids so far, tool replies
-    appended as token ids; the trainer replays the same tokens whole, so the trainer's old log-probs of the policy's
+    """Agent trajectories through vLLM (`VLLMBranch`), a row's G at once: each turn sent as the trajectory's token ids
+    so far, tool replies appended as token ids; the trainer replays the same tokens whole, so the trainer's old log-probs of the policy's
     turns equal vLLM's within the float32 bound — a tool reply read differently by the two would not."""
     import json
 
@@ -279,6 +279,9 @@ def test_agent_trajectories_sampled_by_vllm(served, tmp_path):
     assert any(bool((r.mask == 0).any()) for r in responses), "no trajectory called a tool: nothing was appended"
     for r in responses:
         assert r.old_logprobs is None and r.sampler_logprobs is not None
+    # the G trajectories ran at once (threads, one seeded sampler each): the same tokens when drawn again
+    again = trainer.rollout_stage.collect(trainer.examples(0), 0, trainer.meter).responses
+    assert [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in responses]
     m = trainer.update(rollout)
     print({k: v for k, v in m.items() if k.startswith("sampling/")}, [r.extra.get("turns") for r in responses])
     assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
