@@ -163,10 +163,11 @@ def start(
     if not max_model_len:
         max_model_len = _max_positions(model)
     if max_model_len:
-        # the whole prompt prefilled in one engine step: vLLM 0.32 on a CPU crashes its engine ("CPU Generator does
-        # not use offset") when a seeded request's prefill is split over steps, which a prompt longer than the
-        # default batch budget is
+        # every prompt prefilled whole, in one engine step: vLLM 0.32 on a CPU crashes its engine ("CPU Generator does
+        # not use offset") when a seeded request's prefill is split over steps — a prompt longer than the default
+        # batch budget, or the n samples of a long prompt sharing one step's budget
         args += ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_model_len)]
+        args += ["--no-enable-chunked-prefill"]
     if lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora_rank)), "--max-loras", "2"]
     args += list(extra or [])
