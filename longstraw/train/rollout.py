@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -365,7 +366,9 @@ class RolloutStage:
         keep_state = len(contexts) == 1  # its state serves the update too (no second capture)
         groups: list[Group | None] = [None] * len(examples)
         durable = 0
-        for ctx in contexts:
+        if self.vllm is not None:  # the server samples every row of the step at once; nothing captured here
+            self._vllm_rows(examples, prompts, contexts, step, meter, groups)
+        for ctx in contexts if self.vllm is None else ():
             durable = max(durable, self._context(ctx, examples, prompts, step, keep_state, meter, groups))
         done = [g for g in groups if g is not None]
         assert len(done) == len(examples)  # every row is in one context
@@ -386,8 +389,6 @@ class RolloutStage:
         groups: list[Group | None],
     ) -> int:
         """Capture one context, sample and score each of its rows (into `groups`); returns its state's bytes."""
-        if self.vllm is not None:
-            return self._vllm_context(ctx, examples, prompts, step, meter, groups)
         model = self.policy.model
         prefix = prompts[ctx.rows[0]][: ctx.length]
         state: PromptState | None  # None once released (a state only sampled from)
@@ -435,28 +436,36 @@ class RolloutStage:
             state.release()
         return nbytes
 
-    def _vllm_context(self, ctx, examples, prompts, step: int, meter: MemoryMeter, groups) -> int:
-        """`_context` with vLLM sampling: each row's whole prompt sent as token ids (vLLM's prefix cache shares the
-        context's prefix); nothing is captured here (the update captures the context for its replays, and the
-        reference its own). The responses keep vLLM's log-probs as `sampler_logprobs`; their old log-probs are the
-        trainer's, from the update's first replay. Returns 0: no state held."""
-        assert self.vllm is not None
-        for b in ctx.rows:
-            ex, prompt = examples[b], prompts[b]
-            with meter.stage("sample"):
-                g = self.generator(step, b)  # the row's seed, as the own sampler's generator is seeded
-                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device))
-                positions = getattr(self.policy.model.config, "max_position_embeddings", None)
-                sampler = VLLMSampler(self.vllm, prompt, self.policy, self.settings, seed, positions)
-                responses = self._responses(sampler, ex)  # type: ignore[arg-type]
-                for r in responses:
-                    r.sampler_logprobs, r.old_logprobs = r.old_logprobs, None
+    def _vllm_rows(self, examples, prompts, contexts: list[Context], step: int, meter: MemoryMeter, groups) -> None:
+        """The step's rows sampled by vLLM (into `groups`): each row's whole prompt sent as token ids (vLLM's prefix
+        cache shares a context's prefix), every row at once (threads: the server batches their samples). Nothing is
+        captured here: the update captures each context for its replays, the reference its own. The responses keep
+        vLLM's log-probs as `sampler_logprobs`; their old log-probs are the trainer's, from the update's first
+        replay."""
+        client = self.vllm
+        assert client is not None
+        positions = getattr(self.policy.model.config, "max_position_embeddings", None)
+
+        def row(b: int) -> list[Response]:
+            g = self.generator(step, b)  # the row's seed, as the own sampler's generator is seeded
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device))
+            sampler = VLLMSampler(client, prompts[b], self.policy, self.settings, seed, positions)
+            responses = self._responses(sampler, examples[b])  # type: ignore[arg-type]
+            for r in responses:
+                r.sampler_logprobs, r.old_logprobs = r.old_logprobs, None
+            return responses
+
+        length = {b: ctx.length for ctx in contexts for b in ctx.rows}
+        with meter.stage("sample"):
+            with ThreadPoolExecutor(max_workers=len(examples), thread_name_prefix="longstraw-vllm") as pool:
+                sampled = list(pool.map(row, range(len(examples))))
+        for b, responses in enumerate(sampled):
             with meter.stage("reward"):
-                rewards = self._score(ex, responses)
-            groups[b] = Group(ex, prompt, responses, rewards, None, ctx.length)
+                rewards = self._score(examples[b], responses)
+            groups[b] = Group(examples[b], prompts[b], responses, rewards, None, length[b])
         if self.beta > 0:
-            self._reference(ctx, prompts, meter, groups)
-        return 0
+            for ctx in contexts:
+                self._reference(ctx, prompts, meter, groups)
 
     def _reference(self, ctx: Context, prompts: list[torch.Tensor], meter: MemoryMeter, groups) -> None:
         """The reference policy's log-probs of every response of the context's rows (`ref_logprobs`)."""

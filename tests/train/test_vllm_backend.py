@@ -198,9 +198,10 @@ def test_trainer_with_vllm_rollouts_runs_end_to_end(served, tmp_path):
         assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
         assert abs(m["sampling/importance_sampling_ratio/mean"] - 1.0) <= 1e-2
         assert m["vllm/sync_s"] > 0
-    # the reference policy (the adapter off) read: equal to the policy before the first update (PEFT's B = 0), apart
-    # after it
-    assert metrics[0]["kl"] <= 1e-6 < metrics[1]["kl"]
+    # the reference policy (the adapter off) read for every response: equal to the policy before the first update
+    # (PEFT's B = 0), so a reference of other tokens or another prompt would show here (the first step's rewards may
+    # all be 0, leaving the adapter where it was: no claim on the second step's KL)
+    assert all("kl" in m for m in metrics) and metrics[0]["kl"] <= 1e-6
 
 
 @pytest.mark.vllm
