@@ -267,8 +267,7 @@ def check(
     head, rest = prompt[:c], torch.cat([prompt[c:], response])
     n = rest.numel()
     weights = torch.linspace(-1.0, 1.0, n, device=prompt.device)
-    lp_ok = f32_ok = False
-    model32 = None
+    lp_ok = False
     with _untouched(parts.model):
         ref, ref_out, ref_grads = _reference(model, parts.decoder, head, rest, weights, gradients)
         if half:  # the exact function the half-precision model approximates: its own weights, in float32
@@ -278,7 +277,8 @@ def check(
             )
         try:
             got, got_out, got_grads = _replayed(model, head, rest, chunk, weights, gradients)
-            if model32 is not None:  # the second signal: the same paths in float32, at the float32 tolerances
+            if half:
+                # the second signal: the same paths on the float32 copy, at the float32 tolerances
                 got32, got32_out, got32_grads = _replayed(model32, head, rest, chunk, weights, gradients)
                 del model32
                 report.float32_error = (got32 - ref32).abs().max().item()
@@ -286,7 +286,6 @@ def check(
                 if gradients:
                     report.float32_grad_error = _grad_detail(report, got32_grads, ref32_grads, None)
                     f32_ok = f32_ok and report.float32_grad_error <= GRAD_TOLERANCE
-            if half:
                 eps = torch.finfo(param.dtype).eps
                 ls, hf = _abs_stats(got - ref32), _abs_stats(ref - ref32)
                 report.logprob_error = ls[2]

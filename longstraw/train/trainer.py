@@ -220,14 +220,15 @@ class Trainer(Evaluation):
             from . import vllm_server
 
             self.out.mkdir(parents=True, exist_ok=True)
-            folder = self.out / "vllm-base"
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            if not Path(self.cfg.model).is_dir():  # a built-in tiny model: vLLM reads a folder
+            folder = Path(self.cfg.model)
+            if not folder.is_dir():  # a built-in tiny model: vLLM reads a folder
+                folder = self.out / "vllm-base"
                 base.save_pretrained(folder)
                 self.tok.save_pretrained(folder)
             dtype = str(next(base.parameters()).dtype).replace("torch.", "")
             self.vllm_server = vllm_server.start(
-                folder if not Path(self.cfg.model).is_dir() else self.cfg.model,
+                folder,
                 dtype=dtype,
                 lora_rank=self.cfg.lora_r,
                 max_model_len=getattr(base.config, "max_position_embeddings", None),
