@@ -257,6 +257,15 @@ class Branch:
         self.added += turn.numel()
         return out
 
+    def _adopt(self, layers: list, turn: torch.Tensor, block: int) -> None:
+        """Take `layers` (this branch's row of a ragged decode batch, `longstraw.ragged.take_row`) as the branch's own
+        state after it sampled `turn` `[n]`: what `sample` leaves."""
+        self._live()
+        self._own = BranchCache(layers, block=block)
+        self.last_token = turn[-1:].clone()
+        self.length += turn.numel()
+        self.added += turn.numel()
+
 
 def own_nbytes(cache, state: PromptState) -> int:
     """Bytes of the tensors a branch cache holds of its own: those that share no storage with the prompt state."""

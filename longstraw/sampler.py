@@ -239,30 +239,53 @@ def decode(
     parts,
     cache,
     step_input: torch.Tensor,
-    start: int,
-    max_new_tokens: int,
+    start: int | torch.Tensor,
+    max_new_tokens: int | Sequence[int],
     *,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     stop_token_ids=(),
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None | Sequence[torch.Generator | None] = None,
     banned: torch.Tensor | None = None,
+    leave=None,
 ) -> Samples:
     """The decoding loop over a branch cache of B rows: `step_input` `[B, 1]` is each row's last token, not yet run,
-    at position `start`; each step runs it, chooses the next token and appends it. Rows leave the cache's batch when
-    they stop (`cache.batch_select_indices`). What the rows keep of their own afterwards is the cache's."""
+    at position `start` (an int, or `[B]` per row: a ragged batch, `longstraw.ragged`); each step runs it, chooses the
+    next token and appends it. Rows leave the cache's batch when they stop or reach their `max_new_tokens` (an int, or
+    one per row) (`cache.batch_select_indices`). `generator`: one for all rows, or one per row (rows of one generator
+    draw together, in row order, as they would alone). `leave(rows, local)`: called before rows leave the batch (and
+    for the last ones at the end) with their original indices `[n]` and their indices in the cache's batch now, so
+    that a caller can keep their state. What the rows keep of their own afterwards is the cache's."""
     num = step_input.shape[0]
     device = step_input.device
     stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
+    caps = None
+    if not isinstance(max_new_tokens, int):
+        caps = torch.as_tensor(list(max_new_tokens), dtype=torch.long, device=device)
+        if caps.shape != (num,) or int(caps.min()) < 1:
+            raise ValueError(f"max_new_tokens per row must be {num} values >= 1; got {list(max_new_tokens)}")
+        max_new_tokens = int(caps.max())
+    gens = list(generator) if isinstance(generator, Sequence) else None
+    if gens is not None and len(gens) != num:
+        raise ValueError(f"generator per row: {num} expected, got {len(gens)}")
     active = torch.arange(num, device=device)  # original row of each row still decoding
     tokens = torch.zeros(num, max_new_tokens, dtype=torch.long, device=device)
     logps = torch.zeros(num, max_new_tokens, device=device)
     lengths = torch.full((num,), max_new_tokens, dtype=torch.long, device=device)
     truncated = torch.ones(num, dtype=torch.bool, device=device)
-    steps = torch.arange(start, start + max_new_tokens, device=device)  # positions, made once (no copy per token)
+    if isinstance(start, torch.Tensor):  # per row: positions `[B, 1]` per step
+        row_start = start.to(device=device, dtype=torch.long).reshape(num)
+        steps = None
+    else:
+        row_start = None
+        steps = torch.arange(start, start + max_new_tokens, device=device)  # positions, made once (no copy per token)
     for t in range(max_new_tokens):
-        positions = steps[t : t + 1]
+        if row_start is None:
+            assert steps is not None
+            positions = steps[t : t + 1]
+        else:
+            positions = (row_start[active] + t)[:, None]
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
         logits = parts.logits(hidden).float()
         if temperature == 0:
@@ -274,25 +297,48 @@ def decode(
             if banned is not None:
                 z = z.masked_fill(banned, float("-inf"))
             probs = torch.softmax(filter_logits(z, top_k, top_p), -1)
-            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            chosen = _draw(probs, generator if gens is None else [gens[i] for i in active.tolist()])
         tokens[active, t] = chosen
         logps[active, t] = scored.gather(-1, chosen[:, None]).squeeze(-1)
-        if not stop.numel():  # nothing can stop a row: no check, no host synchronisation per token
+        if not stop.numel() and caps is None:  # nothing can stop a row: no check, no host synchronisation per token
             step_input = chosen[:, None]
             continue
         done = torch.isin(chosen, stop)
-        if done.any():
+        capped = torch.zeros_like(done) if caps is None else (caps[active] == t + 1) & ~done
+        if done.any() or capped.any():
             finished = active[done]
             lengths[finished] = t + 1
             truncated[finished] = False
-            keep = (~done).nonzero().squeeze(-1)
+            lengths[active[capped]] = t + 1
+            out = done | capped
+            if leave is not None:
+                leave(active[out], out.nonzero().squeeze(-1))
+            keep = (~out).nonzero().squeeze(-1)
             if keep.numel() == 0:
                 break
             active, chosen = active[keep], chosen[keep]
             cache.batch_select_indices(keep)
         step_input = chosen[:, None]
+    else:
+        if leave is not None:
+            leave(active, torch.arange(active.numel(), device=device))
     return Samples(
         tokens=[tokens[i, : lengths[i]].clone() for i in range(num)],
         logprobs=[logps[i, : lengths[i]].clone() for i in range(num)],
         truncated=truncated.cpu(),
     )
+
+
+def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row of `probs` `[B, V]`: with one generator (or None) for all rows, or a list, one per row (rows
+    of the same generator drawn together in row order)."""
+    if not isinstance(generator, list):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    chosen = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    order: dict[int, list[int]] = {}
+    for i, g in enumerate(generator):
+        order.setdefault(id(g), []).append(i)
+    for rows in order.values():
+        idx = torch.tensor(rows, device=probs.device)
+        chosen[idx] = torch.multinomial(probs[idx], 1, generator=generator[rows[0]]).squeeze(-1)
+    return chosen

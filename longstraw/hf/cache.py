@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..ops.attention import DEFAULT_BLOCK, split_attention
+from ..ops.ragged_attention import ragged_attention
 
 if TYPE_CHECKING:  # the branch layers' types (`longstraw.kinds` sits above this bridge: annotations only)
     from ..kinds.base import BranchLayer, CollectiveAttention
@@ -243,6 +244,25 @@ def longstraw_attention(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
             f"was built for {layer.window}; check config.layer_types"
         )
+    if layer.row_layout is not None:  # a ragged decode batch (`longstraw.ragged`): rows of different own lengths
+        pads, offsets = layer.row_layout
+        out = ragged_attention(
+            query,
+            key,
+            value,
+            layer.prompt_k,
+            layer.prompt_v,
+            pads=pads,
+            own_starts=[layer.prompt_length + o for o in offsets],
+            prompt_start=layer.prompt_start,
+            scale=scaling,
+            window=layer.window,
+            softcap=softcap,
+            chunk=layer.chunk,
+            sinks=sinks,
+            block=cache.block,
+        )
+        return out.transpose(1, 2).contiguous(), None
     # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
     if layer.is_collective:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks

@@ -35,6 +35,14 @@ class AttentionBranchLayer(PromptBranchLayer):
     carried_k: torch.Tensor | None = None
     carried_v: torch.Tensor | None = None
     carried_start: int = 0
+    #: a ragged decode batch (`longstraw.ragged`): rows of different own lengths right-aligned in `keys` / `values`;
+    #: per row the leading columns that are padding and the own tokens trimming dropped before its first key (as
+    #: `own_offset` counts them for all rows otherwise); None: every row's own keys are all of `keys`
+    row_pad: list[int] | None = None
+    row_offset: list[int] | None = None
+    #: the layout (`row_pad`, `row_offset`) of the keys the latest `update` returned, before trimming: what the
+    #: attention of that forward reads
+    row_layout: tuple[list[int], list[int]] | None = None
 
     def __init__(
         self,
@@ -68,18 +76,32 @@ class AttentionBranchLayer(PromptBranchLayer):
             keys = torch.cat([self.keys, key_states], dim=-2)
             values = torch.cat([self.values, value_states], dim=-2)
         self.keys, self.values = keys, values
+        if self.row_pad is not None:
+            assert self.row_offset is not None  # set together (`longstraw.ragged.stack_layers`)
+            self.row_layout = (self.row_pad, self.row_offset)
         if self.trim and self.window is not None:
             # later queries see keys after (their position − window): the last window − 1 are all they read
             drop = max(0, keys.shape[-2] - (self.window - 1))
             self.keys, self.values = keys[:, :, drop:], values[:, :, drop:]
             self.own_offset += drop
+            if self.row_pad is not None and self.row_offset is not None:  # padding goes first, then own keys
+                self.row_offset = [o + max(0, drop - p) for p, o in zip(self.row_pad, self.row_offset)]
+                self.row_pad = [max(0, p - drop) for p in self.row_pad]
         return keys, values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched."""
+        """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched. A ragged
+        batch also drops the padding columns no remaining row needs."""
         if self.keys is not None:
             assert self.values is not None  # appended with the keys
             self.keys, self.values = self.keys[indices], self.values[indices]
+        if self.row_pad is not None and self.row_offset is not None:
+            rows = indices.tolist()
+            pad, self.row_offset = [self.row_pad[i] for i in rows], [self.row_offset[i] for i in rows]
+            cut = min(pad, default=0)
+            if cut and self.keys is not None and self.values is not None:
+                self.keys, self.values = self.keys[:, :, cut:], self.values[:, :, cut:]
+            self.row_pad = [p - cut for p in pad]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.keys, self.values = repeat_rows(self.keys, repeats), repeat_rows(self.values, repeats)

@@ -1,0 +1,130 @@
+"""Attention of one decode batch whose rows have different own lengths (`longstraw.ragged`), without autograd.
+
+Rows are branches of one prompt that grew apart (the rows of a step sharing a document, each after its own question;
+the G trajectories of an agent, each after its own turns and tool output). Their own K/V are held right-aligned in
+one tensor `[B, Hkv, L, D]`: row b's keys are columns `pads[b]:`, the first at position `own_starts[b]`, the last R
+its queries' own (every row appends the same number of tokens per forward, so the alignment holds).
+
+- The prompt part (batch 1) is read once for the whole batch when every row sees all of it (no window, no chunk:
+  every prompt key is before every query), the rows' queries folded into one row block as `SplitAttention` folds
+  them; else (a sliding window or an attention chunk, whose prompt part is at most a window or a chunk) every row's
+  scores against it are masked by that row's positions.
+- The own part is one masked batch: scores `[B, H, R, L]` with the padding, causality, the window and the chunk
+  masked per row.
+The parts merge by log-sum-exp, then attention sinks apply, as in `split_attention`. Memory: the folded prompt
+kernel's tiles + O(B · H · R · (L + window)) scores; time per row as the single-row decode's.
+
+`reference` is the plain version (each row on its own through `split_attention`) the tests hold this one equal to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .attention import _prompt_forward, merge_by_lse, split_attention
+from .kernels import Part
+from .kernels.part import acc_dtype
+from .quant import read_block
+
+
+def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
+    """(out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) of q over keys `k` `[Bk, Hkv, T, D]` (Bk = B or 1)
+    at positions `k_pos` `[Bk, T]`, `valid` `[Bk, T]`, for queries at `q_pos` `[B, R]`; lse −inf and out 0 for a query
+    that sees no key."""
+    acc = acc_dtype(q)
+    g = q.shape[1] // k.shape[1]
+    kf = read_block(k, 0, k.shape[2], acc, q.device).repeat_interleave(g, dim=1)
+    vf = read_block(v, 0, v.shape[2], acc, q.device).repeat_interleave(g, dim=1)
+    s = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]  # [B, 1, R, 1], [Bk, 1, 1, T]
+    vis = (kp <= qp) & valid[:, None, None, :]
+    if window is not None:
+        vis = vis & (kp > qp - window)
+    if chunk is not None:
+        vis = vis & (kp // chunk == qp // chunk)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return torch.matmul(p, vf).to(q.dtype), lse
+
+
+@torch.no_grad()
+def ragged_attention(
+    q: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    prompt_k,
+    prompt_v,
+    *,
+    pads: Sequence[int],
+    own_starts: Sequence[int],
+    prompt_start: int = 0,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    block: int = 1024,
+) -> torch.Tensor:
+    """Attention of q `[B, H, R, D]` over [prompt | each row's own keys]: `[B, H, R, Dv]` (see the module doc).
+
+    `own_k` / `own_v` `[B, Hkv, L, D]` right-aligned: row b's own keys are `[:, pads[b]:]`, the first at position
+    `own_starts[b]`, and its R queries sit at its last R own positions. `prompt_k` / `prompt_v` `[1, Hkv, T, D]`
+    (a tensor, 8-bit `QuantizedTokens` or host memory) from `prompt_start`, or None."""
+    b, _, r, _ = q.shape
+    width = own_k.shape[-2]
+    if len(pads) != b or len(own_starts) != b:
+        raise ValueError(f"pads and own_starts must have one entry per row ({b}); got {len(pads)}, {len(own_starts)}")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    dev = q.device
+    pad = torch.tensor(list(pads), device=dev)
+    first = torch.tensor(list(own_starts), device=dev)
+    col = torch.arange(width, device=dev)
+    k_pos = first[:, None] + col[None, :] - pad[:, None]  # [B, L]
+    q_pos = k_pos[:, width - r :]  # [B, R]: the last R own positions
+    out_o, lse_o = _masked_part(
+        q, own_k, own_v, q_pos, k_pos, col[None, :] >= pad[:, None], window, chunk, softcap, scale
+    )
+    if prompt_k is None or prompt_k.shape[-2] == 0:
+        out, lse = out_o, lse_o
+    else:
+        n = prompt_k.shape[-2]
+        if window is None and chunk is None:  # every row sees every prompt key: one folded read of the prompt
+            part = Part(int(q_pos.min()), int(prompt_start), None, softcap, scale, int(block), r if b > 1 else None)
+            out_p, lse_p = _prompt_forward(q, prompt_k, prompt_v, part)
+        else:
+            p_pos = torch.arange(prompt_start, prompt_start + n, device=dev)[None]
+            every = torch.ones(1, n, dtype=torch.bool, device=dev)
+            out_p, lse_p = _masked_part(q, prompt_k, prompt_v, q_pos, p_pos, every, window, chunk, softcap, scale)
+        out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+        lse = torch.logaddexp(lse_p, lse_o)
+    if sinks is not None:
+        keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
+        out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def reference(q, own_k, own_v, prompt_k, prompt_v, *, pads, own_starts, prompt_start=0, **kw) -> torch.Tensor:
+    """`ragged_attention` row by row: each row's own keys sliced out and attended through `split_attention`."""
+    width, r = own_k.shape[-2], q.shape[2]
+    rows = []
+    for i, (p, s) in enumerate(zip(pads, own_starts)):
+        rows.append(
+            split_attention(
+                q[i : i + 1],
+                own_k[i : i + 1, :, p:],
+                own_v[i : i + 1, :, p:],
+                prompt_k,
+                prompt_v,
+                q_start=s + width - p - r,
+                own_start=s,
+                prompt_start=prompt_start,
+                **kw,
+            )
+        )
+    return torch.cat(rows)
