@@ -144,6 +144,7 @@ TIERS: list[tuple[str, ...]] = [
     ("longstraw.trajectory",),  # segmented replay of a multi-turn trajectory
     ("longstraw.prompt_state",),  # PromptState, capture_local
     ("longstraw.branch",),  # one trajectory's own state on top of a prompt
+    ("longstraw.ragged",),  # branches of one prompt decoded in one batch
     ("longstraw.sampler",),  # G responses from one state (reads the decoder, not the state)
     ("longstraw.model",),  # capability, preparation, observation, chunking, positions, oracles
     ("longstraw.archs",),  # family specs (one names a kind's stand-in: Jamba's mixer)
@@ -289,7 +290,7 @@ TOP_LEVEL_TESTS = {
     # the public surface and the engine
     "test_equivalence.py", "test_exact.py", "test_bf16.py", "test_like_a_user.py", "test_errors.py",
     "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
-    "test_shared_prefix.py",
+    "test_shared_prefix.py", "test_ragged.py",
     # the project as a whole
     "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py",
 }

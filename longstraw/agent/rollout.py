@@ -19,8 +19,10 @@ turns' old log-probs (0 on tool tokens), and `extra` columns the reward function
 forwards a rollout's extra fields the same way): `turns`, `tool_calls`, `tool_failures`, `stopped` (answer,
 done, max_turns, budget, no_stop) and `environment_reward` (`env.get_reward()`, None when the environment has none).
 
-Work per turn: the turn's tokens and the tool reply, once. Memory: the prompt state + one branch's growth at a time
-(trajectories run one after the other; a finished one keeps only its tokens).
+Work per turn: the turn's tokens and the tool reply, once. The G trajectories of a row advance in rounds: each round
+decodes the next turn of every trajectory still running in one batch (`longstraw.ragged`: branches of different
+lengths), then each runs its tool calls; the order of draws from the row's generator depends only on the rounds.
+Memory: the prompt state + the G branches' growth (a finished trajectory keeps only its tokens).
 
 On N processes (a prompt captured with context parallelism) every rank grows the same trajectories on collective
 branches; the environment exists on rank 0 only, and its reset, tool calls and reward reach the other ranks from
@@ -30,7 +32,7 @@ there (`TurnSampler.on_main`), so a tool runs once per call, not once per rank.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +40,9 @@ from typing import Any, cast
 
 import torch
 
+from ..branch import Branch
+from ..ragged import sample_branches
+from ..sampler import Samples
 from ..tasks import Example
 from ..train.rollout import Response, TurnSampler
 from .environment import ToolCall, call_tool, environment_tools, parse_tool_calls, tool_message_ids
@@ -79,8 +84,8 @@ class EnvironmentRollout:
 
     def __call__(self, sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
         split = getattr(sampler, "split", None)
-        if split is None:  # the own sampler: one trajectory after another, each on its own branch
-            return [self.trajectory(sampler, example) for _ in range(num_generations)]
+        if split is None:  # the own sampler: the G trajectories' turns decoded together (`longstraw.ragged`)
+            return self.together(sampler, example, num_generations)
         # a sampler that is a server (vLLM): the G trajectories run at once, so that the server batches their turns
         # (tool calls run as their trajectory's turn ends); trajectory i draws from its own seeded sampler, so the
         # result does not depend on the threads' order
@@ -89,7 +94,79 @@ class EnvironmentRollout:
             return [f.result() for f in futures]
 
     def trajectory(self, sampler: TurnSampler, example: Example) -> Response:
-        """One trajectory from the sampler's prompt state (its branch is freed on return)."""
+        """One trajectory from the sampler's prompt state, its turns decoded one after another (its branch is freed
+        on return)."""
+        s = sampler.settings
+        run = self._turns(sampler, example)
+        try:
+            branch, room = next(run)
+            while True:
+                out = branch.sample(
+                    room,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    stop_token_ids=[] if s.ignore_eos else [sampler.eos_token_id],
+                    generator=sampler.generator,
+                    allowed_token_ids=sampler._allowed,
+                )
+                branch, room = run.send(out)
+        except StopIteration as done:
+            return done.value
+        finally:
+            run.close()
+
+    def together(self, sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
+        """G trajectories whose turns are decoded in one batch (`longstraw.ragged.sample_branches`, each branch with
+        its own length): every round decodes the next turn of every trajectory still running, then each runs its
+        tool calls and reads their replies; a trajectory that ends leaves the rounds. Where the branches cannot be
+        stacked (`longstraw.ragged.stackable`: a layer kind it does not serve, context parallelism) each turn is
+        decoded on its own, in the same order. Memory: the prompt state + the G branches' growth."""
+        s = sampler.settings
+        # trajectory i draws from a generator of its own, seeded from the row's: what it samples does not depend on
+        # which trajectories share its rounds, or on whether they are batched (one process) or not (N processes)
+        device = sampler.generator.device
+        seeds = torch.randint(0, 2**62, (num_generations,), generator=sampler.generator, device=device).tolist()
+        gens = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        runs = [self._turns(sampler, example) for _ in range(num_generations)]
+        results: list[Response | None] = [None] * num_generations
+        pending: dict[int, tuple[Branch, int]] = {}
+
+        def advance(i: int, out: Samples | None) -> None:
+            try:
+                pending[i] = next(runs[i]) if out is None else runs[i].send(out)
+            except StopIteration as done:
+                results[i] = done.value
+
+        try:
+            for i in range(num_generations):
+                advance(i, None)
+            while pending:
+                rows = sorted(pending)
+                outs = sample_branches(
+                    [pending[i][0] for i in rows],
+                    1,
+                    [pending[i][1] for i in rows],
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    stop_token_ids=[] if s.ignore_eos else [sampler.eos_token_id],
+                    generator=[gens[i] for i in rows],
+                    allowed_token_ids=sampler._allowed,
+                    keep=True,
+                )
+                for i, out in zip(rows, outs):
+                    del pending[i]
+                    advance(i, out)
+        finally:
+            for run in runs:  # frees the branches of trajectories an error left unfinished
+                run.close()
+        assert all(r is not None for r in results)  # every trajectory ran to its end
+        return cast(list[Response], results)
+
+    def _turns(self, sampler: TurnSampler, example: Example) -> Generator[tuple[Branch, int], Samples, Response]:
+        """One trajectory as a generator: it yields (its branch, the turn's token budget) when it needs a policy turn,
+        receives that turn sampled into the branch (`Samples` of one sequence), and returns the `Response`."""
         s, tok, eos = sampler.settings, sampler.tokenizer, sampler.eos_token_id
         env: Any  # the factory's environment (duck-typed: `reset` and its tool methods), on rank 0 only
         env = tools = None
@@ -117,15 +194,7 @@ class EnvironmentRollout:
                 if room < 1 or branch.length >= limit:
                     stopped, truncated = "budget", True
                     break
-                out = branch.sample(
-                    room,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=s.top_k,
-                    stop_token_ids=[] if s.ignore_eos else [eos],
-                    generator=sampler.generator,
-                    allowed_token_ids=sampler._allowed,
-                )
+                out = yield branch, room
                 turn, lp = out.tokens[0], out.logprobs[0]
                 pieces.append((turn, lp, True))
                 added += turn.numel()

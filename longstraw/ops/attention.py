@@ -90,7 +90,7 @@ class SplitAttention(torch.autograd.Function):
         if prompt is None:
             out, lse_p, lse = out_o, None, lse_o
         else:
-            out_p, lse_p = _prompt_forward(q, prompt_k, prompt_v, prompt)
+            out_p, lse_p = prompt_forward(q, prompt_k, prompt_v, prompt)
             out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
             lse = torch.logaddexp(lse_p, lse_o)
         stored = isinstance(prompt_k, torch.Tensor)  # else a compressed state: a constant, kept by reference
@@ -124,11 +124,11 @@ class SplitAttention(torch.autograd.Function):
         gl_p = None if dlse is None else dlse * w_p[..., 0]
         gl_o = None if dlse is None else dlse * (1 - w_p[..., 0])
         dq_o, dk, dv = part_backward(g_o, q, own_k, own_v, out, lse_o, own, need_kv=True, g_lse=gl_o)
-        dq_p, dkp, dvp = _prompt_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need[3] or need[4], gl_p)
+        dq_p, dkp, dvp = prompt_backward(g_p, q, prompt_k, prompt_v, out, lse_p, prompt, need[3] or need[4], gl_p)
         return dq_o + dq_p, dk, dv, dkp, dvp, None, None, None, None, None
 
 
-def _prompt_forward(q, prompt_k, prompt_v, prompt: Part):
+def prompt_forward(q, prompt_k, prompt_v, prompt: Part):
     """(out, lse) of the prompt part; a prompt of batch 1 read by B > 1 query rows serves them folded into one row
     block (`fold_batch`), so its K/V are read once."""
     b = q.shape[0]
@@ -138,8 +138,8 @@ def _prompt_forward(q, prompt_k, prompt_v, prompt: Part):
     return part_forward(q, prompt_k, prompt_v, prompt)
 
 
-def _prompt_backward(g, q, prompt_k, prompt_v, out, lse, prompt: Part, need_kv: bool, g_lse):
-    """(dq, dk, dv) of the prompt part (`part_backward`), folded as `_prompt_forward` folded it."""
+def prompt_backward(g, q, prompt_k, prompt_v, out, lse, prompt: Part, need_kv: bool, g_lse):
+    """(dq, dk, dv) of the prompt part (`part_backward`), folded as `prompt_forward` folded it."""
     b = q.shape[0]
     if b > 1 and prompt_k.shape[0] == 1:
         dq, dk, dv = part_backward(
@@ -169,7 +169,7 @@ class _CarriedParts:
     def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, own, prompt, carried_k, carried_v, carried):
         pieces = [part_forward(q, own_k, own_v, own), part_forward(q, carried_k, carried_v, carried)]
         if prompt is not None:
-            pieces.append(_prompt_forward(q, prompt_k, prompt_v, prompt))
+            pieces.append(prompt_forward(q, prompt_k, prompt_v, prompt))
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lses = torch.stack([lse.to(acc) for _, lse in pieces])
         lse = torch.logsumexp(lses, 0)
@@ -216,7 +216,7 @@ class _CarriedParts:
         dkp = dvp = None
         if prompt is not None:
             g, gl = weighted(2)
-            dq_p, dkp, dvp = _prompt_backward(g, q, prompt_k, prompt_v, out, lses[2], prompt, need[3] or need[4], gl)
+            dq_p, dkp, dvp = prompt_backward(g, q, prompt_k, prompt_v, out, lses[2], prompt, need[3] or need[4], gl)
             dq = dq + dq_p
         return dq, dk, dv, dkp, dvp, None, None, dkc, dvc, None
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention import _prompt_forward, merge_by_lse, split_attention
+from .attention import merge_by_lse, prompt_forward, split_attention
 from .kernels import Part
 from .kernels.part import acc_dtype
 from .quant import read_block
@@ -95,7 +95,7 @@ def ragged_attention(
         n = prompt_k.shape[-2]
         if window is None and chunk is None:  # every row sees every prompt key: one folded read of the prompt
             part = Part(int(q_pos.min()), int(prompt_start), None, softcap, scale, int(block), r if b > 1 else None)
-            out_p, lse_p = _prompt_forward(q, prompt_k, prompt_v, part)
+            out_p, lse_p = prompt_forward(q, prompt_k, prompt_v, part)
         else:
             p_pos = torch.arange(prompt_start, prompt_start + n, device=dev)[None]
             every = torch.ones(1, n, dtype=torch.bool, device=dev)

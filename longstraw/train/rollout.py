@@ -33,6 +33,7 @@ from ..api import capture
 from ..branch import Branch
 from ..losses import combine_rewards, group_advantages
 from ..prompt_state import PromptState
+from ..ragged import sample_branches, stackable
 from ..sampler import Samples, sample
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
@@ -411,11 +412,14 @@ class RolloutStage:
             else:
                 state = fresh()
         nbytes = state.nbytes
+        together = self._rows_together(ctx, state, prompts, step, meter)
         for b in ctx.rows:
             ex, prompt = examples[b], prompts[b]
             suffix = prompt[ctx.length :]
             with meter.stage("sample"):
-                if suffix.numel() and (self.ranks is None or self.ranks.size == 1):
+                if b in together:
+                    responses = together[b]
+                elif suffix.numel() and (self.ranks is None or self.ranks.size == 1):
                     # the row's own question read once, into its own branch; its G responses are sampled after it
                     with state.fork() as branch:
                         with torch.no_grad():
@@ -435,6 +439,47 @@ class RolloutStage:
         if not keep_state:
             state.release()
         return nbytes
+
+    def _rows_together(
+        self, ctx: Context, state: PromptState, prompts: list[torch.Tensor], step: int, meter: MemoryMeter
+    ) -> dict[int, list[Response]]:
+        """The G responses of every row of a shared context sampled in one decode batch (`longstraw.ragged`): each row's
+        own suffix read into a branch of its own, then all rows' samples decoded together, each row drawing from its
+        own generator as it would alone. Only for single-turn sampling on one process (a rollout hook runs row by
+        row); {} when the context has one row or its branches cannot be stacked."""
+        if len(ctx.rows) < 2 or self.rollout_func is not None or (self.ranks is not None and self.ranks.size > 1):
+            return {}
+        s = self.settings
+        with meter.stage("sample"):
+            branches = []
+            try:
+                for b in ctx.rows:
+                    branch = state.fork()
+                    branches.append(branch)
+                    with torch.no_grad():
+                        branch.extend(prompts[b][ctx.length :])
+                if not stackable(branches):
+                    return {}
+                outs = sample_branches(
+                    branches,
+                    s.num_generations,
+                    s.max_completion_length,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    stop_token_ids=[] if s.ignore_eos else [self.policy.eos_token_id],
+                    generator=[self.generator(step, b) for b in ctx.rows],
+                    allowed_token_ids=self.policy.allowed_token_ids,
+                )
+            finally:
+                for branch in branches:
+                    branch.release()
+        return {
+            b: [
+                Response(t, lp, torch.ones(t.numel()), bool(tr)) for t, lp, tr in zip(o.tokens, o.logprobs, o.truncated)
+            ]
+            for b, o in zip(ctx.rows, outs)
+        }
 
     def _vllm_rows(self, examples, prompts, contexts: list[Context], step: int, meter: MemoryMeter, groups) -> None:
         """The step's rows sampled by vLLM (into `groups`): each row's whole prompt sent as token ids (vLLM's prefix

@@ -236,3 +236,31 @@ def test_config_refuses_a_sequence_ratio_with_segments(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         TrainConfig(environment="a:B", rollout_func="a:c")
     assert TrainConfig(environment="a:B", prompt_grad="exact", segment_replay=False).replays_segments is False
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_trajectories_decoded_together_equal_each_decoded_alone(tmp_path, monkeypatch, arch):
+    """The G trajectories' turns decoded in one ragged batch (`longstraw.ragged`) equal the same rounds decoded one
+    branch at a time (the branches' stacking refused): the same tokens, tool replies and turns, old log-probs within
+    the sampler's fp32 bound. Sampled at temperature 1 (each trajectory draws from its own generator), so the
+    trajectories differ in length and the batch is ragged."""
+    import longstraw.ragged as ragged
+
+    trainer = _trainer(tmp_path, model=arch, num_generations=4, max_turn_tokens=4)
+    ex = trainer.examples(0)[0]
+    state = __import__("longstraw").capture(trainer.model, trainer.encode(ex.prompt))
+    # a turn whose text has an even length calls the tool, an odd one answers: trajectories end after 1-4 turns
+    rollout = EnvironmentRollout(LookupEnv, AgentSettings(max_turns=4, max_turn_tokens=4),
+                                 parse=lambda text: [] if len(text) % 2 else [ToolCall("lookup", {"key": "k1"})])
+
+    def run():
+        sampler = TurnSampler(state, trainer.policy, trainer.rollout_stage.settings, torch.Generator().manual_seed(5))
+        return rollout(sampler, ex, 4)
+
+    together = run()
+    monkeypatch.setattr(ragged, "stackable", lambda branches: False)
+    alone = run()
+    assert len({r.tokens.numel() for r in together}) > 1, "the trajectories all have one length: nothing ragged"
+    for a, b in zip(together, alone):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask) and a.extra == b.extra
+        assert (a.old_logprobs - b.old_logprobs).abs().max() <= 2**-23 * 2**10

@@ -183,3 +183,20 @@ def test_reference_logprobs_read_each_rows_suffix():
         for lp, (s, r) in zip(got, rows):
             want = full_sequence_logprobs(model, torch.cat([prefix, s]), r)
             assert (lp - want).abs().max().item() <= 2**10 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("rows", ["questions", "strict_prefix"])
+def test_rows_of_a_context_sampled_together_equal_row_by_row(tmp_path, monkeypatch, rows):
+    """The rows of a shared context are sampled in one ragged decode batch (`longstraw.ragged`), each row drawing from
+    its own seeded generator (the rows' suffixes differ in length): the same responses as sampling row after row (stacking refused), old log-probs within
+    the sampler's bound."""
+    import longstraw.train.rollout as rollout_module
+
+    trainer = _trainer(tmp_path, [{"prompt": p} for p in ROW_SETS[rows]], max_completion_length=6, temperature=1.0)
+    together = trainer.rollout(0)
+    monkeypatch.setattr(rollout_module, "stackable", lambda branches: False)
+    alone = trainer.rollout(0)
+    assert len({g.prompt_ids.numel() for g in together.groups}) == 3  # suffixes of three lengths: a ragged batch
+    for a, b in zip(together.responses, alone.responses):
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.old_logprobs - b.old_logprobs).abs().max().item() <= OLD_LOGPROB_TOL
