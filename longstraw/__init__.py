@@ -19,7 +19,6 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Train
 `longstraw.train.trl_shape`), the `longstraw` command line.
 """
 
-from ._moved import install as _install_moved
 from .api import capture
 from .branch import Branch
 from .errors import UnsupportedArchitectureError
@@ -30,7 +29,6 @@ from .self_check import CheckReport, check
 from .trajectory import replay_segments
 
 __version__ = "0.1.0"
-_install_moved()  # the old paths of moved modules (one release, with a warning): longstraw/_moved.py
 
 __all__ = [
     "Branch",

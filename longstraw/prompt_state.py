@@ -350,16 +350,3 @@ def first_trainable_layer(parts: ModelParts) -> int:
         if any(p.requires_grad for p in block.parameters()):
             return i
     return len(blocks)
-
-
-def __getattr__(name: str):
-    """`longstraw.state.capture` (this module's old path) moved to `longstraw.capture` (`longstraw.api`): the old name
-    works for one release."""
-    if name == "capture":
-        import warnings
-
-        from .api import capture  # the deprecated name only: the dispatcher sits above this module
-
-        warnings.warn("longstraw.state.capture is deprecated: use longstraw.capture", DeprecationWarning, stacklevel=2)
-        return capture
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

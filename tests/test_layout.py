@@ -151,7 +151,7 @@ TIERS: list[tuple[str, ...]] = [
     ("longstraw.kinds",),  # one module per layer kind
     ("longstraw.hf",),  # the bridge to transformers' internals
     ("longstraw.ops",),  # pure tensor math and kernels
-    ("longstraw.errors", "longstraw.paths", "longstraw._moved"),  # leaves
+    ("longstraw.errors", "longstraw.paths"),  # leaves
 ]
 ROOT_PACKAGE = "longstraw"
 
@@ -252,34 +252,6 @@ def test_the_tier_check_sees_an_upward_import(tmp_path):
         " (run by longstraw.agent/__init__.py)",
     ]
     assert unplaced(graph) == ["longstraw.stray"]
-
-
-def test_moved_modules_keep_their_old_import_path():
-    """`import longstraw.trainer` (moved to `longstraw.train.trainer`) gives the same module object, which keeps its
-    own `__spec__`, and warns once with a DeprecationWarning naming the new path; importing the old path
-    `longstraw.prepare` leaves the public function `longstraw.prepare` in place; in a fresh interpreter, so that
-    nothing is imported yet."""
-    import subprocess
-    import sys
-
-    from longstraw._moved import MOVED
-
-    code = ("import importlib, warnings\n"
-            "from longstraw._moved import MOVED\n"
-            "for old, new in MOVED.items():\n"
-            "    with warnings.catch_warnings(record=True) as w:\n"
-            "        warnings.simplefilter('always')\n"
-            "        a = importlib.import_module(old)\n"
-            "    assert a is importlib.import_module(new), old\n"
-            "    assert [str(x.message) for x in w if x.category is DeprecationWarning] == "
-            "[f'{old} moved to {new}; the old name goes in the next release'], (old, [str(x.message) for x in w])\n"
-            "    assert a.__spec__.name == new, (old, a.__spec__.name)\n"
-            "import longstraw, types\n"
-            "assert isinstance(longstraw.prepare, types.FunctionType), longstraw.prepare\n"
-            "print(len(MOVED))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == str(len(MOVED))
 
 
 #: The test files that stay at the top of `tests/`; every other one lies in `tests/<package>/`, the folder named after

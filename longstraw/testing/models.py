@@ -2,9 +2,7 @@
 tests, demos and benchmarks: `tiny_config(arch, **overrides)`, `tiny_model(arch, ...)`, `TINY_CONFIGS`,
 `TINY_MULTIMODAL`, `BENCH_*`.
 
-The engine never imports this module (`tests/test_layout.py`). How to reach a model's parts (`ModelParts`,
-`base_model`, `decoder_of`, `text_config`) lives in `longstraw.hf.parts` and the exceptions in `longstraw.errors`:
-they are re-exported here only for the module's old path, `longstraw.models` (one release).
+The engine never imports this module (`tests/test_layout.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
 from ..archs import FAMILIES, tiny_fields
 from ..errors import UnsupportedArchitectureError
-from ..hf.parts import ModelParts, base_model, decoder_of, text_config
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
@@ -211,14 +208,7 @@ def tiny_model(
     return model.eval()
 
 
-#: `ModelParts` ... `text_config`: re-exported for the old path `longstraw.models` (their home: `longstraw.hf.parts`,
-#: `longstraw.errors`)
 __all__ = [
-    "ModelParts",
-    "UnsupportedArchitectureError",
-    "base_model",
-    "decoder_of",
-    "text_config",
     "tiny_config",
     "tiny_model",
     "TINY_CONFIGS",
