@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention import merge_by_lse, prompt_forward, split_attention
+from .attention import fold_batch, merge_by_lse, prompt_forward, split_attention, unfold_batch
 from .kernels import Part
 from .kernels.part import acc_dtype
 from .quant import read_block
@@ -32,7 +32,12 @@ from .quant import read_block
 def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
     """(out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) of q over keys `k` `[Bk, Hkv, T, D]` (Bk = B or 1)
     at positions `k_pos` `[Bk, T]`, `valid` `[Bk, T]`, for queries at `q_pos` `[B, R]`; lse −inf and out 0 for a query
-    that sees no key."""
+    that sees no key. Keys of batch 1 shared by B > 1 rows are read once: the rows' queries folded into one row block
+    (`fold_batch`), each query masked by its own position."""
+    b, _, r, _ = q.shape
+    shared = k.shape[0] == 1 and b > 1
+    if shared:
+        q, q_pos = fold_batch(q), q_pos.reshape(1, b * r)
     acc = acc_dtype(q)
     g = q.shape[1] // k.shape[1]
     kf = read_block(k, 0, k.shape[2], acc, q.device).repeat_interleave(g, dim=1)
@@ -49,7 +54,10 @@ def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    return torch.matmul(p, vf).to(q.dtype), lse
+    out = torch.matmul(p, vf).to(q.dtype)
+    if shared:
+        return unfold_batch(out, b), unfold_batch(lse, b)
+    return out, lse
 
 
 @torch.no_grad()
