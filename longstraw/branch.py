@@ -42,6 +42,7 @@ from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
 from .kinds.base import BranchLayer
+from .model.positions import check_positions, positions_left
 from .sampler import (
     Replay,
     Samples,
@@ -107,12 +108,7 @@ class Branch:
         return own_nbytes(self._live(), self.state)
 
     def _check_room(self, n: int) -> None:
-        limit = getattr(self._parts.config, "max_position_embeddings", None)
-        if limit is not None and self.length + n > limit:
-            raise ValueError(
-                f"the trajectory would reach {self.length + n} positions but the model supports "
-                f"max_position_embeddings={limit}"
-            )
+        check_positions(self._parts.config, self.length + n, "the trajectory")
 
     @property
     def prompt_length(self) -> int:
@@ -215,14 +211,7 @@ class Branch:
         the model has left."""
         cache = self._live()
         vocab = self._parts.config.vocab_size
-        limit = getattr(self._parts.config, "max_position_embeddings", None)
-        if limit is not None:
-            if self.length >= limit:
-                raise ValueError(
-                    f"the trajectory holds {self.length} positions, the model's limit "
-                    f"(max_position_embeddings={limit}): nothing more can be sampled"
-                )
-            max_new_tokens = min(max_new_tokens, limit - self.length)
+        max_new_tokens = positions_left(self._parts.config, self.length, max_new_tokens)
         check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
         device = self.last_token.device
         check_generator(generator, device)

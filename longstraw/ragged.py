@@ -29,6 +29,7 @@ import torch
 
 from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
+from .model.positions import positions_left
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode
 
 if TYPE_CHECKING:
@@ -209,15 +210,11 @@ def sample_branches(
         ]
     parts = branches[0]._parts
     vocab = parts.config.vocab_size
-    limit = getattr(parts.config, "max_position_embeddings", None)
-    if keep and limit is not None:
-        for i, b in enumerate(branches):
-            if b.prompt_length >= limit:
-                raise ValueError(
-                    f"branch {i} holds {b.prompt_length} positions, the model's limit "
-                    f"(max_position_embeddings={limit}): nothing more can be sampled"
-                )
-            caps[i] = min(caps[i], limit - b.prompt_length)
+    if keep:
+        caps = [
+            positions_left(parts.config, b.prompt_length, c, f"branch {i}")
+            for i, (b, c) in enumerate(zip(branches, caps))
+        ]
     for k, c in zip(counts, caps):
         check_sampling(k, c, temperature, top_p, top_k, vocab)
     device = branches[0].last_token.device

@@ -23,6 +23,7 @@ import torch
 
 from .hf.decoder import run_decoder
 from .kinds import AttentionBranchLayer
+from .model.positions import check_positions
 from .ops.logprobs import chunked_logprobs
 
 if TYPE_CHECKING:
@@ -137,12 +138,8 @@ def replay_tokens(
 
 
 def check_length(cfg, total: int) -> None:
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if limit is not None and total > limit:
-        raise ValueError(
-            f"prompt + response is {total} tokens but the model supports max_position_embeddings={limit}; "
-            "use a model (or RoPE scaling) made for this length"
-        )
+    """Refuse prompt + response past the model's positions (`longstraw.model.positions.check_positions`)."""
+    check_positions(cfg, total)
 
 
 def sample(

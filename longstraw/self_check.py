@@ -56,6 +56,7 @@ from .errors import UnsupportedArchitectureError
 from .hf.parts import base_model
 from .model.capability import attention_module, layer_plan, model_parts
 from .model.oracles import full_sequence_logprobs
+from .model.positions import position_limit
 from .prompt_state import capture_local
 
 #: max abs log-prob difference allowed in float32 / float64 (float32's epsilon × 2^10)
@@ -197,7 +198,7 @@ def check_shape(cfg, max_prompt: int = MAX_CHECK_PROMPT, plan: list[str] | None 
     """(prompt length P, captured length C): the capture takes the prompt's first C tokens (C − 1 of them folded into
     the state in one chunk), the replay continues over the last `CHECK_TAIL` and the response; the state holds more
     than the longest window or attention chunk, so the replay reads a window's edge. Within `max_prompt` tokens."""
-    limit = getattr(cfg, "max_position_embeddings", None) or max_prompt + HALF_RESPONSE
+    limit = position_limit(cfg) or max_prompt + HALF_RESPONSE
     p = min(max(MIN_CHECK_PROMPT, _reach(cfg, plan) + CHECK_TAIL + 2), max_prompt, limit - HALF_RESPONSE)
     return p, max(2, p - CHECK_TAIL)
 

@@ -59,3 +59,32 @@ def position_note(cfg, prompt_length: int) -> str | None:
         f"original_max_position_embeddings: {c.native}, rope_theta: ...}}, max_position_embeddings: "
         f"{need * c.native}}}"
     )
+
+
+def position_limit(cfg) -> int | None:
+    """The positions the model reads (`max_position_embeddings` of its text config), or None: unbounded."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def check_positions(cfg, total: int, what: str = "prompt + response") -> None:
+    """Refuse a sequence of `total` positions past the model's (`what` names it in the error)."""
+    limit = position_limit(cfg)
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"{what} is {total} tokens but the model supports max_position_embeddings={limit}; "
+            "use a model (or RoPE scaling) made for this length"
+        )
+
+
+def positions_left(cfg, length: int, max_new_tokens: int, what: str = "the trajectory") -> int:
+    """`max_new_tokens` cut to the positions the model has left after `length`; ValueError when none are left."""
+    limit = position_limit(cfg)
+    if limit is None:
+        return max_new_tokens
+    if length >= limit:
+        raise ValueError(
+            f"{what} holds {length} positions, the model's limit (max_position_embeddings={limit}): nothing more can "
+            "be sampled"
+        )
+    return min(max_new_tokens, limit - length)

@@ -32,6 +32,7 @@ import torch
 from ..api import capture
 from ..branch import Branch
 from ..losses import combine_rewards, group_advantages
+from ..model.positions import position_limit
 from ..prompt_state import PromptState
 from ..ragged import sample_branches, stackable
 from ..sampler import Samples, sample
@@ -185,7 +186,7 @@ class TurnSampler:
     @property
     def max_positions(self) -> int | None:
         """The model's positions (`max_position_embeddings`; None: unbounded), which a trajectory may not pass."""
-        return getattr(self.state._parts.config, "max_position_embeddings", None)
+        return position_limit(self.state._parts.config)
 
     @property
     def is_main(self) -> bool:
@@ -489,7 +490,7 @@ class RolloutStage:
         replay."""
         client = self.vllm
         assert client is not None
-        positions = getattr(self.policy.model.config, "max_position_embeddings", None)
+        positions = position_limit(self.policy.model.config)
 
         def row(b: int) -> list[Response]:
             g = self.generator(step, b)  # the row's seed, as the own sampler's generator is seeded

@@ -41,6 +41,7 @@ import torch
 
 from ..distributed.ranks import setup_ranks
 from ..losses import make_loss
+from ..model.positions import position_limit
 from ..paths import cache_dir
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
@@ -231,7 +232,7 @@ class Trainer(Evaluation):
                 folder,
                 dtype=dtype,
                 lora_rank=self.cfg.lora_r,
-                max_model_len=getattr(base.config, "max_position_embeddings", None),
+                max_model_len=position_limit(base.config),
                 log_path=self.out / "vllm-server.log",
             )
             url = self.vllm_server.url
