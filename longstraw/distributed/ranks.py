@@ -79,13 +79,13 @@ class Ranks:
         return self.rank == 0
 
     # ------------------------------------------------------------------ work division
-    def spread(self, n: int) -> list[int | None]:
+    def padded_share(self, n: int) -> list[int | None]:
         """This rank's share of n items in round robin: [r, r + N, ...], padded with None to ⌈n / N⌉ entries, so
         every rank takes the same number of turns (None: take one with weight 0)."""
         turns = -(-n // self.size)
         return [k * self.size + self.rank if k * self.size + self.rank < n else None for k in range(turns)]
 
-    def mine(self, n: int) -> list[int]:
+    def share(self, n: int) -> list[int]:
         """This rank's items of n, no padding (for work that is not a collective)."""
         return list(range(self.rank, n, self.size))
 

@@ -90,7 +90,7 @@ class Response:
 
 
 @dataclass
-class Group:
+class RowGroup:
     """One prompt and its G responses; `rewards` `[G, F]` per reward function; `state` (its context's, shared by the
     context's groups) kept for the update. `shared`: how many leading prompt tokens its context captured; the rest,
     `suffix`, is the row's own, read on top of the context's state."""
@@ -112,7 +112,7 @@ class Group:
 class Rollout:
     """A step's groups, their weighted rewards `[N]` and advantages `[N]` (N = groups · G, group-major)."""
 
-    groups: list[Group]
+    groups: list[RowGroup]
     rewards: torch.Tensor
     advantages: torch.Tensor
     durable_bytes: int = 0
@@ -277,7 +277,7 @@ def _as_response(item, where: str, max_len: int, eos: int) -> Response:
     return item
 
 
-def reference_logprobs(
+def reference_policy_logprobs(
     model,
     prompt: torch.Tensor,
     responses: list[Response],
@@ -289,7 +289,7 @@ def reference_logprobs(
 ) -> list[torch.Tensor | None]:
     """Log-probs `[R]` of each response under the reference policy: the same model, adapters disabled, after
     `prompt` (captured once) and the response's row `suffixes[i]` (None: none). On N ranks (a collective) only those of
-    the responses this rank replays (`ranks.spread`); None for the others."""
+    the responses this rank replays (`ranks.padded_share`); None for the others."""
     if not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: train a LoRA adapter (lora: true)")
     after = suffixes if suffixes is not None else [None] * len(responses)
@@ -310,7 +310,7 @@ def reference_logprobs(
                     if suffix is not None:
                         branch.extend(suffix)
                     # on N ranks every rank replays as often (None: padding)
-                    turns = ranks.spread(end - start) if ranks is not None and parallel else range(end - start)
+                    turns = ranks.padded_share(end - start) if ranks is not None and parallel else range(end - start)
                     for i in turns:
                         j = start + (0 if i is None else i)
                         lp = branch.replay(responses[j].tokens, temperature=temperature).logprobs
@@ -366,7 +366,7 @@ class RolloutStage:
         prompts = [self.policy.encode(ex.prompt) for ex in examples]
         contexts = self.contexts(examples, prompts)
         keep_state = len(contexts) == 1  # its state serves the update too (no second capture)
-        groups: list[Group | None] = [None] * len(examples)
+        groups: list[RowGroup | None] = [None] * len(examples)
         durable = 0
         if self.vllm is not None:  # the server samples every row of the step at once; nothing captured here
             self._vllm_rows(examples, prompts, contexts, step, meter, groups)
@@ -388,7 +388,7 @@ class RolloutStage:
         step: int,
         keep_state: bool,
         meter: MemoryMeter,
-        groups: list[Group | None],
+        groups: list[RowGroup | None],
     ) -> int:
         """Capture one context, sample and score each of its rows (into `groups`); returns its state's bytes."""
         model = self.policy.model
@@ -434,7 +434,7 @@ class RolloutStage:
                     responses = self._responses(sampler, ex)
             with meter.stage("reward"):
                 rewards = self._score(ex, responses)
-            groups[b] = Group(ex, prompt, responses, rewards, state if keep_state else None, ctx.length)
+            groups[b] = RowGroup(ex, prompt, responses, rewards, state if keep_state else None, ctx.length)
         if self.beta > 0:
             self._reference(ctx, prompts, meter, groups)
         if not keep_state:
@@ -508,7 +508,7 @@ class RolloutStage:
         for b, responses in enumerate(sampled):
             with meter.stage("reward"):
                 rewards = self._score(examples[b], responses)
-            groups[b] = Group(examples[b], prompts[b], responses, rewards, None, length[b])
+            groups[b] = RowGroup(examples[b], prompts[b], responses, rewards, None, length[b])
         if self.beta > 0:
             for ctx in contexts:
                 self._reference(ctx, prompts, meter, groups)
@@ -517,7 +517,7 @@ class RolloutStage:
         """The reference policy's log-probs of every response of the context's rows (`ref_logprobs`)."""
         with meter.stage("reference"):
             rows = [(prompts[b][ctx.length :], r) for b in ctx.rows for r in groups[b].responses]
-            refs = reference_logprobs(
+            refs = reference_policy_logprobs(
                 self.policy.model,
                 prompts[ctx.rows[0]][: ctx.length],
                 [r for _, r in rows],

@@ -158,7 +158,7 @@ def policy_update(
                     with torch.no_grad():
                         branch.extend(suffix)
                     row_state, suffix = branch, None
-                turns = list(ranks.spread(len(group.responses)) if parallel else range(len(group.responses)))
+                turns = list(ranks.padded_share(len(group.responses)) if parallel else range(len(group.responses)))
                 for t, k in enumerate(turns):
                     # the step's last backward: the last replay of the last context, or its state's reverse pass
                     at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
@@ -381,7 +381,7 @@ def sft_update(
     parallel = ranks is not None and ranks.size > 1
     if full_sequence:
         if before_last_backward is None and parallel:  # data parallel: whole prompts per rank
-            mine = ranks.mine(len(pairs))
+            mine = ranks.share(len(pairs))
             loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
         else:
             loss = _sft_full_sequence(

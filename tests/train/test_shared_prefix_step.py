@@ -165,12 +165,12 @@ def test_rows_by_context_orders_a_dataset_document_by_document():
     assert got == ["0", "2", "5", "0", "1", "4", "3"]  # a's last block filled up with its first row
 
 
-def test_reference_logprobs_read_each_rows_suffix():
-    """The KL reference policy's log-probs of rows sharing a captured prefix (`rollout.reference_logprobs` with
+def test_reference_policy_logprobs_read_each_rows_suffix():
+    """The KL reference policy's log-probs of rows sharing a captured prefix (`rollout.reference_policy_logprobs` with
     `suffixes`): the adapter-free model's full-sequence log-probs over [prefix + the row's suffix + response], float32
     (DESIGN.md's fp32 bound on log-probs of a tiny model, 2^10 float32 eps); responses of two rows, consecutive."""
     from longstraw.testing.models import tiny_model
-    from longstraw.train.rollout import Response, reference_logprobs
+    from longstraw.train.rollout import Response, reference_policy_logprobs
 
     from ..conftest import lora, tokens
 
@@ -178,7 +178,7 @@ def test_reference_logprobs_read_each_rows_suffix():
     prefix, suffixes = tokens(30, 1), [tokens(5, 2), tokens(7, 3)]
     rows = [(suffixes[b], tokens(6 + k, 10 * b + k)) for b in range(2) for k in range(2)]
     responses = [Response(r, torch.zeros(r.numel()), torch.ones(r.numel()), False) for _, r in rows]
-    got = reference_logprobs(model, prefix, responses, 1.0, 8, suffixes=[s for s, _ in rows])
+    got = reference_policy_logprobs(model, prefix, responses, 1.0, 8, suffixes=[s for s, _ in rows])
     with torch.no_grad(), model.disable_adapter():
         for lp, (s, r) in zip(got, rows):
             want = full_sequence_logprobs(model, torch.cat([prefix, s]), r)
