@@ -106,6 +106,14 @@ class Ranks:
             total += row[0]
         return total.tolist()
 
+    def max_floats(self, name: str, values: list[float]) -> list[float]:
+        """The largest of `values` over the ranks, value by value (float64, on every rank)."""
+        if self.size == 1:
+            return list(values)
+        assert self.group is not None  # size > 1: a group
+        rows = self.group.all_gather(name, [torch.tensor(values, dtype=torch.float64)])
+        return torch.stack([row[0] for row in rows]).amax(0).tolist()
+
     def broadcast_object(self, name: str, obj=None):
         """Rank 0's `obj` (pickled) on every rank."""
         if self.size == 1:

@@ -501,10 +501,16 @@ class RolloutStage:
                 r.sampler_logprobs, r.old_logprobs = r.old_logprobs, None
             return responses
 
-        length = {b: ctx.length for ctx in contexts for b in ctx.rows}
-        with meter.stage("sample"):
+        def every_row() -> list[list[Response]]:
             with ThreadPoolExecutor(max_workers=len(examples), thread_name_prefix="longstraw-vllm") as pool:
-                sampled = list(pool.map(row, range(len(examples))))
+                return list(pool.map(row, range(len(examples))))
+
+        length = {b: ctx.length for ctx in contexts for b in ctx.rows}
+        with meter.stage("sample"):  # on N processes rank 0 samples (environments included) and hands out the rows
+            if self.ranks is None or self.ranks.size == 1:
+                sampled = every_row()
+            else:
+                sampled = self.ranks.from_main("rollout: the rows vLLM sampled", every_row)
         for b, responses in enumerate(sampled):
             with meter.stage("reward"):
                 rewards = self._score(examples[b], responses)

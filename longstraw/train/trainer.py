@@ -214,8 +214,20 @@ class Trainer(Evaluation):
             return None
         from .vllm_client import VLLMClient
 
-        if self.ranks.size > 1:
-            raise ValueError("rollout_backend: vllm runs in one process for now (N processes: the own sampler)")
+        if self.ranks.size > 1 and self.cfg.fsdp:
+            raise ValueError(
+                "rollout_backend: vllm with fsdp: true: the adapter sync saves whole weights on rank 0, and FSDP2 "
+                "shards them; use fsdp: false (context parallelism alone) or the own sampler"
+            )
+        # on N processes rank 0 alone talks to the server (it samples every row and hands the rows to the others)
+        url = self.ranks.from_main("vLLM: the server's URL", self._vllm_url)
+        client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
+        if self.ranks.main:
+            client.health()
+        return client
+
+    def _vllm_url(self) -> str:
+        """`vllm_url`, or the URL of a server started here on the model (rank 0's)."""
         url = self.cfg.vllm_url
         if url is None:
             from . import vllm_server
@@ -236,9 +248,7 @@ class Trainer(Evaluation):
                 log_path=self.out / "vllm-server.log",
             )
             url = self.vllm_server.url
-        client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
-        client.health()
-        return client
+        return url
 
     def close(self) -> None:
         """Stop what the trainer started (a vLLM server); idempotent."""
@@ -278,7 +288,7 @@ class Trainer(Evaluation):
             return cached[1]
         self._rollout = None
         client = self.rollout_stage.vllm
-        if client is not None:  # vLLM samples with the adapter as it is now
+        if client is not None and self.ranks.main:  # vLLM samples with the adapter as it is now (rank 0 syncs it)
             with self.meter.stage("sync"):
                 self.sync_seconds = client.sync_adapter(self.model, self.out / "vllm-adapter", g)
         r = self.rollout_stage.collect(self.examples(g), g, self.meter)

@@ -193,7 +193,14 @@ def policy_update(
         sums = ranks.sum_floats(
             "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
         )
+        sampler = totals.sampler
         totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
+        if settings.sampler_correction is not None:  # every rank, whether it replayed a sampled response or not
+            keys = ("abs_diff", "kl", "weight", "changed", "tokens")
+            summed = ranks.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
+            worst = ranks.max_floats("policy_update: sampler max", [float(sampler.get("max_abs_diff", 0.0))])
+            if summed[-1] > 0:
+                totals.sampler = {**dict(zip(keys, summed)), "max_abs_diff": worst[0]}
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
     if totals.sampler:  # TRL's sampling/* metrics of an external sampler

@@ -290,3 +290,90 @@ def test_agent_trajectories_sampled_by_vllm(served, tmp_path):
     print({k: v for k, v in m.items() if k.startswith("sampling/")}, [r.extra.get("turns") for r in responses])
     assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL
     assert m["sampling/sampling_logp_difference/max"] <= 10 * LOGPROB_TOL
+
+
+def length_reward(prompts, completions, completion_ids, **kw):
+    """Differs between responses, so that advantages (and gradients) are not zero."""
+    return [float(len(ids) % 5) + 0.1 * ids[0] for ids in completion_ids]
+
+
+def _one_vllm_step(cfg: dict, out: str) -> dict:
+    """One GRPO step of `cfg` (vLLM rollouts): the sampled tokens, the metrics, and the gradient the optimizer
+    applies (flattened over the trainable parameters)."""
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(**cfg, output_dir=out))
+    grads, tokens = [], []
+    trainer.opt.register_step_pre_hook(
+        lambda opt, *a: grads.append(torch.cat([p.grad.detach().flatten().clone() for p in trainer.masters.params])))
+    rollout = trainer.rollout
+
+    def record(step):
+        r = rollout(step)
+        tokens.append([x.tokens.tolist() for x in r.responses])
+        return r
+
+    trainer.rollout = record
+    metrics = trainer.train()
+    return dict(metrics=metrics, grads=grads, tokens=tokens)
+
+
+def _vllm_rank(rank: int, n: int, init: str, out_dir: str, cfg: dict) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=300))
+    result = _one_vllm_step(cfg, os.path.join(out_dir, "two"))
+    torch.save(result, os.path.join(out_dir, f"vllm-rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
+@pytest.mark.multiprocess
+def test_two_processes_sample_through_vllm_like_one(served, tmp_path):
+    """`rollout_backend: vllm` on 2 processes (context parallelism): rank 0 syncs the adapter and samples every row,
+    the ranks capture and replay as with the own sampler. The same tokens as one process against the same server (a
+    seeded request per row) and rewards; the sampler metrics (from the trainer's replay, context parallel or whole)
+    within the fp32 log-prob bound, and the applied gradient within the fp32 gradient bound (tests/test_equivalence.py).
+    """
+    import json
+
+    from tests.conftest import spawn_ranks
+
+    name, folder, server = served
+    if name != "smollm2":
+        pytest.skip("the N-process run on SmolLM2 (its chat template writes the prompts)")
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+            for a, b in [(2, 3), (4, 4)]]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = dict(model=str(folder), dataset=str(data), eval_fraction=0.0, reward_funcs=["contains_answer", f"{__name__}:length_reward"],
+               lora=True, lora_r=8, lora_alpha=16, num_generations=4, prompts_per_step=2, num_steps=1,
+               max_completion_length=6, threads=1, learning_rate=1e-3, eval_at_start=False, rollout_backend="vllm",
+               vllm_url=server.url, save_every=100, temperature=1.0)
+    spawn_ranks(_vllm_rank, (2, str(tmp_path / "init"), str(tmp_path), cfg), 2,
+                ["torch", "torch.distributed", "transformers", "peft", "longstraw", "longstraw.train.trainer"],
+                600, "two ranks with vLLM rollouts")
+    two = [torch.load(tmp_path / f"vllm-rank{r}.pt") for r in range(2)]
+    torch.set_num_threads(1)
+    one = _one_vllm_step(cfg, str(tmp_path / "one"))
+    assert two[0]["tokens"] == two[1]["tokens"] == one["tokens"]
+    from tests.test_equivalence import FP32_GRAD_TOL, FP32_LOGPROB_TOL
+
+    m1, m2 = one["metrics"][0], two[0]["metrics"][0]
+    assert m2["reward"] == m1["reward"]  # the same tokens, the same rewards
+    # the trainer's old log-probs come from its replay: context parallel on 2 ranks, whole in one process
+    for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                "sampling/importance_sampling_ratio/mean", "sampling/kl"):
+        assert abs(m2[key] - m1[key]) <= FP32_LOGPROB_TOL, (key, m2[key], m1[key])
+    g1, g2 = one["grads"][0], two[0]["grads"][0]
+    assert g1.norm() > 0, "the step's advantages were all 0: nothing to compare"
+    err = ((g2 - g1).norm() / g1.norm()).item()
+    print(f"\n2 ranks vs 1 process with vLLM rollouts: gradient {err:.1e}, "
+          f"ratio mean {m2['sampling/importance_sampling_ratio/mean']:.6f} / {m1['sampling/importance_sampling_ratio/mean']:.6f}")
+    assert err <= FP32_GRAD_TOL
