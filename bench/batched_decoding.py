@@ -2,6 +2,8 @@
 
     python bench/batched_decoding.py                  # SmolLM2 float32: rows of a 6K document, an agent at 2K
     → bench/results/batched_decoding.{json,md,png}
+    python bench/batched_decoding.py --model gemma3 --cases rows --length 4096 --Q 8 --R 16
+    → bench/results/batched_decoding-gemma3.{json,md,png}   (Gemma 3 270M: sliding windows, a 262K vocabulary)
 
 Two cases, each timed both ways twice (alternating, after a warm-up), in one process on 2 threads; both ways draw
 the same tokens (checked: each row or trajectory has a generator of its own), so they do the same work:
@@ -49,7 +51,8 @@ def rows_case(model, tok, length: int, q: int, G: int, R: int, out: Path, rows: 
     from longstraw.sampler import sample
 
     data = document_rows(tok, length, q, seed=0, name="doc")
-    ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False) for r in data]
+    ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False) if "messages" in r
+           else tok(r["prompt"])["input_ids"] for r in data]  # a base model's rows are text (`PLAIN_TEMPLATE`)
     ids = [torch.tensor(i["input_ids"] if isinstance(i, dict) else i) for i in ids]
     common = min(i.numel() for i in ids)
     for i in ids[1:]:  # the rows' common prefix: the document and the template before it
@@ -80,7 +83,7 @@ def rows_case(model, tok, length: int, q: int, G: int, R: int, out: Path, rows: 
         if mode in seen:
             assert all(torch.equal(a, b) for a, b in zip(seen[mode], tokens))
         seen[mode] = tokens
-        record(rows, dict(case="rows", mode=mode, Q=q, G=G, R=R, document_tokens=common,
+        record(rows, dict(case="rows", model=model.config.model_type, mode=mode, Q=q, G=G, R=R, document_tokens=common,
                           suffix_tokens=[int(i.numel() - common) for i in ids], seconds=seconds,
                           sequences=len(tokens)), out)
     same = all(torch.equal(a, b) for a, b in zip(seen["together"], seen["row by row"]))
@@ -170,7 +173,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.bar([i + 0.2 for i in x], fast, 0.4, label="together (ragged batch)")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("decode seconds (best of 2)")
-    ax.set_title("SmolLM2-135M float32, 2 threads, G = 8")
+    ax.set_title(f"{rows[0].get('model', 'smollm2')} float32, 2 threads, G = 8")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -178,6 +181,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "gemma3"])
+    ap.add_argument("--cases", nargs="+", default=["agent", "rows"], choices=["agent", "rows"])
     ap.add_argument("--length", type=int, default=6144, help="document tokens of the rows case")
     ap.add_argument("--Q", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--R", type=int, default=32)
@@ -185,7 +190,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--redraw", action="store_true")
     args = ap.parse_args()
-    out = RESULTS / "batched_decoding"
+    out = RESULTS / ("batched_decoding" if args.model == "smollm2" else f"batched_decoding-{args.model}")
     if args.redraw:
         rows = json.loads(out.with_suffix(".json").read_text())
         finish(rows, out, plot, table)
@@ -196,14 +201,16 @@ def main() -> int:
     from longstraw.tools.real_models import model_path
 
     torch.set_num_threads(args.threads)
-    folder = model_path("smollm2")
+    folder = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rows: list[dict] = []
     with torch.no_grad():
-        agent_case(model, tok, args.agent_length, 8, out, rows)
-        for q in args.Q:
-            rows_case(model, tok, args.length, q, 8, args.R, out, rows)
+        if "agent" in args.cases:
+            agent_case(model, tok, args.agent_length, 8, out, rows)
+        if "rows" in args.cases:
+            for q in args.Q:
+                rows_case(model, tok, args.length, q, 8, args.R, out, rows)
     finish(rows, out, plot, table)
     return 0
 
