@@ -58,7 +58,7 @@ def capture_child(P: int, state_dtype: str | None, kernel: str, threads: int) ->
     import torch
 
     import longstraw
-    from longstraw import kernels
+    from longstraw.ops import kernels
 
     sys.path.insert(0, str(HERE))
     from stress import RUNS, model_for

@@ -60,7 +60,7 @@ def timed(fn, repeat=5, device=None):
 
 
 def kernels_section(smoke, device, emit):
-    from longstraw import kernels
+    from longstraw.ops import kernels
     from longstraw.ops.kernels import Part
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

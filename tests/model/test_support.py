@@ -8,7 +8,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import longstraw
-from longstraw import self_check, support
+from longstraw import self_check
+from longstraw.model import capability
 from longstraw.errors import UnsupportedArchitectureError
 from longstraw.testing.models import tiny_model
 from longstraw.ops.logprobs import chunked_logprobs, reference_logprobs
@@ -114,10 +115,10 @@ def test_an_attention_argument_longstraw_does_not_implement_is_refused(monkeypat
     import transformers.models.helium.modeling_helium as helium
 
     real_sdpa = helium.ALL_ATTENTION_FUNCTIONS["sdpa"]
-    # the capability check reads the attention class's source once per class (`support._uses_attention_interface`):
+    # the capability check reads the attention class's source once per class (`capability._uses_attention_interface`):
     # let it read the unpatched class, as it would a class that passes the argument in its own source (whichever
     # test of this worker meets the class first)
-    support._uses_attention_interface(attn_cls)
+    capability._uses_attention_interface(attn_cls)
 
     def with_bias(self, *args, **kwargs):
         return forward(self, *args, **{**kwargs, "alibi_slopes": torch.ones(4)})
@@ -150,7 +151,7 @@ def test_check_report_names_the_layer_kind_that_reads_its_state_wrongly(monkeypa
     ],
 )
 def test_models_longstraw_cannot_represent_are_refused_before_any_state(model_type, fields, match, monkeypatch):
-    from longstraw import state as state_module
+    from longstraw import prompt_state as state_module
 
     allocated = []
     monkeypatch.setattr(state_module, "layer_states", lambda *a: allocated.append(1))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw import kernels
+from longstraw.ops import kernels
 from longstraw.ops.attention import reference_attention, split_attention
 
 # (heads, kv_heads, R, P, head_dim, v_dim, block, window, softcap)

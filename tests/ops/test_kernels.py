@@ -9,7 +9,7 @@ marker and skip without a GPU."""
 import pytest
 import torch
 
-from longstraw import kernels
+from longstraw.ops import kernels
 from longstraw.ops.attention import reference_attention, split_attention
 from longstraw.ops.kernels import KERNELS, Part
 from longstraw.ops.quant import QuantizedTokens

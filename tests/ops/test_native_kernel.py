@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longstraw import kernels
+from longstraw.ops import kernels
 from longstraw.ops.kernels import native
 from longstraw.ops.kernels.part import Part
 
@@ -111,7 +111,7 @@ def test_chosen_for_prompt_parts_and_refused_where_it_cannot():
 
 
 def test_without_it_the_choice_falls_back_to_pytorch():
-    code = ("import torch; from longstraw import kernels; from longstraw.ops.kernels import native; "
+    code = ("import torch; from longstraw.ops import kernels; from longstraw.ops.kernels import native; "
             "from longstraw.ops.kernels.part import Part; "
             "p = Part(40, 0, None, None, 0.25, 16); q = torch.randn(1, 2, 3, 16); k = torch.randn(1, 2, 40, 16); "
             "print(native.why_unavailable()); print(kernels.choose(q, k, k, p).name)")
@@ -153,7 +153,7 @@ def test_capture_and_sampling_read_an_8bit_state_in_place(monkeypatch):
     if native.why_unavailable() is not None:
         pytest.skip(native.why_unavailable())
     import longstraw
-    from longstraw import quant
+    from longstraw.ops import quant
 
     from ..conftest import make_model, tokens
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw import real_models
+from longstraw.tools import real_models
 from longstraw.model.oracles import full_sequence_logprobs
 
 from ..conftest import assert_grads_close
