@@ -244,62 +244,31 @@ def longstraw_attention(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
             f"was built for {layer.window}; check config.layer_types"
         )
+    # what every path below reads of the layer and the call
+    common = dict(scale=scaling, window=layer.window, softcap=softcap, sinks=sinks, block=cache.block)
     if layer.row_layout is not None:  # a ragged decode batch (`longstraw.ragged`): rows of different own lengths
         pads, offsets = layer.row_layout
+        own_starts = [layer.prompt_length + o for o in offsets]
         out = ragged_attention(
-            query,
-            key,
-            value,
-            layer.prompt_k,
-            layer.prompt_v,
-            pads=pads,
-            own_starts=[layer.prompt_length + o for o in offsets],
-            prompt_start=layer.prompt_start,
-            scale=scaling,
-            window=layer.window,
-            softcap=softcap,
-            chunk=layer.chunk,
-            sinks=sinks,
-            block=cache.block,
-        )
+            query, key, value, layer.prompt_k, layer.prompt_v, pads=pads, own_starts=own_starts,
+            prompt_start=layer.prompt_start, chunk=layer.chunk, **common,
+        )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
+    q_start = own_start + key.shape[-2] - query.shape[-2]
     if layer.is_collective:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
         out = cast("CollectiveAttention", layer).attend(
-            module,
-            query,
-            key,
-            value,
-            q_start=own_start + key.shape[-2] - query.shape[-2],
-            own_start=own_start,
-            scale=scaling,
-            window=layer.window,
-            softcap=softcap,
-            sinks=sinks,
-            block=cache.block,
+            module, query, key, value, q_start=q_start, own_start=own_start, **common
         )
         return out.transpose(1, 2).contiguous(), None
     carried = None
     if layer.carried_k is not None and layer.carried_v is not None:  # a segmented replay's earlier own K/V
         carried = (layer.carried_k, layer.carried_v, layer.carried_start)
     out = split_attention(
-        query,
-        key,
-        value,
-        layer.prompt_k,
-        layer.prompt_v,
-        q_start=own_start + key.shape[-2] - query.shape[-2],
-        own_start=own_start,
-        prompt_start=layer.prompt_start,
-        scale=scaling,
-        window=layer.window,
-        softcap=softcap,
-        chunk=layer.chunk,
-        sinks=sinks,
-        block=cache.block,
-        carried=carried,
-    )
+        query, key, value, layer.prompt_k, layer.prompt_v, q_start=q_start, own_start=own_start,
+        prompt_start=layer.prompt_start, chunk=layer.chunk, carried=carried, **common,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
