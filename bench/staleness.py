@@ -24,6 +24,11 @@ document by the current weights (`recapture_every: 1`). Per age:
 - gradient cosine: cosine between the two GRPO policy gradients (ratio 1, token mean over each response, advantages
   as above) over the LoRA parameters, and the norm ratio.
 
+- K/V drift, probe: the drift probe a run could afford — the document's first 512 tokens captured again by the
+  current weights (causal: they read nothing else; a 512-token capture), ‖K/V_kept − K/V_now‖ / ‖K/V_now‖ over the
+  full-attention layers at those positions; K/V drift, whole: the same over every position (the fresh capture's),
+  what the probe stands in for.
+
 Age 0 is the control: the same weights capture twice, so every figure there is this machine's noise floor.
 Every figure is a difference of two replays in one process: no timing is compared, the cores need not be quiet.
 """
@@ -44,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import document_rows, finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: tokens of the drift probe: the document's start, captured again by the current weights
+FIRST = 512
 
 
 def code_digits(prompts, completions, answer, **kwargs) -> list[float]:
@@ -73,6 +80,25 @@ def _probe_gradient(state, probe, params, temperature: float) -> tuple[torch.Ten
                     t += g.float()
             logprobs.append(out.logprobs.detach().float())
     return torch.cat([t.reshape(-1) for t in total]), logprobs
+
+
+def _full_kv(state, n: int) -> list[torch.Tensor]:
+    """Keys and values of the state's full-attention layers at positions [0, n) (float32): the layers that keep every
+    position (sliding-window layers keep only the prompt's last window)."""
+    from longstraw.kinds import KVState
+
+    out = []
+    for layer in state.layers:
+        if type(layer) is KVState and layer.keys is not None:
+            k, v = layer.stored()
+            out += [k[:, :, :n].float(), v[:, :, :n].float()]
+    return out
+
+
+def kv_drift(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """‖a − b‖ / ‖b‖ over all the tensors."""
+    num = sum(float((x - y).pow(2).sum()) for x, y in zip(a, b))
+    return math.sqrt(num / max(sum(float(y.pow(2).sum()) for y in b), 1e-30))
 
 
 def compare(stale, fresh, probe, params, temperature: float) -> dict:
@@ -203,6 +229,13 @@ def main() -> None:
                 with torch.no_grad():
                     for p, s in zip(params, start):
                         p.copy_(s)
+            # the drift probe: the document's first FIRST tokens captured again by today's weights (causal: they read
+            # nothing else), their full-attention K/V against the kept state's at the same positions
+            t0 = time.perf_counter()
+            first = min(FIRST, prefix.numel())
+            with capture(trainer.model, prefix[:first], prompt_grad="detached") as head:
+                probe_s = time.perf_counter() - t0
+                kv_first = kv_drift(_full_kv(stale, first - 1), _full_kv(head, first - 1))
             t0 = time.perf_counter()
             with capture(
                 trainer.model,
@@ -213,6 +246,9 @@ def main() -> None:
             ) as fresh:
                 capture_s = time.perf_counter() - t0
                 row = compare(stale, fresh, probe, params, cfg.temperature)
+                n = prefix.numel() - 1
+                row.update(kv_drift_first=kv_first, kv_drift_all=kv_drift(_full_kv(stale, n), _full_kv(fresh, n)),
+                           probe_s=probe_s, probe_tokens=first)
             moved = math.sqrt(sum((p.detach() - s).float().pow(2).sum().item() for p, s in zip(params, start)))
             with torch.no_grad():
                 for p, n in zip(params, now):
@@ -241,14 +277,16 @@ def main() -> None:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| age (updates) | mean abs Δ log p | max abs Δ log p | NLL drift | ratio moved | past clip 0.2 | "
-        "gradient cosine | gradient norm ratio | LoRA moved (L2) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "gradient cosine | gradient norm ratio | LoRA moved (L2) | K/V drift, probe | K/V drift, whole |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        probe = "—" if "kv_drift_first" not in r else f"{r['kv_drift_first']:.2e}"
+        whole = "—" if "kv_drift_all" not in r else f"{r['kv_drift_all']:.2e}"
         lines.append(
             f"| {r['age']} | {r['mean_abs_dlogp']:.2e} | {r['max_abs_dlogp']:.2e} | {100 * r['nll_drift']:.3f} % | "
             f"{r['ratio_moved']:.2e} | {100 * r['past_clip']:.1f} % | {r['grad_cosine']:.5f} | "
-            f"{r['grad_norm_ratio']:.4f} | {r['lora_moved']:.3f} |"
+            f"{r['grad_norm_ratio']:.4f} | {r['lora_moved']:.3f} | {probe} | {whole} |"
         )
     if rows:
         r = rows[0]
