@@ -96,6 +96,14 @@ class TrainConfig:
         "come from weights up to k - 1 steps old (longstraw.train.staleness); detached mode, one process; 1: "
         "capture every step",
     )
+    recapture_drift: float | None = _f(
+        None,
+        "with recapture_every > 1: before a kept state is read again, probe its drift (the document's first 512 "
+        "tokens captured again by the current weights, their full-attention K/V against the kept state's) and "
+        "capture anew when the log-prob drift it predicts, DRIFT_PER_KV (2.5) x the probe's relative K/V change, "
+        "passes this mean |delta log p| (e.g. 0.02: the importance ratio moved 2 %); null: reuse for recapture_every "
+        "steps whatever the drift (longstraw.train.staleness)",
+    )
     share_prefixes: bool = _f(
         True,
         "capture a prefix the step's rows share once (a document asked several questions; rows with equal "
@@ -327,6 +335,10 @@ class TrainConfig:
         need(self.min_shared_prefix >= 1 and self.max_row_suffix >= 0, "min_shared_prefix >= 1, max_row_suffix >= 0")
         need(self.num_iterations >= 1, "num_iterations must be >= 1")
         need(self.recapture_every >= 1, "recapture_every must be >= 1")
+        need(
+            self.recapture_drift is None or (self.recapture_drift > 0 and self.recapture_every > 1),
+            "recapture_drift must be > 0 and needs recapture_every > 1 (it decides when a kept state is captured anew)",
+        )
         need(
             self.recapture_every == 1 or self.prompt_grad == "detached",
             "recapture_every > 1 keeps detached prompt states (prompt_grad: detached); an exact prompt gradient is "

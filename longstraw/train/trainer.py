@@ -65,7 +65,7 @@ from .metrics import MetricsWriter
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
-from .staleness import StateStore
+from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
@@ -174,7 +174,13 @@ class Trainer(Evaluation):
                 "one process's for now; set recapture_every: 1, or train in one process"
             )
         #: prompt states kept across steps (`recapture_every`)
-        self.store = StateStore(cfg.recapture_every) if cfg.recapture_every > 1 else None
+        self.store = None
+        if cfg.recapture_every > 1:
+            probe = None
+            if cfg.recapture_drift is not None:
+                model = self.model
+                probe = lambda state, prefix: kv_drift_probe(model, state, prefix)  # noqa: E731
+            self.store = StateStore(cfg.recapture_every, cfg.recapture_drift, probe)
         self.rollout_stage = RolloutStage(
             self.policy,
             self.rewards,
@@ -330,6 +336,8 @@ class Trainer(Evaluation):
         if store is not None:
             store.end()
             m.update(state_captures=store.captures - before[0], state_reuses=store.reuses - before[1])
+            if store.bound is not None and store.last_drift is not None:
+                m["state_drift"] = store.last_drift
         m.update(
             completion_length=sum(x.tokens.numel() for x in r.responses) / len(r.responses),
             truncated_frac=sum(x.truncated for x in r.responses) / len(r.responses),

@@ -101,3 +101,46 @@ def test_bad_settings_are_refused():
         TrainConfig(model="llama", recapture_every=0)
     with pytest.raises(ValueError, match="recapture_every must be >= 1"):
         StateStore(0)
+
+
+def test_the_drift_probe_is_the_kv_change_transformers_computes():
+    """`kv_drift_probe`: the relative change of the full-attention K/V at the prompt's first positions between the kept
+    state's weights and today's, held to transformers' own DynamicCache filled by each set of weights."""
+    import longstraw
+    from longstraw.testing.models import tiny_model
+    from longstraw.train.staleness import kv_drift_probe
+
+    model = tiny_model("llama")
+    prefix = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
+    old = _weights(model)
+    kept = longstraw.capture(model, prefix, chunk_size=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    new = _weights(model)
+    got = kv_drift_probe(model, kept, prefix, tokens=16)
+
+    def kv(weights):
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            cache = model(prefix[None, :15], use_cache=True).past_key_values
+        return [t.float() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    a, b = kv(old), kv(new)
+    want = (sum(float((x - y).pow(2).sum()) for x, y in zip(a, b)) / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
+    assert want > 1e-3
+    # the same K/V to float32 rounding (the capture's chunks against one forward): 2^10 eps relative to the drift
+    assert abs(got - want) <= 2**10 * torch.finfo(torch.float32).eps + 1e-3 * want
+    assert kv_drift_probe(model, longstraw.capture(model, prefix, chunk_size=8), prefix, tokens=16) < 1e-5
+
+
+def test_recapture_drift_captures_anew_past_its_bound(tmp_path):
+    """With a bound nothing passes, a kept state is reused as with `recapture_every` alone; with one every update
+    passes, it is captured anew each step; the step reports the drift its probe predicted."""
+    free = _trainer(tmp_path, "free", recapture_every=2, num_iterations=2, num_steps=4, recapture_drift=1e9).train()
+    assert [(m["state_captures"], m["state_reuses"]) for m in free] == [(1, 0), (0, 1), (1, 0), (0, 1)]
+    assert free[1]["state_drift"] > 0
+    tight = _trainer(tmp_path, "tight", recapture_every=2, num_iterations=2, num_steps=4, recapture_drift=1e-9).train()
+    assert [(m["state_captures"], m["state_reuses"]) for m in tight] == [(1, 0), (1, 0), (1, 0), (1, 0)]
+    with pytest.raises(ValueError, match="recapture_drift must be > 0 and needs recapture_every > 1"):
+        TrainConfig(model="llama", recapture_drift=0.02)
