@@ -246,7 +246,7 @@ class Branch:
         self.added += turn.numel()
         return out
 
-    def _adopt(self, layers: list, turn: torch.Tensor, block: int) -> None:
+    def adopt_turn(self, layers: list, turn: torch.Tensor, block: int) -> None:
         """Take `layers` (this branch's row of a ragged decode batch, `longstraw.ragged.take_row`) as the branch's own
         state after it sampled `turn` `[n]`: what `sample` leaves."""
         self._live()

@@ -30,7 +30,7 @@ import torch
 from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
 from .model.positions import positions_left
-from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode
+from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sample
 
 if TYPE_CHECKING:
     from .branch import Branch
@@ -195,8 +195,6 @@ def sample_branches(
         raise ValueError("keep=True grows each branch by one sequence: nums must be 1 per branch")
     if n == 0:
         return []
-    from .sampler import sample
-
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids)
     if not stackable(branches):  # one branch after another
         if keep:
@@ -252,5 +250,5 @@ def sample_branches(
         r += k
     if keep:
         for i, b in enumerate(branches):
-            cast("Branch", b)._adopt(taken[i], out.tokens[i], cache.block)
+            cast("Branch", b).adopt_turn(taken[i], out.tokens[i], cache.block)
     return results
