@@ -76,6 +76,7 @@ class _Kept:
     state: PromptState
     step: int  # the optimizer step that captured it
     used: bool = True  # read by the current step
+    probed: int = -1  # the optimizer step whose weights the drift probe last compared it with
 
 
 class StateStore:
@@ -115,7 +116,9 @@ class StateStore:
     def get(self, prefix: torch.Tensor, capture: Callable[[], PromptState]) -> PromptState:
         for k in self._kept:
             if k.prefix.numel() == prefix.numel() and torch.equal(k.prefix, prefix.to(k.prefix.device)):
-                if self.bound is not None and self.probe is not None and k.step < self.step:
+                # probed once per step: the rollout and the update of a step read it under the same weights
+                if self.bound is not None and self.probe is not None and k.step < self.step and k.probed < self.step:
+                    k.probed = self.step
                     self.last_drift = DRIFT_PER_KV * self.probe(k.state, k.prefix)
                     if self.last_drift > self.bound:  # too far from today's weights: captured anew below
                         k.state.release()
