@@ -2,6 +2,8 @@
 
     python bench/agent_learning_curve.py                  # → bench/results/agent_learning_curve.{json,md,png}
     python bench/agent_learning_curve.py --steps 2 --eval-rows 4 --out /tmp/quick
+    python bench/agent_learning_curve.py --in-prompt --sections 11 --section-tokens 500 --distractors 3 \
+        --tag in-prompt-8k        # the 11-section document (~6.7K tokens) in the prompt too: ~8K of context
 
 SmolLM2-135M-Instruct (`longstraw real smollm2`) with a LoRA adapter (r 16) on `longstraw.tasks.archive_tools`: a
 document of 8 sections (~400 tokens each, the standard library's docstrings) behind the tools `search <word>`,
@@ -9,6 +11,8 @@ document of 8 sections (~400 tokens each, the standard library's docstrings) beh
 grow its own branch of the prompt state, replayed turn by turn (`segment_replay`). Held-out rows (another seed) are
 played greedily (temperature 0) before the first step and after the last; success = the environment's reward (the
 right code). Intervals: Wilson 95 %; the gain's is a paired bootstrap over the rows. Rows are written as measured.
+With `--in-prompt` the whole document is in the prompt as well (captured once per row, read by all G trajectories,
+each grown by its own tool replies): the long-context agent; `--distractors k` plants k other archives' codes.
 """
 
 from __future__ import annotations
@@ -35,31 +39,44 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "agent_learning_curve"))
+    ap.add_argument("--sections", type=int, default=8)
+    ap.add_argument("--section-tokens", type=int, default=400)
+    ap.add_argument("--in-prompt", action="store_true", help="the whole document in the prompt as well")
+    ap.add_argument("--distractors", type=int, default=0, help="other archives' codes planted in the document")
+    ap.add_argument("--max-tool-tokens", type=int, default=1024)
+    ap.add_argument("--max-completion", type=int, default=3072, help="a trajectory's tokens after the prompt")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
+    ap.add_argument("--tag", default="", help="results go to bench/results/agent_learning_curve-<tag>.*")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(RESULTS / ("agent_learning_curve" + (f"-{args.tag}" if args.tag else "")))
 
     import torch
     from transformers import AutoTokenizer
 
     import longstraw
-    from longstraw.train.config import TrainConfig
-    from longstraw.tools.real_models import model_path
-    from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.tasks.archive_tools import write_archive_task
     from longstraw.tasks.jsonl import load_jsonl
+    from longstraw.tools.real_models import model_path
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.train.trainer import Trainer
 
-    path = model_path("smollm2")
+    path = model_path(args.model)
     out = Path(args.out)
     work = Path("bench/out") / out.name
     tok = AutoTokenizer.from_pretrained(path)
-    files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows)
+    files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows, num_sections=args.sections,
+                               section_tokens=args.section_tokens, document_in_prompt=args.in_prompt,
+                               distractors=args.distractors)
     cfg = TrainConfig(model=str(path), dataset=str(files["train"]), eval_fraction=0.0,
                       environment="longstraw.tasks.archive_tools:ArchiveTools",
                       tool_parser="longstraw.tasks.archive_tools:parse_commands", reward_funcs=["environment_reward"],
                       lora=True, lora_r=16, lora_alpha=32, num_generations=args.G,
-                      prompts_per_step=args.prompts_per_step, num_steps=args.steps, max_completion_length=3072,
-                      max_turns=args.max_turns, max_turn_tokens=24, max_tool_tokens=1024, threads=args.threads,
+                      prompts_per_step=args.prompts_per_step, num_steps=args.steps,
+                      max_completion_length=args.max_completion, max_turns=args.max_turns, max_turn_tokens=24,
+                      max_tool_tokens=args.max_tool_tokens, threads=args.threads,
                       output_dir=str(work / "run"), learning_rate=1e-4, eval_at_start=False,
                       num_completions_to_print=1)
     trainer = Trainer(cfg)
@@ -71,18 +88,27 @@ def main() -> None:
     def score(when: str) -> list[float]:
         trainer.model.eval()
         t0 = time.perf_counter()
-        got, turns = [], []
+        got, turns, calls, lengths = [], [], [], []
         with torch.no_grad():
             for ex in held:
-                with longstraw.capture(trainer.model, trainer.encode(ex.prompt)) as state:
+                ids = trainer.encode(ex.prompt)
+                with longstraw.capture(trainer.model, ids) as state:
                     r = agent.trajectory(TurnSampler(state, trainer.policy, greedy, torch.Generator()), ex)
                 got.append(float(r.extra["environment_reward"] == 1.0))  # the right code (not the 0.25 for reading it)
                 turns.append(r.extra["turns"])
+                calls.append(r.extra["tool_calls"])
+                lengths.append(ids.shape[-1] + len(r.tokens))
         trainer.model.train()
         record(rows, dict(when=when, rows=len(got), success=sum(got) / len(got), ci95=wilson(sum(got), len(got)),
-                          mean_turns=sum(turns) / len(turns), seconds=time.perf_counter() - t0, per_row=got), out)
+                          mean_turns=sum(turns) / len(turns), mean_tool_calls=sum(calls) / len(calls),
+                          max_context=max(lengths), seconds=time.perf_counter() - t0, per_row=got, turns=turns,
+                          tool_calls=calls), out)
         return got
 
+    prompts = [trainer.encode(ex.prompt).shape[-1] for ex in held]
+    where = "in the prompt and behind tools" if args.in_prompt else "behind tools"
+    record(rows, dict(when="setup", title=f"{args.model}, {args.sections} sections {where}", args=vars(args),
+                      mean_prompt_tokens=sum(prompts) / len(prompts), max_prompt_tokens=max(prompts)), out)
     before = score("before")
     t0 = time.perf_counter()
     metrics = trainer.train()
@@ -98,12 +124,15 @@ def main() -> None:
 
 def _table(rows: list[dict]) -> str:
     by = {r["when"]: r for r in rows}
-    lines = ["| held-out rows | before | after | gain (95 % CI) | mean turns before → after |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = ["| held-out rows | prompt tokens (mean) | before | after | gain (95 % CI) | mean turns before → after "
+             "| tool calls before → after |", "|---:|---:|---:|---:|---:|---:|---:|"]
     if "gain" in by:
         b, a, g = by["before"], by["after"], by["gain"]
-        lines.append(f"| {b['rows']} | {b['success']:.3f} | {a['success']:.3f} | {g['gain']:+.3f} "
-                     f"({g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}) | {b['mean_turns']:.2f} → {a['mean_turns']:.2f} |")
+        prompt = f"{by['setup']['mean_prompt_tokens']:,.0f}" if "setup" in by else "—"
+        calls = (f"{b['mean_tool_calls']:.2f} → {a['mean_tool_calls']:.2f}" if "mean_tool_calls" in b else "—")
+        lines.append(f"| {b['rows']} | {prompt} | {b['success']:.3f} | {a['success']:.3f} | {g['gain']:+.3f} "
+                     f"({g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}) | {b['mean_turns']:.2f} → {a['mean_turns']:.2f} "
+                     f"| {calls} |")
     return "\n".join(lines)
 
 
@@ -126,7 +155,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("SmolLM2-135M-Instruct, a document behind tools")
+    ax.set_title(rows[0].get("title", "SmolLM2-135M-Instruct, a document behind tools"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -2,8 +2,10 @@
 
 The document is the standard library's docstrings (`longstraw.tasks.documents`) in `num_sections` numbered sections
 of about `section_tokens` tokens each; one sentence, "The access code for the <name> archive is 4817.", sits in one
-of them. The prompt shows the section titles (the modules the text comes from) and the three tools; the document
-itself is only behind them:
+of them. The prompt shows the section titles (the modules the text comes from) and the three tools; by default the
+document itself is only behind them. With `document_in_prompt` the whole document is in the prompt as well (a long
+shared prompt, captured once, whose G trajectories each grow by their own tool replies), and with `distractors` as
+many other archives' codes are planted in other sections (reading the prompt for "access code" finds several):
 
 - `search <word>`: the sentences holding the word, each with its section number (at most 8);
 - `open <n>`: section n, whole (hundreds to thousands of tokens: the context grows by it);
@@ -99,9 +101,19 @@ INSTRUCTIONS = (
 
 
 def make_row(
-    tokenizer, paras: list[tuple[str, str]], num_sections: int, section_tokens: int, rng: random.Random
+    tokenizer,
+    paras: list[tuple[str, str]],
+    num_sections: int,
+    section_tokens: int,
+    rng: random.Random,
+    document_in_prompt: bool = False,
+    distractors: int = 0,
 ) -> dict:
-    """One row: `num_sections` sections of about `section_tokens` tokens, the code in one of them."""
+    """One row: `num_sections` sections of about `section_tokens` tokens, the code in one of them (and each of
+    `distractors` other archives' codes in another section); the document also in the prompt with
+    `document_in_prompt`."""
+    if not 0 <= distractors < len(ARCHIVES) - 1:
+        raise ValueError(f"distractors must be in 0..{len(ARCHIVES) - 2}; got {distractors}")
     archive = rng.choice(ARCHIVES)
     code = f"{rng.randrange(1000, 10000)}"
     order = rng.sample(range(len(paras)), len(paras))
@@ -120,12 +132,13 @@ def make_row(
         sections.append("\n\n".join(body))
         titles.append(", ".join(dict.fromkeys(names)))
     where = rng.randrange(num_sections)
-    parts = sections[where].split("\n\n")
-    parts.insert(rng.randrange(len(parts) + 1), f"The access code for the {archive} archive is {code}.")
-    sections[where] = "\n\n".join(parts)
+    _plant(sections, where, archive, code, rng)
+    distracting = rng.sample([a for a in ARCHIVES if a != archive], distractors)
+    for name in distracting:
+        _plant(sections, rng.randrange(num_sections), name, f"{rng.randrange(1000, 10000)}", rng)
     listing = "\n".join(f"{i}. {t}" for i, t in enumerate(titles, 1))
     content = INSTRUCTIONS.format(titles=listing, archive=archive)
-    other = rng.choice([a for a in ARCHIVES if a != archive])
+    other = rng.choice([a for a in ARCHIVES if a != archive and a not in distracting])
     shown = f"{rng.randrange(1000, 10000)}"
     example = [  # one worked exchange before the question (a small model follows the form it has seen)
         {"role": "user", "content": f"Example question: what is the access code for the {other} archive?"},
@@ -133,14 +146,25 @@ def make_row(
         {"role": "tool", "content": f"[section 2] The access code for the {other} archive is {shown}."},
         {"role": "assistant", "content": f"answer {shown}"},
     ]
+    head = []
+    if document_in_prompt:  # a system message ahead of the worked example, so that the question follows the example
+        shown_doc = "\n\n".join(f"[section {i}]\n{text}" for i, text in enumerate(sections, 1))
+        head = [{"role": "system", "content": f"The document:\n\n{shown_doc}"}]
     return {
-        "messages": [*example, {"role": "user", "content": content}],
+        "messages": [*head, *example, {"role": "user", "content": content}],
         "answer": code,
         "archive": archive,
         "sections": sections,
         "titles": titles,
         "section": where + 1,
     }
+
+
+def _plant(sections: list[str], at: int, archive: str, code: str, rng: random.Random) -> None:
+    """Puts the sentence giving `archive`'s code between two paragraphs of section `at`."""
+    parts = sections[at].split("\n\n")
+    parts.insert(rng.randrange(len(parts) + 1), f"The access code for the {archive} archive is {code}.")
+    sections[at] = "\n\n".join(parts)
 
 
 def write_archive_task(
@@ -151,8 +175,11 @@ def write_archive_task(
     num_sections: int = 8,
     section_tokens: int = 400,
     seed: int = 0,
+    document_in_prompt: bool = False,
+    distractors: int = 0,
 ) -> dict[str, Path]:
-    """Writes `train.jsonl` and `eval.jsonl` (held-out rows, another seed) into `out`; returns their paths."""
+    """Writes `train.jsonl` and `eval.jsonl` (held-out rows, another seed) into `out`; returns their paths.
+    `document_in_prompt` and `distractors` as in `make_row`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paras = named_paragraphs()
@@ -162,7 +189,11 @@ def write_archive_task(
         paths[name] = out / f"{name}.jsonl"
         paths[name].write_text(
             "".join(
-                json.dumps(make_row(tokenizer, paras, num_sections, section_tokens, rng)) + "\n" for _ in range(rows)
+                json.dumps(
+                    make_row(tokenizer, paras, num_sections, section_tokens, rng, document_in_prompt, distractors)
+                )
+                + "\n"
+                for _ in range(rows)
             )
         )
     return paths

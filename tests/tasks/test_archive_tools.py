@@ -58,3 +58,25 @@ def test_written_files_are_jsonl_rows(tmp_path):
     rows = [json.loads(line) for line in paths["eval"].read_text().splitlines()]
     assert len(rows) == 3 and len(paths["train"].read_text().splitlines()) == 2
     assert all(set(r) >= {"messages", "answer", "sections"} for r in rows)
+
+
+def test_document_in_the_prompt_with_distractors():
+    """The long-context variant: every section in a system message ahead of the worked example, the asked archive's
+    code once, and k other archives' codes planted (the search for the asked archive still finds its code only)."""
+    row = make_row(build_tokenizer(), named_paragraphs(), 6, 120, random.Random(3), document_in_prompt=True,
+                   distractors=3)
+    system = row["messages"][0]
+    assert system["role"] == "system" and all(s in system["content"] for s in row["sections"])
+    assert [m["role"] for m in row["messages"][1:]] == ["user", "assistant", "tool", "assistant", "user"]
+    codes = [line for s in row["sections"] for line in s.split("\n\n") if line.startswith("The access code for")]
+    assert len(codes) == 4 and len({c.split()[5] for c in codes}) == 4
+    assert sum(f"the {row['archive']} archive is {row['answer']}." in c for c in codes) == 1
+    asked_in_example = row["messages"][1]["content"].split()[-2]
+    assert all(f"the {asked_in_example} archive" not in c for c in codes)
+    env = ArchiveTools()
+    env.reset(**{k: v for k, v in row.items() if k != "messages"})
+    hits = environment_tools(env)["search"](row["archive"])
+    assert hits.count("[section") == 1 and row["answer"] in hits
+    plain = _row(3)  # the default row is drawn as before the options existed (the same seed, the same row)
+    assert "system" not in [m["role"] for m in plain["messages"]]
+    assert sum(s.count("The access code for") for s in plain["sections"]) == 1
