@@ -74,6 +74,7 @@ def replay_segments(
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
     prefix_ids: TokenIds | None = None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> Replay:
     """Replay a trajectory one policy segment at a time (see the module doc); back-propagates each segment's loss.
 
@@ -82,15 +83,36 @@ def replay_segments(
     backward). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
 
     `prefix_ids` `[L]`: tokens between the prompt state and the trajectory (a row's own question after a shared
-    document, `PromptState.replay`): read first, as an environment segment (detached: constants; exact: in the
-    gradient); slices and outputs stay the trajectory's own.
+    document, `PromptState.replay`): detached, read first into a branch without autograd (constants, as the prompt
+    is); exact, read first as an environment segment (in the gradient); slices and outputs stay the trajectory's own.
+    `before_last_backward`: called once, just before the replay's last backward (FSDP2 turns gradient reduction on
+    there).
+
+    Context parallelism (a `ContextParallelState` or a branch of one): a collective, as its `replay` is: every rank
+    of the group calls it, each with its own trajectory (lengths and segments may differ). The ranks run their
+    segments in lockstep (`_lockstep`): every rank makes the same number of forwards, and of backwards, each reading
+    the prompt across the ranks' slices; a rank with fewer segments takes part with one-token forwards of weight 0.
+    The gradient is that of the trajectory replayed whole, as in one process.
     """
-    if prefix_ids is not None and len(prefix_ids) > 0:
+    if prefix_ids is not None and len(prefix_ids) > 0 and state.prompt_grad == "detached":
+        # the prefix a constant, as the prompt is: read into a branch without autograd (`PromptState.replay`)
+        with state.fork() as branch:
+            branch.extend(torch.as_tensor(prefix_ids, dtype=torch.long).reshape(-1))
+            return replay_segments(
+                branch,
+                response_ids,
+                mask,
+                segment_loss,
+                temperature=temperature,
+                checkpoint_layers=checkpoint_layers,
+                before_last_backward=before_last_backward,
+            )
+    if prefix_ids is not None and len(prefix_ids) > 0:  # exact: the prefix in the gradient, an environment segment
         prefix = torch.as_tensor(prefix_ids, dtype=torch.long).reshape(-1)
         n = prefix.numel()
         tokens = torch.as_tensor(response_ids, dtype=torch.long).reshape(-1)
         m = torch.as_tensor(mask, dtype=torch.float32).reshape(-1)
-        if m.numel() != tokens.numel():
+        if m.numel() != tokens.numel() and getattr(state, "group", None) is None:  # (collective: refused below)
             raise ValueError(f"mask has {m.numel()} entries for {tokens.numel()} tokens")
 
         def shifted(sl: slice, out: Replay):
@@ -103,28 +125,38 @@ def replay_segments(
             shifted,
             temperature=temperature,
             checkpoint_layers=checkpoint_layers,
+            before_last_backward=before_last_backward,
         )
         return Replay(logprobs=out.logprobs[n:], entropy=out.entropy[n:])
-    if getattr(state, "group", None) is not None:
-        raise NotImplementedError(
-            "segmented replay runs in one process: a context-parallel prompt state (group=...) "
-            "replays trajectories whole; set segment_replay: false"
-        )
     parts = state._parts
     device = state.last_token.device
-    response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
+    group = getattr(state, "group", None)
     m = torch.as_tensor(mask, dtype=torch.float32).reshape(-1)
-    if m.numel() != response.numel():
-        raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
-    check_length(parts.config, state.prompt_length + response.numel())
-    cache = state._cache(1)
+    if group is None:
+        response = as_ids(response_ids, "response_ids", parts.config.vocab_size, device)
+        if m.numel() != response.numel():
+            raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
+        check_length(parts.config, state.prompt_length + response.numel())
+        cache = state._cache(1)
+    else:
+        # context parallelism: a collective; the response checked on every rank, the cache reads the prompt's slices
+        owner = state if isinstance(state, PromptState) else state.state
+        if m.numel() != torch.as_tensor(response_ids).numel():
+            response_ids = torch.full((1,), -1)  # refused on every rank by the agreed check below
+        response = owner._response(response_ids, checkpoint_layers, state.prompt_length)
+        cache = owner._replay_cache(None if state is owner else cast(Branch, state))
     if not _Carry.serves(cache):  # the same gradient, the whole trajectory's graph
-        return _replay_whole(state, response, m, segment_loss, temperature, checkpoint_layers)
-    return _replay_carried(state, cache, response, m, segment_loss, temperature, checkpoint_layers)
+        return _replay_whole(state, response, m, segment_loss, temperature, checkpoint_layers, before_last_backward)
+    return _replay_carried(
+        state, cache, response, m, segment_loss, temperature, checkpoint_layers, before_last_backward
+    )
 
 
-def _replay_whole(state, response, mask, segment_loss, temperature: float, checkpoint_layers: bool) -> Replay:
-    """The trajectory in one replay; each policy segment's loss taken on its slice of it, back-propagated together."""
+def _replay_whole(
+    state, response, mask, segment_loss, temperature: float, checkpoint_layers: bool, before_last_backward=None
+) -> Replay:
+    """The trajectory in one replay; each policy segment's loss taken on its slice of it, back-propagated together
+    (with context parallelism a backward runs on every rank, of weight 0 where there is no loss)."""
     out = state.replay(response, temperature=temperature, checkpoint_layers=checkpoint_layers)
     losses = []
     for seg in segments(mask):
@@ -133,7 +165,11 @@ def _replay_whole(state, response, mask, segment_loss, temperature: float, check
             loss = segment_loss(sl, Replay(logprobs=out.logprobs[sl], entropy=out.entropy[sl]))
             if loss is not None and loss.requires_grad:
                 losses.append(loss)
+    if not losses and getattr(state, "group", None) is not None and out.logprobs.requires_grad:
+        losses.append(out.logprobs.sum() * 0.0)  # the other ranks' backward is a collective
     if losses:
+        if before_last_backward is not None:
+            before_last_backward()
         torch.stack(losses).sum().backward()
     on = mask > 0
     zero = torch.zeros((), device=out.logprobs.device)
@@ -162,9 +198,12 @@ def _run_policy(
     checkpoint_layers: bool,
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
+    collective: bool = False,
+    before_backward=None,
 ) -> None:
     """A policy segment with autograd: its log-probs and entropies (written, detached, into `logprobs` / `entropy`)
-    go to `segment_loss`, whose result is back-propagated before the graph is dropped."""
+    go to `segment_loss`, whose result is back-propagated before the graph is dropped (`collective`: a backward runs
+    even without a loss, of weight 0, as the other ranks' does)."""
     sl = slice(seg.start, seg.end)
     positions = torch.arange(start + seg.start, start + seg.end, device=inputs.device)
     with torch.enable_grad():
@@ -178,7 +217,14 @@ def _run_policy(
             scale=parts.logit_scale,
         )
         loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
+        if collective and hidden.requires_grad:
+            # every layer's output takes part in the backward, whatever the loss reads (the same collectives on
+            # every rank)
+            zero = hidden.sum() * 0.0
+            loss = zero if loss is None or not loss.requires_grad else loss + zero
         if loss is not None and loss.requires_grad:
+            if before_backward is not None:
+                before_backward()
             loss.backward()
     logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
 
@@ -349,8 +395,82 @@ def _states(layer: RecurrentBranchLayer, which: str) -> dict[int, torch.Tensor |
     return layer.conv_states if which == "conv" else layer.recurrent_states
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """One forward (and maybe backward) of the segmented replay. `index`: the segment this rank runs (None: nothing
+    here, a one-token forward of weight 0 on a throwaway cache keeps it in step with the other ranks); `lengths`:
+    every rank's query count in this forward (context parallelism; None in one process); `backward`: whether a
+    backward follows (on every rank when any rank back-propagates here)."""
+
+    index: int | None
+    lengths: list[int] | None
+    backward: bool
+
+
+def _lockstep(group, segs: list[Segment], last_policy: int) -> tuple[list[_Slot], list[_Slot]]:
+    """The first pass's and the reverse pass's slots of this rank, the same number on every rank of `group` (None:
+    one process, this rank's segments as they are). First pass: segment j of every rank in slot j; a backward
+    wherever some rank's segment j is a policy segment. Reverse pass: every rank's segments before its last policy
+    segment, last first, each with its backward. A rank with fewer segments pads with idle slots (one query)."""
+    mine = [(seg.end - seg.start, int(seg.policy)) for seg in segs[: last_policy + 1]]
+    if group is None:
+        first = [_Slot(j, None, policy == 1) for j, (_, policy) in enumerate(mine)]
+        return first, [_Slot(j, None, True) for j in range(last_policy - 1, -1, -1)]
+    counts = [row[0] for row in group.all_gather_ints("segmented replay: segment counts", [len(mine)])]
+    width = max(counts)
+    flat = [v for pair in mine for v in pair] + [0, 0] * (width - len(mine))
+    rows = [
+        [tuple(row[2 * k : 2 * k + 2]) for k in range(width)]
+        for row in group.all_gather_ints("segmented replay: segments", flat)
+    ]
+    me = group.rank
+    first = []
+    for j in range(width):
+        lengths = [rows[r][j][0] if j < counts[r] else 1 for r in range(group.size)]
+        backward = any(j < counts[r] and rows[r][j][1] == 1 for r in range(group.size))
+        first.append(_Slot(j if j < counts[me] else None, lengths, backward))
+    reverse = []
+    for i in range(max(counts) - 1):  # rank r reverses its segments counts[r] - 2 ... 0
+        at = [counts[r] - 2 - i for r in range(group.size)]
+        lengths = [rows[r][at[r]][0] if at[r] >= 0 else 1 for r in range(group.size)]
+        reverse.append(_Slot(at[me] if at[me] >= 0 else None, lengths, True))
+    return first, reverse
+
+
+def _set_lengths(cache, lengths: list[int] | None) -> None:
+    """Every rank's query count in the next forward, for the layers that read the prompt across the ranks."""
+    if lengths is None:
+        return
+    for layer in cache.layers:
+        info = getattr(layer, "info", None)
+        if info is not None:
+            layer.info = type(info)(info.group, lengths, info.layer)
+
+
+def _idle(state, inputs, start: int, slot: _Slot, checkpoint_layers: bool, before_backward=None) -> None:
+    """A rank with no segment in `slot`: the trajectory's first input token through a throwaway replay cache (the
+    same collectives as the other ranks' forward), and a backward of weight 0 when the slot has one."""
+    owner = state if isinstance(state, PromptState) else state.state
+    cache = owner._replay_cache(None if state is owner else state)
+    _set_lengths(cache, slot.lengths)
+    positions = torch.arange(start, start + 1, device=inputs.device)
+    with torch.set_grad_enabled(slot.backward):
+        hidden = run_decoder(state._parts, inputs[None, :1], positions, cache, checkpoint_layers=checkpoint_layers)
+        if slot.backward and hidden.requires_grad:
+            if before_backward is not None:
+                before_backward()
+            (hidden.sum() * 0.0).backward()
+
+
 def _replay_carried(
-    state, cache, response, mask, segment_loss, temperature: float, checkpoint_layers: bool = False
+    state,
+    cache,
+    response,
+    mask,
+    segment_loss,
+    temperature: float,
+    checkpoint_layers: bool = False,
+    before_last_backward=None,
 ) -> Replay:
     """The whole trajectory's gradient of every policy segment's loss (see the module doc), through the earlier
     segments, and with an exact prompt state through the prompt. A first pass in order runs each segment (policy
@@ -358,9 +478,12 @@ def _replay_carried(
     read); a reverse pass recomputes segments last to first with autograd and pushes the gradient accumulated on what
     each produced back through it. An exact prompt's share stays on the prompt state's leaves for
     `PromptState.backward()`. Cost: about one more forward + backward of the trajectory before its last policy turn;
-    memory: the carry (`_Carry`) + one segment's graph."""
+    memory: the carry (`_Carry`) + one segment's graph. Context parallelism: the slots of `_lockstep`; an environment
+    segment in a slot where another rank back-propagates runs with autograd and a backward of weight 0."""
     parts = state._parts
     device = state.last_token.device
+    group = getattr(state, "group", None)
+    collective = group is not None
     inputs = torch.cat([state.last_token, response[:-1]])
     start = state.prompt_length - 1
     carry = _Carry(cache, response.numel())
@@ -368,12 +491,24 @@ def _replay_carried(
     entropy = torch.zeros(response.numel(), device=device)
     segs = segments(mask)
     last_policy = max((i for i, seg in enumerate(segs) if seg.policy), default=-1)
+    first, reverse = _lockstep(group, segs, last_policy)
+    backwards = [slot for slot in first + reverse if slot.backward]
+    last_slot = backwards[-1] if backwards else None
+    called = []
 
-    def run(seg):
-        positions = torch.arange(start + seg.start, start + seg.end, device=device)
-        return run_decoder(parts, inputs[None, seg.start : seg.end], positions, cache)
+    def hook(slot: _Slot):
+        if slot is not last_slot or before_last_backward is None:
+            return None
+        called.append(True)
+        return before_last_backward
 
-    for j, seg in enumerate(segs[: last_policy + 1]):
+    for slot in first:
+        _set_lengths(cache, slot.lengths)
+        if slot.index is None:
+            _idle(state, inputs, start, slot, checkpoint_layers, hook(slot))
+            continue
+        j = slot.index
+        seg = segs[j]
         carry.enter(cache, j, seg.start)
         if seg.policy:
             _run_policy(
@@ -388,20 +523,48 @@ def _replay_carried(
                 checkpoint_layers,
                 logprobs,
                 entropy,
+                collective,
+                hook(slot),
             )
-        else:
-            _run_environment(parts, cache, inputs, start, seg, state.chunk_size)
+        elif slot.backward:  # another rank back-propagates a policy segment here: the same collectives, weight 0
+            positions = torch.arange(start + seg.start, start + seg.end, device=device)
+            with torch.enable_grad():
+                hidden = run_decoder(
+                    parts, inputs[None, seg.start : seg.end], positions, cache, checkpoint_layers=checkpoint_layers
+                )
+                if hidden.requires_grad:
+                    last = hook(slot)
+                    if last is not None:
+                        last()
+                    (hidden.sum() * 0.0).backward()
+        else:  # one forward per segment under context parallelism (a forward is a collective)
+            _run_environment(parts, cache, inputs, start, seg, seg.end - seg.start if collective else state.chunk_size)
         carry.leave(cache, j, seg.start, seg.end, first_pass=True)
         detach_own(cache)
-    for j in range(last_policy - 1, -1, -1):  # the last policy segment's own state is read by nothing
+    for slot in reverse:  # the last policy segment's own state is read by nothing
+        _set_lengths(cache, slot.lengths)
+        if slot.index is None:
+            _idle(state, inputs, start, slot, False, hook(slot))
+            continue
+        j = slot.index
         seg = segs[j]
         carry.enter(cache, j, seg.start)
         with torch.enable_grad():
-            run(seg)
+            positions = torch.arange(start + seg.start, start + seg.end, device=device)
+            hidden = run_decoder(parts, inputs[None, seg.start : seg.end], positions, cache)
             pairs = carry.leave(cache, j, seg.start, seg.end, first_pass=False)
-            if pairs:
-                # the gradients copied: backward accumulates into the same buffers (at earlier positions)
-                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype, copy=True) for t, g in pairs])
-        del pairs
+            # the gradients copied: backward accumulates into the same buffers (at earlier positions)
+            roots, grads = [t for t, _ in pairs], [g.to(t.dtype, copy=True) for t, g in pairs]
+            if collective and hidden.requires_grad:  # every layer's collectives, as on the other ranks
+                roots.append(hidden)
+                grads.append(torch.zeros_like(hidden))
+            if roots:
+                last = hook(slot)
+                if last is not None:
+                    last()
+                torch.autograd.backward(roots, grads)
+        del pairs, roots, grads
         detach_own(cache)
+    if before_last_backward is not None and not called:  # (one process, no gradient left to push at the end)
+        before_last_backward()
     return Replay(logprobs=logprobs, entropy=entropy)

@@ -234,3 +234,33 @@ def test_segmented_replay_after_a_branch_reads_its_tokens_as_constants(arch):
     scale = max(norm)
     assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
         e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+
+
+@pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
+def test_segmented_replay_after_prefix_ids(prompt_grad):
+    """`prefix_ids` (a row's own question after a shared document): detached, a constant as the prompt is (the
+    reference's cache filled under `no_grad` over prompt + prefix); exact, in the gradient (the full-sequence
+    forward). Seen failing when the detached prefix was replayed as an environment segment (in the gradient: 8 %
+    off)."""
+    model = make_model("llama", True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prompt, rest = tie_free_tokens(model, 15, 4 + MASK.numel(), seed=5)
+    prefix, response = rest[:4], rest[4:]
+    w = torch.linspace(-1.0, 1.5, MASK.numel()) * MASK
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        if prompt_grad == "detached":
+            ref = cache_reference_logprobs(model, torch.cat([prompt, prefix]), response)
+        else:
+            ref = full_sequence_logprobs(model, prompt, rest)[4:]
+        g_ref = torch.autograd.grad((w * ref).sum(), params, allow_unused=True)
+    state = longstraw.capture(model, prompt, chunk_size=5, block_size=4, prompt_grad=prompt_grad)
+    for p in params:
+        p.grad = None
+    out = replay_segments(state, response, MASK, lambda sl, r: (w[sl] * r.logprobs).sum(), prefix_ids=prefix)
+    state.backward()
+    on = MASK > 0
+    assert (out.logprobs - ref.detach())[on].abs().max().item() <= 16 * 2**-23 * max(ref.abs().max().item(), 1.0)
+    err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
+    scale = max(norm)
+    assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))

@@ -197,8 +197,9 @@ class TrainConfig:
         None,
         "replay a multi-turn response one segment at a time (one segment's graph, the trajectory's own K/V and "
         "their gradient held once) with the gradient of replaying it whole: the prompt a constant (detached) or "
-        "not (exact), everything after it differentiated; null: on with `environment` in one process, off "
-        "otherwise (the whole response in one graph: the same gradient; on N processes trajectories replay whole)",
+        "not (exact), everything after it differentiated; null: on with `environment` (on N processes too: the ranks "
+        "replay their trajectories' segments in lockstep), off otherwise (the whole response in one graph: the "
+        "same gradient)",
     )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")

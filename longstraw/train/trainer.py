@@ -30,7 +30,6 @@ exports the final model from the last checkpoint into a model of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -200,14 +199,6 @@ class Trainer(Evaluation):
             vllm=self._vllm_client(),
         )
         self.update_settings = UpdateSettings.from_config(cfg)
-        if self.ranks.size > 1 and self.update_settings.segment_replay:
-            if cfg.segment_replay:
-                raise ValueError(
-                    f"segment_replay: true on {self.ranks.size} processes: a context-parallel prompt "
-                    "state replays each trajectory whole (segmented replay runs in one process; the gradient is the "
-                    "same, the graph the whole trajectory's); set segment_replay: false, or train in one process"
-                )
-            self.update_settings = dataclasses.replace(self.update_settings, segment_replay=False)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)
         self.sync_seconds: float | None = None

@@ -164,7 +164,7 @@ def policy_update(
                     at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
                     last = before_last_backward if at_end and not exact else None
                     if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                        _padding_backward(row_state, group.responses[0], settings, last, suffix)
+                        _padding_backward(row_state, group.responses[0], settings, last, suffix, parallel)
                         continue
                     i = offsets[b] + k
                     _response_backward(
@@ -179,6 +179,7 @@ def policy_update(
                         totals,
                         last,
                         suffix,
+                        parallel,
                     )
                 if branch is not None:
                     branch.release()
@@ -231,11 +232,13 @@ def _response_backward(
     totals: _Totals,
     before_backward=None,
     suffix: torch.Tensor | None = None,
+    collective: bool = False,
 ) -> None:
     """Replay one response (after its row's `suffix` `[S]`, when its prompt shares a captured prefix), back-propagate
     its share of the batch loss, free its graph (with `segment_replay`, a response holding environment tokens goes
-    one policy turn at a time: `_segments_backward`)."""
-    if settings.segment_replay and bool((response.mask == 0).any()):
+    one policy turn at a time: `_segments_backward`; with context parallelism (`collective`) every response goes
+    that way, since the ranks replay their responses in lockstep)."""
+    if settings.segment_replay and (collective or bool((response.mask == 0).any())):
         return _segments_backward(
             state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward, suffix
         )
@@ -310,12 +313,8 @@ def _segments_backward(
             loss = loss - entropy_scale * (out.entropy * mask[sl]).sum()
         loss_value += loss.item()
         stats.append((sl, st))
-        if before_backward is not None and sl.stop == last_policy_end:
-            before_backward()
         return loss
 
-    on = (response.mask > 0).nonzero()
-    last_policy_end = int(on[-1]) + 1 if on.numel() else 0
     out = replay_segments(
         state,
         response.tokens,
@@ -324,6 +323,7 @@ def _segments_backward(
         temperature=settings.temperature,
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
+        before_last_backward=before_backward,
     )
     n = mask.numel()
     low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
@@ -345,8 +345,23 @@ def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
 
 
-def _padding_backward(state, response: Response, settings: UpdateSettings, before_backward=None, suffix=None) -> None:
-    """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros."""
+def _padding_backward(
+    state, response: Response, settings: UpdateSettings, before_backward=None, suffix=None, collective=False
+) -> None:
+    """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros (with
+    `segment_replay` in segments, in step with the other ranks' segmented replays)."""
+    if settings.segment_replay and collective:
+        replay_segments(
+            state,
+            response.tokens,
+            response.mask,
+            lambda sl, out: out.logprobs.sum() * 0.0,
+            temperature=settings.temperature,
+            checkpoint_layers=settings.checkpoint_layers,
+            prefix_ids=suffix,
+            before_last_backward=before_backward,
+        )
+        return
     out = state.replay(
         response.tokens,
         temperature=settings.temperature,

@@ -200,13 +200,22 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
     from longstraw.distributed import CollectiveError
 
     path = os.path.join(out_dir, f"{scenario}-rank{rank}.pt")
-    if scenario == "agent":  # run Y (segment_replay unset: off on N ranks), then the same asking for segments
-        result = dict(Y=_train(os.path.join(out_dir, "Y"), AGENT), made=CountingEnv.made)
-        try:
-            Trainer(_cfg(os.path.join(out_dir, "Y-segments"), **AGENT, segment_replay=True))
-            result["segments_error"] = None
-        except ValueError as err:
-            result["segments_error"] = str(err)
+    if scenario == "agent":  # run Y (segment_replay unset: on), then whole replays at Y's weights
+        import longstraw.trajectory as trajectory
+
+        carried = trajectory._replay_carried
+        calls = []
+
+        def counted(*args, **kw):  # observes that the ranks replayed in segments
+            calls.append(1)
+            return carried(*args, **kw)
+
+        trajectory._replay_carried = counted
+        result = dict(Y=_train(os.path.join(out_dir, "Y"), AGENT), made=CountingEnv.made, segmented=len(calls))
+        calls.clear()
+        result["Y_whole"] = _train(os.path.join(out_dir, "Y-whole"), {**AGENT, "segment_replay": False},
+                                   force=weights_at(result["Y"]))
+        result["whole_segmented"] = len(calls)
         torch.save(result, path)
         dist.destroy_process_group()
         return
@@ -322,9 +331,10 @@ def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
     """Run Y, agent trajectories through an environment, on 2 ranks = 1 process given the same weights before each
     step: the same trajectories (policy turns and tool replies, every rank growing them on collective branches over
     the context-parallel prompt), the same per-trajectory columns, rewards and advantages, the gradient each step
-    applies within `GRAD_TOL`. The environment exists on rank 0 only (rank 1 made none). On N ranks the trajectories
-    replay whole, in one process in segments (each at its default): the same gradient, the whole trajectory's; asking
-    for segments on N ranks is refused by name."""
+    applies within `GRAD_TOL`. The environment exists on rank 0 only (rank 1 made none). `segment_replay` at its
+    default on both (on: the ranks replay their trajectories' segments in lockstep, each rank its own trajectories,
+    of other lengths and turn counts than the other rank's); the same run with `segment_replay: false` (whole
+    replays) at the same weights applies the same gradients."""
     two = _spawn(tmp_path, "agent")
     y0, y1 = two[0]["Y"], two[1]["Y"]
     one = _train(str(tmp_path / "one-Y"), AGENT, force=weights_at(y0))  # segment_replay at its default: on
@@ -343,8 +353,13 @@ def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
     assert all(torch.equal(y0["weights"][k], y1["weights"][k]) for k in y0["weights"])
     trajectories = 2 * 2 * 3
     assert (two[0]["made"], two[1]["made"]) == (trajectories, 0)
-    assert "segment_replay: true on 2 processes" in two[0]["segments_error"], two[0]["segments_error"]
-    print(f"\nagent run, 1 vs 2 processes: applied gradients off by {[f'{e:.1e}' for e in grad_err]}")
+    # both ranks replayed in segments (every response of theirs and the padding), whole replays did not
+    assert two[0]["segmented"] == two[1]["segmented"] >= trajectories // 2, (two[0]["segmented"], two[1]["segmented"])
+    assert two[0]["whole_segmented"] == two[1]["whole_segmented"] == 0
+    whole_err = [_rel(g, w) for g, w in zip(two[0]["Y_whole"]["grads"], y0["grads"])]
+    assert len(whole_err) == 2 and max(whole_err) <= GRAD_TOL, whole_err
+    print(f"\nagent run, 1 vs 2 processes (segments): applied gradients off by {[f'{e:.1e}' for e in grad_err]}; "
+          f"2 processes whole vs segments {[f'{e:.1e}' for e in whole_err]}")
 
 
 def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):
