@@ -1,12 +1,13 @@
 """The trainer with FSDP2 (`fsdp: true`) on 2 processes: gloo, 1 thread each, against one unsharded process.
 
-One spawn of 2 ranks runs three trainings with the decoder layers sharded:
+One spawn of 2 ranks runs four trainings with the decoder layers sharded:
 - "lora": run A of tests/distributed/test_distributed_trainer.py (a supervised full-sequence step, then 2 GRPO steps with a
   KL term; LoRA), interrupted after step 2 and resumed from its sharded checkpoint by a fresh trainer;
 - "full": full fine-tuning in fp32 with exact prompt gradients (the state's reverse pass is the step's last
   backward) and a replayed supervised step;
 - "bf16": full fine-tuning of a bf16 model, one supervised step of 3 prompts (one rank pads its batch with a row of
-  weight 0): the layers' shards are float32 masters.
+  weight 0): the layers' shards are float32 masters;
+- "agent": run Y (agent trajectories from an environment, LoRA), replayed in segments in lockstep.
 The single-process references run in the test process; the tests compare losses, gradient norms, the applied
 gradients and the final weights, and check what each rank held and what the checkpoints and the export hold.
 """
@@ -28,6 +29,7 @@ from longstraw.train.trainer import Trainer
 
 from ..conftest import spawn_ranks
 from .test_distributed_trainer import (
+    AGENT,
     GRAD_TOL,
     METRIC_TOL,
     _cfg,
@@ -46,6 +48,9 @@ RUNS = {
     "full": dict(lora=False, prompts_per_step=1, num_generations=4, sft_full_sequence=False, prompt_grad="exact",
                  beta=0.0),
     "bf16": dict(lora=False, dtype="bf16", beta=0.0, num_steps=1, prompts_per_step=3),  # 3 prompts: one rank pads
+    # agent trajectories replayed in segments (the default), the ranks in lockstep: the step's last backward (where
+    # gradient reduction is turned on) is the last slot's, the same on every rank
+    "agent": AGENT,
 }
 
 
@@ -94,7 +99,7 @@ def runs(tmp_path_factory):
     return dict(tmp=tmp, two=two, one=one)
 
 
-@pytest.mark.parametrize("name", ["lora", "full"])
+@pytest.mark.parametrize("name", ["lora", "full", "agent"])
 def test_sharded_trainer_trains_like_one_process(runs, name):
     """Sharded layers (each rank 1/2 of their elements; LoRA's adapters and full fine-tuning alike) against one
     process given the same weights before every step (`_train(force=...)`): the same losses, gradient norms and
@@ -109,7 +114,7 @@ def test_sharded_trainer_trains_like_one_process(runs, name):
     lay = r0["layout"]
     assert lay["whole"] > 0 and lay["local"] * 2 == lay["whole"] and lay["dtypes"] == ["torch.float32"], lay
     steps = [r["step"] for r in r0["rows"]]
-    assert steps == ([3] if name == "lora" else [1, 2, 3])
+    assert steps == {"lora": [3], "agent": [1, 2]}.get(name, [1, 2, 3])
     want_rows = {r["step"]: r for r in one["rows"]}
     for got in r0["rows"]:
         want = want_rows[got["step"]]
