@@ -19,7 +19,7 @@ import torch.distributed as dist
 import longstraw
 import longstraw.testing.models
 
-from ..conftest import lora, spawn_ranks, tokens
+from ..conftest import assert_tie_free, lora, spawn_ranks, tokens
 from .test_distributed import (
     _assert_grads_within_floor,
     _logprob_tol,
@@ -97,11 +97,14 @@ def _check(tmp_path, n: int, cases) -> dict:
     from longstraw.trajectory import segments
 
     assert len({len(segments(_trajectory(r)[1])) for r in range(n)}) == n  # ranks in lockstep over other turn counts
+    for arch in {case[0] for case in cases}:  # DSA: no top-k near-tie that another summation order could flip
+        for r in range(n):
+            assert_tie_free(_model(arch, False), torch.cat([tokens(P, seed=1), SUFFIX, _trajectory(r)[0]]))
     spawn_ranks(_worker, (n, str(tmp_path / "init"), str(tmp_path), tuple(cases)), n,
                 ["torch", "torch.distributed", "longstraw", "longstraw.testing.models",
                  "transformers.models.llama.modeling_llama", "transformers.models.gemma3.modeling_gemma3",
                  "transformers.models.qwen3_next.modeling_qwen3_next",
-                 "transformers.models.gpt_oss.modeling_gpt_oss"], 3 * TIMEOUT_S, "segmented replays")
+                 "transformers.models.gpt_oss.modeling_gpt_oss", "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"], 3 * TIMEOUT_S, "segmented replays")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     measured = {}
     for case in cases:
@@ -122,10 +125,11 @@ def _check(tmp_path, n: int, cases) -> dict:
 def test_two_ranks_replay_segments_like_one_process_whole(tmp_path):
     """N = 2: rank 0 five segments, rank 1 one policy turn (it takes part in rank 0's four other forwards and its
     reverse pass with one-token forwards of weight 0); full attention (LoRA), sliding + full, gated DeltaNet + full,
-    sinks; detached, after a row's suffix (a branch of the state), and exact."""
+    sinks, MLA and DSA latents; detached, after a row's suffix (a branch of the state), and exact."""
     cases = (("llama", True, "detached", False), ("llama", False, "detached", True), ("llama", True, "exact", False),
              ("gemma3_text", False, "detached", False), ("qwen3_next", False, "detached", True),
-             ("qwen3_next", False, "exact", False), ("gpt_oss", False, "detached", False))
+             ("qwen3_next", False, "exact", False), ("gpt_oss", False, "detached", False),
+             ("deepseek_v3", True, "exact", False), ("glm_moe_dsa", False, "detached", False))
     measured = _check(tmp_path, 2, cases)
     print(f"\nsegmented on 2 ranks vs one process whole, summed gradient relative error: {measured}")
 
