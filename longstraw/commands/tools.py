@@ -147,9 +147,22 @@ def cmd_vllm_serve(args) -> int:
     if args.model is None or not Path(args.model).is_dir():
         print("longstraw: error: vllm-serve needs a local model folder (or --setup)", file=sys.stderr)
         return 2
-    print(f"longstraw: starting vLLM on {args.model} (the first start compiles for a minute or more) ...", flush=True)
+    model = Path(args.model)
+    if not args.lora_rank:  # full fine-tuning: the weights are reloaded every step, into an untied copy
+        from transformers import AutoConfig
+
+        if getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from ..train.vllm_client import save_untied
+
+            untied = model.parent / f"{model.name}-untied"
+            print(f"longstraw: {model} ties its embeddings: serving an untied copy written to {untied}", flush=True)
+            save_untied(AutoModelForCausalLM.from_pretrained(model), untied, AutoTokenizer.from_pretrained(model))
+            model = untied
+    print(f"longstraw: starting vLLM on {model} (the first start compiles for a minute or more) ...", flush=True)
     server = vllm_server.start(
-        args.model,
+        model,
         port=args.port,
         dtype=args.dtype,
         lora_rank=args.lora_rank,

@@ -162,7 +162,7 @@ class TrainConfig:
         "own",
         "who samples the rollouts: 'own' (longstraw's sampler, decoding from the captured prompt state: the prompt "
         "prefilled once per step) or 'vllm' (a vLLM server: token ids in, token ids and its log-probs out; the LoRA "
-        "adapter hot-loaded every step; longstraw.train.vllm_client)",
+        "adapter hot-loaded every step, or with full fine-tuning the weights reloaded; longstraw.train.vllm_client)",
     )
     vllm_url: str | None = _f(
         None,
@@ -320,9 +320,10 @@ class TrainConfig:
                 self.vllm_importance_sampling_clip_max,
             )
             need(
-                self.lora and not self.train_embeddings,
-                "rollout_backend: vllm hot-loads the LoRA adapter every step: set lora: true and train_embeddings: "
-                "false (full fine-tuning's weight sync to vLLM, and trained embeddings, are not built)",
+                not (self.lora and self.train_embeddings),
+                "rollout_backend: vllm with lora: true hot-loads the adapter every step, and vLLM's runtime LoRA "
+                "loading takes adapters of linear layers only: set train_embeddings: false (or lora: false: full "
+                "fine-tuning, whose weights are reloaded into the server every step)",
             )
             need(
                 not self.segment_replay,

@@ -213,7 +213,7 @@ class Trainer(Evaluation):
 
         if self.ranks.size > 1 and self.cfg.fsdp:
             raise ValueError(
-                "rollout_backend: vllm with fsdp: true: the adapter sync saves whole weights on rank 0, and FSDP2 "
+                "rollout_backend: vllm with fsdp: true: the weight sync saves whole weights on rank 0, and FSDP2 "
                 "shards them; use fsdp: false (context parallelism alone) or the own sampler"
             )
         # on N processes rank 0 alone talks to the server (it samples every row and hands the rows to the others)
@@ -227,12 +227,15 @@ class Trainer(Evaluation):
         """`vllm_url`, or the URL of a server started here on the model (rank 0's)."""
         url = self.cfg.vllm_url
         if url is None:
-            from . import vllm_server
+            from . import vllm_client, vllm_server
 
             self.out.mkdir(parents=True, exist_ok=True)
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             folder = Path(self.cfg.model)
-            if not folder.is_dir():  # a built-in tiny model: vLLM reads a folder
+            if not self.cfg.lora:  # full fine-tuning: weights reloaded every step, from an untied copy
+                folder = self.out / "vllm-base"
+                vllm_client.save_untied(base, folder, self.tok)
+            elif not folder.is_dir():  # a built-in tiny model: vLLM reads a folder
                 folder = self.out / "vllm-base"
                 base.save_pretrained(folder)
                 self.tok.save_pretrained(folder)
@@ -240,7 +243,7 @@ class Trainer(Evaluation):
             self.vllm_server = vllm_server.start(
                 folder,
                 dtype=dtype,
-                lora_rank=self.cfg.lora_r,
+                lora_rank=self.cfg.lora_r if self.cfg.lora else 0,  # full fine-tuning: weights reloaded
                 max_model_len=position_limit(base.config),
                 log_path=self.out / "vllm-server.log",
             )
@@ -287,7 +290,7 @@ class Trainer(Evaluation):
         client = self.rollout_stage.vllm
         if client is not None and self.ranks.main:  # vLLM samples with the adapter as it is now (rank 0 syncs it)
             with self.meter.stage("sync"):
-                self.sync_seconds = client.sync_adapter(self.model, self.out / "vllm-adapter", g)
+                self.sync_seconds = client.sync(self.model, self.out / "vllm-weights", g)
         r = self.rollout_stage.collect(self.examples(g), g, self.meter)
         if self.cfg.num_iterations > 1:
             self._rollout = (g, r)

@@ -5,7 +5,10 @@ request sends the prompt as **token ids** (never text: what the trainer replays 
 the run's temperature, top-p, top-k, stop token, `max_tokens`, `allowed_token_ids` and a seed, and reads back each
 sample's token ids (`return_token_ids`) and the log-probs of the distribution vLLM sampled from (the server runs with
 `--logprobs-mode processed_logprobs`). With LoRA the requests name the adapter the trainer last loaded
-(`sync_adapter`: saved atomically, hot-loaded by `/v1/load_lora_adapter`, the previous one unloaded).
+(`sync_adapter`: saved atomically, hot-loaded by `/v1/load_lora_adapter`, the previous one unloaded). With full
+fine-tuning the weights are saved atomically as a safetensors checkpoint and reloaded in place (`sync_weights`: vLLM
+0.32's `reload_weights` through `/collective_rpc`, then `/reset_prefix_cache`: cached prompts were computed by the old
+weights); the server runs with its development endpoints on (`longstraw.train.vllm_server.start`).
 
 A server that is not there, dies, or does not answer within `timeout_s` is an error naming its URL, never a hang.
 
@@ -153,6 +156,76 @@ class VLLMClient:
         seconds = time.perf_counter() - t0
         self.sync_seconds.append(seconds)
         return seconds
+
+    def sync_weights(self, model, folder: str | Path, step: int) -> float:
+        """Save `model`'s weights (a transformers model, full fine-tuning) to `folder`/step-`step` as safetensors
+        (written beside, then renamed; `save_untied`) and reload them into the server in place; its prefix cache is
+        then emptied. The previous step's folder is removed. Seconds taken. The server must serve an untied copy of
+        a model with tied embeddings (`save_untied`; `longstraw vllm-serve --lora-rank 0` and the trainer's own
+        server do)."""
+        t0 = time.perf_counter()
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"step-{step}"
+        tmp = folder / f".step-{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_untied(model, tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        try:
+            self._post(
+                "/collective_rpc",
+                dict(method="reload_weights", kwargs=dict(weights_path=str(final.resolve()))),
+                expect_json=False,
+            )
+        except VLLMError as err:
+            if "HTTP 404" in str(err):
+                raise VLLMError(
+                    f"the vLLM server at {self.url} has no /collective_rpc: full fine-tuning reloads the weights "
+                    "through it; start the server with VLLM_SERVER_DEV_MODE=1 (`longstraw vllm-serve MODEL "
+                    "--lora-rank 0` does)"
+                ) from None
+            raise
+        self._post("/reset_prefix_cache", {}, expect_json=False)
+        for old in folder.glob("step-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        seconds = time.perf_counter() - t0
+        self.sync_seconds.append(seconds)
+        return seconds
+
+    def sync(self, model, folder: str | Path, step: int) -> float:
+        """The policy as it is now into the server: its LoRA adapter (a PEFT model) or its whole weights."""
+        if hasattr(model, "peft_config"):
+            return self.sync_adapter(model, folder, step)
+        return self.sync_weights(model, folder, step)
+
+
+def save_untied(model, folder: str | Path, tokenizer=None) -> None:
+    """Save `model` (a transformers model) to `folder` as a safetensors checkpoint whose tied weights are tensors of
+    their own (the LM head beside the embeddings; `tie_word_embeddings` false in the saved config), with `tokenizer`
+    if given. Why: vLLM 0.32 on a CPU packs the LM head's weight for its GEMM when it loads it; a reload in place
+    (`reload_weights`) repacks the layers whose weights it reads, and a tied head is read as the embedding, so its
+    packed copy stays the old one (measured on SmolLM2: log-probs 0.23 off after a change of the embeddings, every
+    other layer's change within 1.4e-5). Served untied, the head is a layer of its own, read and repacked."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.detach().clone() if ptr in seen else t.detach().contiguous()
+        seen.add(ptr)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    config.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
 
 
 class VLLMBranch:

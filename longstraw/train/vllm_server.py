@@ -13,7 +13,8 @@ backend needs (`longstraw.train.vllm_client`):
 - `--logprobs-mode processed_logprobs`: the log-probs of the distribution vLLM actually sampled from (after
   temperature, top-k and top-p), which is what an importance-sampling correction divides by;
 - runtime LoRA loading (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`) when `lora_rank` is set: the trainer hot-loads its adapter
-  every step;
+  every step; without LoRA (full fine-tuning) the development endpoints (`VLLM_SERVER_DEV_MODE`): the trainer reloads
+  the weights from a folder every step (`/collective_rpc` `reload_weights`) and empties the prefix cache;
 - the model's dtype as the trainer runs it (vLLM on a CPU would otherwise pick bf16 for a float32 checkpoint).
 It waits for `/health` (the first start compiles for minutes), raising with the log's tail when the process dies or
 the wait times out. `stop()` ends the server's whole process group (its engine core runs in a child process).
@@ -141,12 +142,15 @@ def start(
     log_path: str | Path | None = None,
     timeout_s: float = 900.0,
     extra: list[str] | None = None,
+    weight_reload: bool | None = None,
 ) -> Server:
     """Start vLLM's server on `model` (a local folder) at 127.0.0.1:`port` (None: a free one) and wait until it
     answers `/health`. `dtype`: "float32" / "bfloat16" / "float16" as the trainer runs the model; `lora_rank`: the
     largest adapter rank the trainer will load (0: no LoRA); `kv_cache_gb`: vLLM's CPU KV-cache size
-    (`VLLM_CPU_KVCACHE_SPACE`). Raises `RuntimeError` with the log's tail if the server dies or does not answer
-    within `timeout_s`."""
+    (`VLLM_CPU_KVCACHE_SPACE`). `weight_reload` (None: on without LoRA, for full fine-tuning): the server's
+    development endpoints on (`VLLM_SERVER_DEV_MODE`, vLLM 0.32: `/collective_rpc`, through which the trainer reloads
+    the weights from a folder, and `/reset_prefix_cache`); they stay on 127.0.0.1 as the server does. Raises
+    `RuntimeError` with the log's tail if the server dies or does not answer within `timeout_s`."""
     exe = python()
     if not installed():
         raise RuntimeError(f"no vLLM environment in {environment()}: run `longstraw vllm-serve --setup` once")
@@ -174,6 +178,8 @@ def start(
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if weight_reload if weight_reload is not None else not lora_rank:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("PYTHONPATH", None)  # the server imports its own environment's packages only
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

@@ -170,6 +170,68 @@ def test_sampled_log_probs_are_the_truncated_distributions(served):
 
 @pytest.mark.vllm
 @pytest.mark.real
+def test_full_fine_tuning_reloads_the_weights_into_vllm(vllm_env, real_smollm2, tmp_path):
+    """Full fine-tuning (no LoRA): two GRPO steps whose rollouts vLLM samples, the weights reloaded into the server
+    before each (`sync_weights`: a safetensors folder, `reload_weights`, the prefix cache emptied). The second step's
+    sampler mismatch is rounding-sized although the first step moved the weights (a server still on the old weights
+    would be off by far more: measured below); then, synced, vLLM's greedy tokens equal the own sampler's on the
+    trained model, and differ from the base model's. Served from an untied copy (`save_untied`; the trained
+    embeddings included): seen failing with the tied checkpoint served, 0.12 mean |Δ log-prob| at the second step."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.trainer import Trainer
+
+    from longstraw.train.vllm_client import save_untied
+
+    base_model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32)
+    save_untied(base_model, tmp_path / "untied", AutoTokenizer.from_pretrained(real_smollm2))  # SmolLM2 ties them
+    server = vllm_env.start(tmp_path / "untied", dtype="float32", lora_rank=0, log_path=tmp_path / "full.log")
+    try:
+        data = tmp_path / "rows.jsonl"
+        rows = [{"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+                for a, b in [(2, 3), (4, 4), (7, 1), (6, 2)]]
+        data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        cfg = TrainConfig(model=str(real_smollm2), dataset=str(data), eval_fraction=0.0,
+                          reward_funcs=["tests.train.test_vllm_backend:length_reward"], lora=False,
+                          num_generations=4, prompts_per_step=2, num_steps=2, max_completion_length=8, threads=2,
+                          output_dir=str(tmp_path / "run"), learning_rate=5e-4, eval_at_start=False,
+                          rollout_backend="vllm", vllm_url=server.url, save_every=100)
+        trainer = Trainer(cfg)
+        tok = AutoTokenizer.from_pretrained(real_smollm2)
+        prompt = _prompt(tok, "Name three colours of the rainbow, in order.")
+        eos = tok.eos_token_id
+        client = VLLMClient(server.url)
+        base = client.generate(prompt, 1, 24, temperature=0.0, stop_token_ids=[eos])
+        metrics = trainer.train()
+        for m in metrics:
+            print({k: v for k, v in m.items() if k.startswith(("sampling/", "vllm/", "reward", "loss"))})
+            assert m["sampling/sampling_logp_difference/mean"] <= LOGPROB_TOL and m["vllm/sync_s"] > 0
+        # what a server left on the base weights would read of the trained model's greedy tokens
+        model = trainer.model.eval()
+        own, own_lp = _own_greedy(model, prompt, 24, eos)
+        stale = base_model.eval()
+        with torch.no_grad():
+            moved = (longstraw.capture(stale, prompt, verify=False).replay(own).logprobs - own_lp).abs().max().item()
+        seconds = client.sync_weights(model, tmp_path / "weights", step=99)
+        synced = client.generate(prompt, 1, 24, temperature=0.0, stop_token_ids=[eos])
+        print(f"\nfull weights synced in {seconds:.2f} s (trainer: {[m['vllm/sync_s'] for m in metrics]}); "
+              f"trained vs base log-probs of the greedy tokens {moved:.2e}; {tok.decode(own)!r}")
+        assert moved > 100 * LOGPROB_TOL  # the steps moved the weights far beyond the engines' rounding
+        assert synced.tokens[0].tolist() == own.tolist()
+        assert (synced.logprobs[0] - own_lp).abs().max().item() <= LOGPROB_TOL
+        n = min(len(synced.tokens[0]), len(base.tokens[0]))
+        assert synced.tokens[0][:n].tolist() != base.tokens[0][:n].tolist() or (
+            (synced.logprobs[0][:n] - base.logprobs[0][:n]).abs().max().item() > 100 * LOGPROB_TOL)
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-99"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.real
 def test_trainer_with_vllm_rollouts_runs_end_to_end(served, tmp_path):
     """Two GRPO steps of SmolLM2 + LoRA with vLLM sampling (the adapter synced each step) and TRL's default
     correction: the metrics carry the sampler mismatch, which is rounding-sized (the same weights, two engines)."""
@@ -377,3 +439,24 @@ def test_two_processes_sample_through_vllm_like_one(served, tmp_path):
     print(f"\n2 ranks vs 1 process with vLLM rollouts: gradient {err:.1e}, "
           f"ratio mean {m2['sampling/importance_sampling_ratio/mean']:.6f} / {m1['sampling/importance_sampling_ratio/mean']:.6f}")
     assert err <= FP32_GRAD_TOL
+
+
+def test_an_untied_copy_computes_what_the_tied_model_does(tmp_path):
+    """`save_untied`: the LM head saved as a tensor of its own, the config untied; transformers reads the copy back
+    into the same model (equal logits) with two separate matrices, and the original stays tied."""
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.testing.models import tiny_model
+    from longstraw.train.vllm_client import save_untied
+
+    model = tiny_model("gemma3_text", tie_word_embeddings=True)  # as Gemma 3 270M and SmolLM2 are
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    save_untied(model, tmp_path / "copy")
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32)
+    assert not copy.config.tie_word_embeddings
+    assert copy.lm_head.weight.data_ptr() != copy.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(copy.lm_head.weight, model.lm_head.weight)
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, model(ids).logits)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
