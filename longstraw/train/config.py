@@ -424,6 +424,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """A config from `values` (field: value); verl's names of the sampler correction are read as TRL's
+        (`longstraw.train.verl_names`)."""
+        from .verl_names import from_verl
+
+        values = from_verl(values)
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"config: unknown field(s) {unknown}; valid fields: {', '.join(cls.field_names())}")
