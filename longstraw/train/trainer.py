@@ -211,11 +211,6 @@ class Trainer(Evaluation):
             return None
         from .vllm_client import VLLMClient
 
-        if self.ranks.size > 1 and self.cfg.fsdp:
-            raise ValueError(
-                "rollout_backend: vllm with fsdp: true: the weight sync saves whole weights on rank 0, and FSDP2 "
-                "shards them; use fsdp: false (context parallelism alone) or the own sampler"
-            )
         # on N processes rank 0 alone talks to the server (it samples every row and hands the rows to the others)
         url = self.ranks.from_main("vLLM: the server's URL", self._vllm_url)
         client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
@@ -288,9 +283,16 @@ class Trainer(Evaluation):
             return cached[1]
         self._rollout = None
         client = self.rollout_stage.vllm
-        if client is not None and self.ranks.main:  # vLLM samples with the adapter as it is now (rank 0 syncs it)
+        if client is not None:  # vLLM samples with the policy as it is now (rank 0 syncs it)
             with self.meter.stage("sync"):
-                self.sync_seconds = client.sync(self.model, self.out / "vllm-weights", g)
+                state = None
+                if self.sharded:  # every rank: the sharded layers gathered whole, rank 0 keeps them
+                    from ..distributed.fsdp import full_tensors
+
+                    named = self._named_trainable() if self.cfg.lora else list(self.model.state_dict().items())
+                    state = full_tensors(named, keep=self.ranks.main)
+                if self.ranks.main:
+                    self.sync_seconds = client.sync(self.model, self.out / "vllm-weights", g, state)
         r = self.rollout_stage.collect(self.examples(g), g, self.meter)
         if self.cfg.num_iterations > 1:
             self._rollout = (g, r)

@@ -135,16 +135,20 @@ class VLLMClient:
         return Samples(tokens=tokens, logprobs=logprobs, truncated=torch.tensor(truncated, dtype=torch.bool))
 
     # ------------------------------------------------------------------ weights
-    def sync_adapter(self, model, folder: str | Path, step: int) -> float:
-        """Save `model`'s LoRA adapter (a PEFT model) to `folder`/step-`step` (written beside, then renamed: the server
-        never reads a half-written adapter) and hot-load it; the previous one is unloaded. Seconds taken."""
+    def sync_adapter(self, model, folder: str | Path, step: int, state_dict: dict | None = None) -> float:
+        """Save `model`'s LoRA adapter (a PEFT model; its tensors from `state_dict` when given: sharded layers
+        gathered whole) to `folder`/step-`step` (written beside, then renamed: the server never reads a half-written
+        adapter) and hot-load it; the previous one is unloaded. Seconds taken."""
         t0 = time.perf_counter()
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / f"step-{step}"
         tmp = folder / f".step-{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(str(tmp))
+        if state_dict is None:
+            model.save_pretrained(str(tmp))
+        else:
+            model.save_pretrained(str(tmp), state_dict=state_dict)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         name = f"{self._tag}-step-{step}"
@@ -157,7 +161,7 @@ class VLLMClient:
         self.sync_seconds.append(seconds)
         return seconds
 
-    def sync_weights(self, model, folder: str | Path, step: int) -> float:
+    def sync_weights(self, model, folder: str | Path, step: int, state_dict: dict | None = None) -> float:
         """Save `model`'s weights (a transformers model, full fine-tuning) to `folder`/step-`step` as safetensors
         (written beside, then renamed; `save_untied`) and reload them into the server in place; its prefix cache is
         then emptied. The previous step's folder is removed. Seconds taken. The server must serve an untied copy of
@@ -169,7 +173,7 @@ class VLLMClient:
         final = folder / f"step-{step}"
         tmp = folder / f".step-{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_untied(model, tmp)
+        save_untied(model, tmp, state_dict=state_dict)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         try:
@@ -194,20 +198,22 @@ class VLLMClient:
         self.sync_seconds.append(seconds)
         return seconds
 
-    def sync(self, model, folder: str | Path, step: int) -> float:
-        """The policy as it is now into the server: its LoRA adapter (a PEFT model) or its whole weights."""
+    def sync(self, model, folder: str | Path, step: int, state_dict: dict | None = None) -> float:
+        """The policy as it is now into the server: its LoRA adapter (a PEFT model) or its whole weights
+        (`state_dict`: its tensors whole, when its layers are sharded)."""
         if hasattr(model, "peft_config"):
-            return self.sync_adapter(model, folder, step)
-        return self.sync_weights(model, folder, step)
+            return self.sync_adapter(model, folder, step, state_dict)
+        return self.sync_weights(model, folder, step, state_dict)
 
 
-def save_untied(model, folder: str | Path, tokenizer=None) -> None:
-    """Save `model` (a transformers model) to `folder` as a safetensors checkpoint whose tied weights are tensors of
-    their own (the LM head beside the embeddings; `tie_word_embeddings` false in the saved config), with `tokenizer`
-    if given. Why: vLLM 0.32 on a CPU packs the LM head's weight for its GEMM when it loads it; a reload in place
-    (`reload_weights`) repacks the layers whose weights it reads, and a tied head is read as the embedding, so its
-    packed copy stays the old one (measured on SmolLM2: log-probs 0.23 off after a change of the embeddings, every
-    other layer's change within 1.4e-5). Served untied, the head is a layer of its own, read and repacked."""
+def save_untied(model, folder: str | Path, tokenizer=None, state_dict: dict | None = None) -> None:
+    """Save `model` (a transformers model; its tensors from `state_dict` when given) to `folder` as a safetensors
+    checkpoint whose tied weights are tensors of their own (the LM head beside the embeddings; `tie_word_embeddings`
+    false in the saved config), with `tokenizer` if given. Why: vLLM 0.32 on a CPU packs the LM head's weight for its
+    GEMM when it loads it; a reload in place (`reload_weights`) repacks the layers whose weights it reads, and a tied
+    head is read as the embedding, so its packed copy stays the old one (measured on SmolLM2: log-probs 0.23 off
+    after a change of the embeddings, every other layer's change within 1.4e-5). Served untied, the head is a
+    layer of its own, read and repacked."""
     import copy
 
     from safetensors.torch import save_file
@@ -216,7 +222,7 @@ def save_untied(model, folder: str | Path, tokenizer=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state_dict is None else state_dict).items():
         ptr = t.untyped_storage().data_ptr()
         tensors[name] = t.detach().clone() if ptr in seen else t.detach().contiguous()
         seen.add(ptr)
