@@ -50,6 +50,7 @@ from ..model.chunking import (
 )
 from ..model.positions import position_note
 from ..ops.attention import TILE_ELEMENTS
+from .backend_choice import choose_backend
 
 
 @dataclass
@@ -161,6 +162,9 @@ class Plan:
     step: int
     peak: int
     fits: bool | None
+    #: the recommended `rollout_backend` and why (`longstraw.tools.backend_choice`)
+    rollout_backend: str = "own"
+    rollout_backend_reason: str = ""
     suggestions: list[str] = field(default_factory=list)
     #: caveats of this prediction
     notes: list[str] = field(default_factory=list)
@@ -186,6 +190,7 @@ class Plan:
             lines.append(
                 f"{'verdict':>34}: {'fits' if self.fits else 'does NOT fit'} in {self.config['device_memory_gib']} GiB"
             )
+        lines.append(f"{'rollout backend':>34}: {self.rollout_backend} ({self.rollout_backend_reason})")
         lines += [f"  - {s}" for s in self.suggestions]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -278,6 +283,11 @@ def plan(pc: PlanConfig) -> Plan:
         notes.append(note)
     fits = None if pc.device_memory_gib is None else peak <= pc.device_memory_gib * 2**30
     suggestions = _suggest(pc, fits, state, capture_transient, replay_graph, chunk_size)
+    # a vLLM server: the model's weights (unsharded) and the K/V of the prompt and the G samples, in one process
+    vllm_bytes = n_params * elem + _durable(cfg, kinds, pc.prompt_length + g * r, elem, None)
+    choice = choose_backend(
+        pc.prompt_length, r, vllm_bytes, None if pc.device_memory_gib is None else int(pc.device_memory_gib * 2**30)
+    )
     settings = {f.name: getattr(pc, f.name) for f in fields(pc)} | {
         "model": str(getattr(cfg, "model_type", pc.model)),
         "chunk_size": chunk_size,
@@ -294,6 +304,8 @@ def plan(pc: PlanConfig) -> Plan:
         step,
         peak,
         fits,
+        choice.backend,
+        choice.reason,
         suggestions,
         notes,
     )

@@ -140,3 +140,27 @@ def test_row_suffix_adds_one_branch_of_own_state():
     exact = plan(PlanConfig(cfg, 65, dtype="fp32", prompt_grad="exact", row_suffix=20))
     longer = plan(PlanConfig(cfg, 65, dtype="fp32", prompt_grad="exact", completion_length=256 + 20))
     assert exact.replay_graph == longer.replay_graph - 4 * 20 * min(cfg.vocab_size, 32768)
+
+
+def test_the_backend_choice_picks_the_measured_winner():
+    """`plan`'s rollout backend at the points `bench/rollout_backends.py` measured: the one whose sampling took less
+    (the own sampler's `sample_s` against vLLM's `rollout_s`; the trainer captures for its replay either way) — the
+    fitted rule read against the data it came from, kept in the repository; and the memory rule: a device too small
+    for vLLM's copy of the prompt's K/V keeps the own sampler whatever R is."""
+    import json
+    from pathlib import Path
+
+    from longstraw.tools.backend_choice import choose_backend
+
+    rows = json.loads((Path(__file__).parents[2] / "bench/results/rollout_backends.json").read_text())["rows"]
+    own = {(r["P"], r["R"]): r["sample_s"] for r in rows if r["backend"] == "own"}
+    vllm = {(r["P"], r["R"]): r["rollout_s"] for r in rows if r["backend"] == "vllm"}
+    assert len(own) == len(vllm) == 4
+    for (p, r), t_own in own.items():
+        winner = "own" if t_own < vllm[p, r] else "vllm"
+        assert choose_backend(p, r, 2**30).backend == winner, (p, r, t_own, vllm[p, r])
+    assert {("own" if own[k] < vllm[k] else "vllm") for k in own} == {"own", "vllm"}  # both sides occur
+    small = choose_backend(2048, 4096, vllm_bytes=100 * 2**30, device_bytes=80 * 2**30)
+    assert small.backend == "own" and "100.0 GiB" in small.reason
+    plan_out = plan(PlanConfig("llama", 2048, num_generations=8, completion_length=256))
+    assert plan_out.rollout_backend == "vllm" and "R*" in str(plan_out)
