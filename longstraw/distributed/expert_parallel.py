@@ -50,6 +50,11 @@ def experts_modules(model) -> list[torch.nn.Module]:
     return out
 
 
+def spreads_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` holds an experts module spread over ranks by `shard_experts` (its calls are collectives)."""
+    return any(m in _SHARDED for m in module.modules())
+
+
 @dataclass
 class ExpertShards:
     """What `shard_experts` did: the group, the modules (in model order), each module's first local expert and

@@ -64,6 +64,10 @@ class BranchCache(Cache):
         #: positions per call of the decoder layers' feed-forward modules
         #: (`longstraw.model.prepare.ChunkedFeedForward`); None: the whole forward at once
         self.ffn_chunk = None
+        #: with `ffn_chunk`: how many calls each feed-forward module makes whatever its input's length (the last
+        #: ones empty): the context-parallel capture's ranks agree on it when an MoE call is a collective; None: as
+        #: many as the input needs
+        self.ffn_calls = None
         #: ids of recurrent-state copies handed to the model (and the copies, so the ids stay theirs)
         self._written: set[int] = set()
         self._keep: list = []

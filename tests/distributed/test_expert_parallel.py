@@ -133,6 +133,88 @@ def test_experts_spread_over_ranks_compute_what_one_process_does(tmp_path, n):
         print(f"\n{arch} EP={n}: worst relative gradient error {worst:.1e}; rows received per rank {loads}")
 
 
+#: the prompt of the context-parallel cases: 25 captured positions over 2 ranks (13 and 12) in chunks of 4: the first
+#: slice's feed-forward runs in 4 calls, the second's in 3 and one empty call, so that every MoE call has its partner
+P_CP = 26
+CP_RESPONSES = (tokens(6, seed=401), tokens(3, seed=402))
+
+
+def _cp_worker(rank: int, n: int, init: str, out_dir: str, archs):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    import longstraw
+    from longstraw.distributed.expert_parallel import shard_experts
+
+    result = {}
+    for arch in archs:
+        model = _model(arch)
+        shards = shard_experts(model)
+        local = {id(p) for m in shards.modules for p in m.parameters(recurse=False)}
+        state = longstraw.capture(model, tokens(P_CP, seed=400), chunk_size=4, group=dist.group.WORLD)
+        response = CP_RESPONSES[rank]
+        out = state.replay(response)
+        (torch.linspace(-1.0, 1.0 + rank, response.numel()) * out.logprobs).sum().backward()
+        samples = state.sample(2, 4, temperature=1.0, generator=torch.Generator().manual_seed(5))
+        grads = {}
+        for k, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if id(p) not in local:
+                dist.all_reduce(g)
+            grads[k] = g.clone()
+        result[arch] = dict(logprobs=out.logprobs.detach(), grads=grads, local=[k for k, p in model.named_parameters()
+                                                                              if id(p) in local],
+                            samples=[t.tolist() for t in samples.tokens], load=shards.load)
+        state.release()
+    torch.save(result, os.path.join(out_dir, f"cp-rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_experts_spread_beside_context_parallelism(tmp_path):
+    """The experts spread over the 2 ranks that also split the prompt (a rank is one context-parallel slice and one
+    expert group): the capture's MoE calls paired across slices of other lengths (an agreed number of feed-forward
+    calls), sampling (every rank decoding the same sequences), and each rank's replay with autograd, against one
+    process's capture and replays of the two responses on the unmodified model: the same sampled tokens, log-probs and
+    gradients within the float32 floor measured on transformers (its detached reference, `float32_floor`)."""
+    import longstraw
+
+    from .test_distributed import _assert_grads_within_floor, _logprob_tol, float32_floor
+
+    archs = ("mixtral", "deepseek_v3")
+    spawn_ranks(_cp_worker, (2, str(tmp_path / "init"), str(tmp_path), archs), 2,
+                ["torch", "torch.distributed", "longstraw", "longstraw.testing.models",
+                 "transformers.models.mixtral.modeling_mixtral",
+                 "transformers.models.deepseek_v3.modeling_deepseek_v3"], 3 * TIMEOUT_S, "expert + context parallel")
+    results = [torch.load(tmp_path / f"cp-rank{r}.pt") for r in range(2)]
+    for arch in archs:
+        model = _model(arch)
+        params = dict(model.named_parameters())
+        state = longstraw.capture(model, tokens(P_CP, seed=400), chunk_size=4)
+        lps = []
+        for r, response in enumerate(CP_RESPONSES):
+            out = state.replay(response)
+            (torch.linspace(-1.0, 1.0 + r, response.numel()) * out.logprobs).sum().backward()
+            lps.append(out.logprobs.detach())
+        samples = state.sample(2, 4, temperature=1.0, generator=torch.Generator().manual_seed(5))
+        want = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+        floor = float32_floor(_model(arch), tokens(P_CP, seed=400), [
+            (None, resp, torch.linspace(-1.0, 1.0 + r, resp.numel())) for r, resp in enumerate(CP_RESPONSES)])
+        names = list(params)
+        for r in range(2):
+            got = results[r][arch]
+            assert got["samples"] == [t.tolist() for t in samples.tokens]
+            err = (got["logprobs"] - lps[r]).abs().max().item()
+            assert err <= _logprob_tol(floor, lps[r]), (arch, r, err)
+            e = want[got["local"][0]].shape[0] // 2 if got["local"] else 0
+            mine = [got["grads"][k] for k in names]
+            ref = [want[k][r * e : (r + 1) * e] if k in got["local"] else want[k] for k in names]
+            # (an expert's floor is its whole tensor's, over every expert: at least the slice's)
+            err = _assert_grads_within_floor(mine, ref, floor, f"{arch} EP=2 + CP=2 rank {r}")
+            print(f"\n{arch} EP=2 + CP=2 rank {r}: gradient {err:.1e} relative; rows received per layer call "
+                  f"{got['load']}")
+
+
 def _dying(rank: int, n: int, init: str, out_dir: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,

@@ -21,6 +21,7 @@ from ...ops.attention import DEFAULT_BLOCK
 from ...ops.quant import QUANT_BLOCK
 from ...prompt_state import first_trainable_layer, run_decoder
 from ..collectives import Group, digest
+from ..expert_parallel import spreads_experts
 from .full_attention import SliceKVState
 from .kinds import SERVED, SLICED, capture_branch
 from .linear_attention import RecurrentRelay
@@ -130,6 +131,10 @@ def capture(
         {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)},
     )
     cache.ffn_chunk = chunk_size  # type: ignore[assignment]  # and every layer's feed-forward module (position-wise)
+    if spreads_experts(parts.decoder):
+        # each call of an MoE block is a collective (`longstraw.distributed.expert_parallel`): every rank makes as
+        # many as the longest slice needs, the shorter slices' last ones empty
+        cache.ffn_calls = max(-(-(b - a) // chunk_size) for a, b in bounds)  # type: ignore[assignment]
     hooks = []
     for i, layer in enumerate(layers):
         if isinstance(layer, RecurrentState):
