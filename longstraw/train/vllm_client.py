@@ -141,16 +141,8 @@ class VLLMClient:
         adapter) and hot-load it; the previous one is unloaded. Seconds taken."""
         t0 = time.perf_counter()
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"step-{step}"
-        tmp = folder / f".step-{step}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if state_dict is None:
-            model.save_pretrained(str(tmp))
-        else:
-            model.save_pretrained(str(tmp), state_dict=state_dict)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        extra = {} if state_dict is None else {"state_dict": state_dict}
+        final = _written(folder, step, lambda tmp: model.save_pretrained(str(tmp), **extra))
         name = f"{self._tag}-step-{step}"
         self._post("/v1/load_lora_adapter", dict(lora_name=name, lora_path=str(final.resolve())), expect_json=False)
         previous, self.adapter = self.adapter, name
@@ -169,13 +161,7 @@ class VLLMClient:
         server do)."""
         t0 = time.perf_counter()
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"step-{step}"
-        tmp = folder / f".step-{step}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_untied(model, tmp, state_dict=state_dict)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        final = _written(folder, step, lambda tmp: save_untied(model, tmp, state_dict=state_dict))
         try:
             self._post(
                 "/collective_rpc",
@@ -204,6 +190,19 @@ class VLLMClient:
         if hasattr(model, "peft_config"):
             return self.sync_adapter(model, folder, step, state_dict)
         return self.sync_weights(model, folder, step, state_dict)
+
+
+def _written(folder: Path, step: int, save) -> Path:
+    """`save(tmp)` into a folder beside `folder`/step-`step`, then renamed to it (the server never reads a
+    half-written one); returns the final folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step}"
+    tmp = folder / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
 
 
 def save_untied(model, folder: str | Path, tokenizer=None, state_dict: dict | None = None) -> None:
