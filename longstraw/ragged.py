@@ -22,6 +22,7 @@ sampled own K/V; the prompt state is read, never copied.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -63,13 +64,21 @@ def stackable(branches: Sequence[Branch | PromptState]) -> bool:
     return all(layer_stackable(layer) for layer in probe.layers)
 
 
+#: per decoder, whether it reads positions from the cache (a module walk once per model, not per decode)
+_POSITION_FROM_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _reads_position_from_cache(decoder) -> bool:
     """Whether an attention module takes its queries' positions from the cache's length, one for the whole batch
     (transformers 5.24: Llama 4's temperature tuning of its layers without RoPE): rows at different positions would
-    get the first row's."""
-    return any(
-        getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) for m in decoder.modules()
-    )
+    get the first row's. Looked up once per decoder."""
+    known = _POSITION_FROM_CACHE.get(decoder)
+    if known is None:
+        known = any(
+            getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) for m in decoder.modules()
+        )
+        _POSITION_FROM_CACHE[decoder] = known
+    return known
 
 
 def _prompt(b) -> PromptState:
