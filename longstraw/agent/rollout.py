@@ -108,7 +108,7 @@ class EnvironmentRollout:
                     top_k=s.top_k,
                     stop_token_ids=[] if s.ignore_eos else [sampler.eos_token_id],
                     generator=sampler.generator,
-                    allowed_token_ids=sampler._allowed,
+                    allowed_token_ids=sampler.allowed_token_ids,
                 )
                 branch, room = run.send(out)
         except StopIteration as done:
@@ -152,7 +152,7 @@ class EnvironmentRollout:
                     top_k=s.top_k,
                     stop_token_ids=[] if s.ignore_eos else [sampler.eos_token_id],
                     generator=[gens[i] for i in rows],
-                    allowed_token_ids=sampler._allowed,
+                    allowed_token_ids=sampler.allowed_token_ids,
                     keep=True,
                 )
                 for i, out in zip(rows, outs):

@@ -180,7 +180,8 @@ class TurnSampler:
         self.state, self.settings, self.generator = state, settings, generator
         self.suffix = suffix if suffix is not None and suffix.numel() else None  # `[S]` the row's own prompt end
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
-        self._allowed = policy.allowed_token_ids
+        #: the tokens the policy may write (None: all); what a turn's sampler is restricted to
+        self.allowed_token_ids = policy.allowed_token_ids
         self.ranks = ranks  # `longstraw.distributed.ranks.Ranks` of a multi-process run, else None
 
     @property
@@ -216,7 +217,7 @@ class TurnSampler:
             top_k=s.top_k,
             generator=self.generator,
             stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
-            allowed_token_ids=self._allowed,
+            allowed_token_ids=self.allowed_token_ids,
         )
         if self.suffix is not None:
             more = torch.zeros(0, dtype=torch.long) if prefix_ids is None else torch.as_tensor(prefix_ids).reshape(-1)

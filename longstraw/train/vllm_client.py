@@ -301,7 +301,8 @@ class VLLMSampler:
         self.client, self.prompt_ids, self.settings, self.seed = client, prompt_ids, settings, seed
         self.policy = policy
         self.tokenizer, self.eos_token_id = policy.tokenizer, policy.eos_token_id
-        self._allowed = policy.allowed_token_ids
+        #: the tokens the policy may write (None: all); what a turn's sampler is restricted to
+        self.allowed_token_ids = policy.allowed_token_ids
         self.calls = 0
         #: what agent turns draw their seeds from (`VLLMBranch.sample`)
         self.generator = torch.Generator().manual_seed(seed)
@@ -338,5 +339,5 @@ class VLLMSampler:
             top_k=s.top_k,
             stop_token_ids=[] if s.ignore_eos else [self.eos_token_id],
             seed=self.seed + 7919 * (self.calls - 1),
-            allowed_token_ids=self._allowed,
+            allowed_token_ids=self.allowed_token_ids,
         )
