@@ -1,13 +1,14 @@
 """One GRPO step of agent trajectories of exactly N turns, side by side: TRL 1.16's GRPOTrainer and longstraw's trainer.
 
-    python bench/trl_agent_memory.py --turns 8 16      # → bench/results/trl_agent_memory.{json,md,png}
+    python bench/trl_agent_memory.py --turns 8 16 --threads 1    # → bench/results/trl_agent_memory.{json,md,png}
     python bench/trl_agent_memory.py --turns 2 --quick --out /tmp/trl_agent_quick    # a few minutes, small sizes
 
 What is measured: the memory (and time) of one optimizer step over G = 8 multi-turn, tool-using trajectories of one
-prompt, at N = 8 and 16 turns. SmolLM2-135M-Instruct (`longstraw real smollm2`), fp32, 2 threads, LoRA r 16 alpha 32
-on every linear layer, loss_type dapo, beta 0, the same reward (`varied_reward`, which differs between trajectories
-so that the advantages are not 0). The prompt is one row of `longstraw.tasks.archive_tools` with the document in the
-prompt (`write_archive_task(..., document_in_prompt=True)`: ~2K tokens at the defaults), the same row in both steps.
+prompt, at N = 8 and 16 turns. SmolLM2-135M-Instruct (`longstraw real smollm2`), fp32, `--threads` (1 in the
+results), LoRA r 16 alpha 32 on every linear layer, loss_type dapo, beta 0, the same reward (`varied_reward`, which
+differs between trajectories so that the advantages are not 0). The prompt is one row of `longstraw.tasks.archive_tools`
+with the document in the prompt (`write_archive_task(..., document_in_prompt=True)`: ~2K tokens at the defaults), the
+same row in both steps.
 
 How the turn count is controlled, the same way on both sides: every policy turn is exactly `--turn-tokens` tokens
 (its stop token suppressed) and is read as one call of the environment's only tool, `read`, whose reply is the row's
@@ -41,7 +42,9 @@ Every process is capped at `--limit-gb` of address space (24 GB machine, no swap
 as out of memory with how long it ran; one still going after `--timeout-s` is reported with its first step's figures
 if it finished one (an upper bound: one-time allocations included).
 
-Caveats: CPU RSS, 2 cores shared with other work (times are noisy; memory is what this measures). TRL generates each
+Caveats: CPU RSS, 2 cores shared with other work (times are noisy; memory is what this measures). The results ran
+with `--threads 1` for both systems: another job held one of the 2 cores at nice 0, and 2 threads beside it made a
+step ~14× slower (the thread on the busy core held every op back). TRL generates each
 turn by re-reading the whole context (prompt + earlier turns + tool replies) as its tool loop does, longstraw from
 each trajectory's own branch of the captured prompt; both train on the same token sequences. TRL with
 per_device_train_batch_size = 1 and gradient_accumulation_steps = G would hold one trajectory's graph at a time
@@ -332,9 +335,11 @@ def main(argv=None) -> None:
 
 
 def _table(rows: list[dict]) -> str:
-    """One line per (turns, method); token counts are per trajectory (all G equal)."""
+    """One line per (turns, method); token counts are per trajectory (all G equal). The rollout's peak: longstraw's
+    capture and sample stages, TRL's `_generate` (each from the step's start)."""
     lines = ["| turns | method | prompt tokens | policy tokens | tool tokens | trajectory tokens (after the prompt) "
-             "| step memory (MiB) | step time (s) |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| step memory (MiB) | of which rollout (MiB) | step time (s) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["turns"], r["method"])):
         head = f"| {r['turns']} | {r['method']} |"
         if "prompt_tokens" in r:
@@ -342,14 +347,15 @@ def _table(rows: list[dict]) -> str:
                     f"{r['policy_tokens'] + r['tool_tokens']:,} |")
         else:
             toks = " | | | |"
+        rollout = r.get("trl_generate_mem_mb", max(r.get("mem_capture_mb", 0), r.get("mem_sample_mb", 0)))
         if "error" in r and "first_step" in r:
             f = r["first_step"]
-            lines.append(f"{head}{toks} {f['step_mem_mb']:,.0f} (first step; {r['error']}) | {f['wall_s']:.1f} "
+            lines.append(f"{head}{toks} {f['step_mem_mb']:,.0f} (first step; {r['error']}) | | {f['wall_s']:,.1f} "
                          "(first step) |")
         elif "error" in r:
-            lines.append(f"{head}{toks} {r['error']} (after {r['ran_s']:,.0f} s) | |")
+            lines.append(f"{head}{toks} {r['error']} (after {r['ran_s']:,.0f} s) | | |")
         else:
-            lines.append(f"{head}{toks} {r['step_mem_mb']:,.0f} | {r['wall_s']:.1f} |")
+            lines.append(f"{head}{toks} {r['step_mem_mb']:,.0f} | {rollout:,.0f} | {r['wall_s']:,.1f} |")
     return "\n".join(lines)
 
 
