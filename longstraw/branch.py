@@ -80,11 +80,13 @@ class Branch:
         self.last_token = state.last_token.clone()
         self.length = state.prompt_length
         self.added = 0
+        #: why the branch holds no state (None: released, or it holds one)
+        self._gone: str | None = None
 
     # ------------------------------------------------------------------ bookkeeping
     def _live(self):
         if self._own is None:
-            raise RuntimeError("this Branch was released")
+            raise RuntimeError(f"this Branch {getattr(self, '_gone', None) or 'was released'}")
         self.state._live()  # the prompt state must still be held
         return self._own
 
@@ -139,6 +141,7 @@ class Branch:
         new._own = self._cache(1)
         new.last_token = self.last_token.clone()
         new.length, new.added = self.length, self.added
+        new._gone = None
         return new
 
     def replay(
@@ -190,7 +193,9 @@ class Branch:
         start = self.length - 1
         for s in range(0, inputs.numel(), self.chunk_size):
             e = min(s + self.chunk_size, inputs.numel())
+            cache.reserve(inputs.numel() - e)  # the own K/V grow in place, one copy for the whole extension
             run_decoder(self._parts, inputs[None, s:e], torch.arange(start + s, start + e, device=device), cache)
+        cache.reserve(0)
         self.last_token = ids[-1:].clone()
         self.length += ids.numel()
         self.added += ids.numel()
@@ -246,11 +251,20 @@ class Branch:
         self.added += turn.numel()
         return out
 
+    def _lend(self) -> BranchCache:
+        """The branch's own cache, handed to a ragged decode batch (`longstraw.ragged.sample_branches`, keep=True),
+        which gives it back through `adopt_turn`; until then the branch holds nothing of its own."""
+        own = self._live()
+        self._own = None
+        self._gone = "lost its state: the ragged decode batch it was handed to did not finish"
+        return own
+
     def adopt_turn(self, layers: list, turn: torch.Tensor, block: int) -> None:
         """Take `layers` (this branch's row of a ragged decode batch, `longstraw.ragged.take_row`) as the branch's own
         state after it sampled `turn` `[n]`: what `sample` leaves."""
-        self._live()
+        self.state._live()
         self._own = BranchCache(layers, block=block)
+        self._gone = None
         self.last_token = turn[-1:].clone()
         self.length += turn.numel()
         self.added += turn.numel()

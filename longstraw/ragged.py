@@ -30,6 +30,7 @@ import torch
 
 from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
+from .kinds.full_attention import Room
 from .model.positions import positions_left
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sample
 
@@ -99,9 +100,10 @@ def _cat_states(states: list[dict], name: str) -> dict:
     return out
 
 
-def stack_layers(layers: list, rows: Sequence[int]) -> object:
+def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
     """One branch layer over the rows of `layers` (the same decoder layer of several branch caches, `rows[i]` rows
-    each): own K/V right-aligned and padded (`row_pad`, `row_offset`), recurrent states concatenated."""
+    each): own K/V right-aligned and padded (`row_pad`, `row_offset`) in one buffer with `room` more columns that the
+    batch's decoding writes in place (`longstraw.kinds.full_attention.Room`), recurrent states concatenated."""
     first = layers[0]
     if isinstance(first, MixerlessBranchLayer):
         return first
@@ -115,25 +117,26 @@ def stack_layers(layers: list, rows: Sequence[int]) -> object:
             raise ValueError("stack_layers: the branches read different prompt states")
         width = max(_own_width(layer) for layer in layers)
         like = next((layer for layer in layers if layer.keys is not None), None)
-        keys, values, pads, offsets = [], [], [], []
+        pads, offsets = [], []
         for layer, n in zip(layers, rows):
-            own = _own_width(layer)
-            pads += [width - own] * n
+            pads += [width - _own_width(layer)] * n
             offsets += [layer.own_offset] * n
-            if like is None:
-                continue
-            if layer.keys is None or layer.values is None:  # no own keys yet: all padding
-                k = like.keys.new_zeros(n, like.keys.shape[1], width, like.keys.shape[3])
-                v = like.values.new_zeros(n, like.values.shape[1], width, like.values.shape[3])
-            else:
-                k = layer.keys.expand(n, *layer.keys.shape[1:])
-                v = layer.values.expand(n, *layer.values.shape[1:])
-                k = torch.nn.functional.pad(k, (0, 0, width - own, 0))
-                v = torch.nn.functional.pad(v, (0, 0, width - own, 0))
-            keys.append(k)
-            values.append(v)
-        new.keys = torch.cat(keys) if keys else None
-        new.values = torch.cat(values) if values else None
+        new.keys = new.values = new.room = None
+        if like is not None:
+            k0, v0 = like.keys, like.values
+            keys = k0.new_empty(sum(rows), k0.shape[1], width + room, k0.shape[3])
+            values = v0.new_empty(sum(rows), v0.shape[1], width + room, v0.shape[3])
+            r = 0
+            for layer, n in zip(layers, rows):  # each branch's own K/V copied once, into its rows
+                own = _own_width(layer)
+                keys[r : r + n, :, : width - own].zero_()  # padding: masked, but finite
+                values[r : r + n, :, : width - own].zero_()
+                if own:
+                    keys[r : r + n, :, width - own : width].copy_(layer.keys)  # batch 1 or n rows
+                    values[r : r + n, :, width - own : width].copy_(layer.values)
+                r += n
+            new.keys, new.values = keys[:, :, :width], values[:, :, :width]
+            new.room = Room(keys, values, width, weakref.ref(new))
         new.row_pad, new.row_offset, new.row_layout = pads, offsets, None
     return new
 
@@ -149,8 +152,9 @@ def _own_width(layer) -> int:
     return 0 if layer.keys is None else layer.keys.shape[-2]
 
 
-def take_row(layer, j: int):
-    """Row `j` of a stacked branch layer as a branch layer of its own (batch 1): the inverse of `stack_layers`."""
+def take_row(layer, j: int, room: int | None = None):
+    """Row `j` of a stacked branch layer as a branch layer of its own (batch 1): the inverse of `stack_layers`. Its own
+    K/V are views of the batch's (`room` None) or a copy with `room` columns to grow into in place."""
     if isinstance(layer, MixerlessBranchLayer):
         return layer
     new = snapshot(layer)
@@ -160,6 +164,7 @@ def take_row(layer, j: int):
             setattr(new, name, {i: None if t is None else t[j : j + 1] for i, t in states.items()})
         new.has_previous_state = dict(layer.has_previous_state)
     if isinstance(layer, AttentionBranchLayer):
+        new.room = None
         if layer.row_pad is not None and layer.row_offset is not None:
             p = layer.row_pad[j]
             if layer.keys is not None and layer.values is not None:
@@ -170,7 +175,33 @@ def take_row(layer, j: int):
         elif layer.keys is not None and layer.values is not None:
             new.keys, new.values = layer.keys[j : j + 1], layer.values[j : j + 1]
         new.row_pad = new.row_offset = new.row_layout = None
+        if room is not None and new.keys is not None and new.values is not None:
+            k, v = new.keys, new.values
+            n = k.shape[-2]
+            keys = k.new_empty(1, k.shape[1], n + room, k.shape[3])
+            values = v.new_empty(1, v.shape[1], n + room, v.shape[3])
+            keys[:, :, :n].copy_(k)
+            values[:, :, :n].copy_(v)
+            new.keys, new.values = keys[:, :, :n], values[:, :, :n]
+            new.room = Room(keys, values, n, weakref.ref(new))
     return new
+
+
+def split_rows(layer, rows: Sequence[int]) -> list:
+    """Rows `rows` of a stacked branch layer as branch layers of their own (`take_row`), views of the batch's buffer,
+    each the only writer of its row's room after its keys (`Room`): when the batch is done (every row leaves at
+    once), each branch grows on in place in its row. The stacked layer stops writing its room."""
+    out = [take_row(layer, j) for j in rows]
+    room = getattr(layer, "room", None)
+    if not isinstance(layer, AttentionBranchLayer) or room is None or layer.keys is None or layer.values is None:
+        return out
+    if room.start(layer, layer.keys, layer.values) is None:
+        return out
+    layer.room = None
+    for j, row in zip(rows, out):
+        if row.keys is not None:
+            row.room = Room(room.keys[j : j + 1], room.values[j : j + 1], room.used, weakref.ref(row))
+    return out
 
 
 @torch.no_grad()
@@ -186,6 +217,7 @@ def sample_branches(
     generator: torch.Generator | None | Sequence[torch.Generator | None] = None,
     allowed_token_ids=None,
     keep: bool = False,
+    room_after: int = 0,
 ) -> list[Samples]:
     """`nums[i]` responses after each of `branches` (`Branch`es of one `PromptState`, or the state itself), decoded
     in one batch when `stackable(branches)`, else one branch after another; `longstraw.sampler.sample`'s options.
@@ -193,7 +225,10 @@ def sample_branches(
     draw from it together, as `sample(branch, nums[i], ...)` does).
 
     `keep`: one sequence per branch (`nums` all 1) whose tokens become part of its `Branch`, as `Branch.sample`
-    leaves them (`max_new_tokens` cut to the positions the model has left)."""
+    leaves them (`max_new_tokens` cut to the positions the model has left). The branches hand their own state to the
+    batch (each copied into it once, the branch's copy freed as it goes, so the batch never holds a branch twice) and
+    take their row back at the end: a branch whose batch fails is lost (using it says so). `room_after`: columns of
+    room each branch keeps after its turn, so that what comes next (an agent's tool reply) is written in place."""
     n = len(branches)
     counts = [nums] * n if isinstance(nums, int) else list(nums)
     caps = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -227,20 +262,42 @@ def sample_branches(
     device = branches[0].last_token.device
     for g in gens:
         check_generator(g, device)
-    caches = [b._cache(k) for b, k in zip(branches, counts)]
-    layers = [stack_layers([c.layers[i] for c in caches], counts) for i in range(len(caches[0].layers))]
+    after = max(0, int(room_after))
+    if keep:  # the branches' own caches, handed to the batch
+        caches = [cast("Branch", b)._lend() for b in branches]
+    else:
+        caches = [b._cache(k) for b, k in zip(branches, counts)]
+    block = caches[0].block
+    per_branch: list[list] = [list(own.layers) for own in caches]
+    del caches
+    layers = []
+    for i in range(len(per_branch[0])):
+        layers.append(stack_layers([own[i] for own in per_branch], counts, room=max(caps) + after))
+        for own in per_branch:  # the batch holds this layer now: the branch's copy goes before the next is stacked
+            own[i] = None
     for layer in layers:  # sliding-window layers keep only the own K/V later steps can read
         if isinstance(layer, AttentionBranchLayer):
             layer.trim = True
-    cache = BranchCache(layers, block=caches[0].block)
+    cache = BranchCache(layers, block=block)
     row_of = [i for i, k in enumerate(counts) for _ in range(k)]
     step_input = torch.cat([b.last_token.expand(k) for b, k in zip(branches, counts)])[:, None]
     start = torch.tensor([branches[i].prompt_length - 1 for i in row_of], device=device)
     taken: dict[int, list] = {}
 
+    decoding = [len(row_of)]
+
     def leave(rows: torch.Tensor, local: torch.Tensor) -> None:
-        for r, j in zip(rows.tolist(), local.tolist()):
-            taken[r] = [take_row(layer, j) for layer in cache.layers]
+        """Rows leaving the batch take their state out of it: the last ones keep their rows of the batch's buffer
+        (`split_rows`), earlier ones a copy of theirs (the batch moves its remaining rows over theirs)."""
+        js = local.tolist()
+        if len(js) == decoding[0]:
+            parts = [split_rows(layer, js) for layer in cache.layers]
+            for n, r in enumerate(rows.tolist()):
+                taken[r] = [part[n] for part in parts]
+        else:
+            for r, j in zip(rows.tolist(), js):
+                taken[r] = [take_row(layer, j, room=after) for layer in cache.layers]
+        decoding[0] -= len(js)
 
     out = decode(
         parts,
@@ -251,6 +308,7 @@ def sample_branches(
         generator=[gens[i] for i in row_of],
         banned=banned_tokens(allowed_token_ids, vocab, device),
         leave=leave if keep else None,
+        after=after,
         **kw,
     )
     results, r = [], 0

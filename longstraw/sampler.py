@@ -246,6 +246,7 @@ def decode(
     generator: torch.Generator | None | Sequence[torch.Generator | None] = None,
     banned: torch.Tensor | None = None,
     leave=None,
+    after: int = 0,
 ) -> Samples:
     """The decoding loop over a branch cache of B rows: `step_input` `[B, 1]` is each row's last token, not yet run,
     at position `start` (an int, or `[B]` per row: a ragged batch, `longstraw.ragged`); each step runs it, chooses the
@@ -253,7 +254,8 @@ def decode(
     one per row) (`cache.batch_select_indices`). `generator`: one for all rows, or one per row (rows of one generator
     draw together, in row order, as they would alone). `leave(rows, local)`: called before rows leave the batch (and
     for the last ones at the end) with their original indices `[n]` and their indices in the cache's batch now, so
-    that a caller can keep their state. What the rows keep of their own afterwards is the cache's."""
+    that a caller can keep their state. What the rows keep of their own afterwards is the cache's. The cache's own
+    K/V grow in place with room for the tokens still to come and `after` more (`BranchCache.reserve`)."""
     num = step_input.shape[0]
     device = step_input.device
     stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
@@ -283,6 +285,7 @@ def decode(
             positions = steps[t : t + 1]
         else:
             positions = (row_start[active] + t)[:, None]
+        cache.reserve(max_new_tokens - t - 1 + after)  # the own K/V grow in place (`BranchCache.reserve`)
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
         logits = parts.logits(hidden).float()
         if temperature == 0:
@@ -319,6 +322,7 @@ def decode(
     else:
         if leave is not None:
             leave(active, torch.arange(active.numel(), device=device))
+    cache.reserve(0)
     return Samples(
         tokens=[tokens[i, : lengths[i]].clone() for i in range(num)],
         logprobs=[logps[i, : lengths[i]].clone() for i in range(num)],

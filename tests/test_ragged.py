@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import longstraw
+from longstraw.kinds import AttentionBranchLayer
 from longstraw.ops.ragged_attention import ragged_attention, reference
 from longstraw.ragged import sample_branches, stackable
 from longstraw.sampler import sample
@@ -83,21 +84,39 @@ def test_batched_decoding_equals_one_branch_at_a_time(arch):
             assert (lx - ly).abs().max() <= LOGPROB_TOL
 
 
+def _own_keys(branch) -> torch.Tensor:
+    return next(layer.keys for layer in branch._own.layers if isinstance(layer, AttentionBranchLayer))
+
+
+@pytest.mark.parametrize("room_after", [0, 4])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_next", "falcon_h1"])
-def test_kept_turns_grow_each_branch_as_branch_sample_does(arch):
-    """`keep=True` (an agent's turns): two turns of different lengths per branch, then a tool reply, then the next
-    turn from each branch equal `Branch.sample` / `extend` on each branch alone; each branch's positions too."""
+def test_kept_turns_grow_each_branch_as_branch_sample_does(arch, room_after):
+    """`keep=True` (an agent's turns): two turns of different lengths per branch (rows leaving the batch at different
+    steps, then all at once), then a tool reply, then the next turn from each branch equal `Branch.sample` / `extend`
+    on each branch alone; each branch's positions too. With `room_after` 4, a reply of up to 4 tokens is written in
+    place in the branch's row of the batch (the same storage before and after), a longer one is not; a fork of the
+    branch and the branch then grow without changing what the other holds."""
     _, branches = _branches(make_model(arch), [0, 3, 9, 1])
     alone = [b.fork() for b in branches]
     for caps in ([5, 7, 3, 6], [6, 6, 6, 6]):
-        got = sample_branches(branches, 1, caps, temperature=0, stop_token_ids=[7], keep=True)
+        got = sample_branches(branches, 1, caps, temperature=0, stop_token_ids=[7], keep=True, room_after=room_after)
         want = [b.sample(c, temperature=0, stop_token_ids=[7]) for b, c in zip(alone, caps)]
         for x, y in zip(got, want):
             assert torch.equal(x.tokens[0], y.tokens[0])
             assert (x.logprobs[0] - y.logprobs[0]).abs().max() <= LOGPROB_TOL
         for i, (b, a) in enumerate(zip(branches, alone)):
+            before = _own_keys(b).untyped_storage().data_ptr()
+            child = b.fork()  # shares b's row: neither may write what the other reads
+            kept = _own_keys(child).clone()
             b.extend(tokens(2 + i, 30 + i))
             a.extend(tokens(2 + i, 30 + i))
+            in_place = _own_keys(b).untyped_storage().data_ptr() == before
+            assert in_place == (room_after >= 2 + i), (i, in_place)
+            assert torch.equal(_own_keys(child), kept)
+            grown = _own_keys(b).clone()
+            child.extend(tokens(3, 50 + i))
+            assert torch.equal(_own_keys(b), grown)
+            child.release()
     assert [b.length for b in branches] == [a.length for a in alone]
     got = sample_branches(branches, 1, 5, temperature=0, keep=True)
     want = [a.sample(5, temperature=0) for a in alone]
@@ -123,3 +142,58 @@ def test_bad_arguments():
         sample_branches(branches, 2, 4, keep=True)
     with pytest.raises(ValueError, match="max_new_tokens"):
         sample_branches(branches, 1, [4, 0])
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_decoding_writes_each_token_in_place(monkeypatch, batched):
+    """Decoding copies a branch's own K/V once (into a buffer with room for the turn), not once per token: every step's
+    keys of a layer are views of one storage (`Branch.sample`, and a ragged batch); the tokens are checked equal to
+    the one-branch path by the tests above."""
+    _, branches = _branches(make_model("llama"), [3, 9])
+    seen: dict[int, list[int]] = {}  # per layer: the storage of each step's keys
+    append = AttentionBranchLayer._append
+
+    def spy(self, k, v):
+        keys, values = append(self, k, v)
+        seen.setdefault(id(self), []).append(keys.untyped_storage().data_ptr())
+        return keys, values
+
+    monkeypatch.setattr(AttentionBranchLayer, "_append", spy)
+    if batched:
+        sample_branches(branches, 1, 12, temperature=0, keep=True)
+    else:
+        branches[0].sample(12, temperature=0)
+    assert seen and all(len(ptrs) == 12 and len(set(ptrs)) == 1 for ptrs in seen.values()), seen
+
+
+def test_a_batch_takes_each_branch_once_and_a_failed_one_loses_them(monkeypatch):
+    """`keep=True`: a branch's own K/V of layer i are freed once the batch holds them, before layer i + 1 is stacked
+    (the batch never holds a branch twice); a batch that fails leaves its branches without state, and using one says
+    so."""
+    import weakref
+
+    import longstraw.ragged as ragged
+
+    _, branches = _branches(make_model("llama"), [3, 9, 5])
+    refs = [[weakref.ref(b._own.layers[i].keys) for b in branches] for i in range(len(branches[0]._own.layers))]
+    alive_when_next_stacked: list[bool] = []
+    stack = ragged.stack_layers
+
+    def spy(layers, rows, room=0):
+        i = len(alive_when_next_stacked)
+        alive_when_next_stacked.append(i > 0 and any(r() is not None for r in refs[i - 1]))
+        return stack(layers, rows, room)
+
+    monkeypatch.setattr(ragged, "stack_layers", spy)
+    sample_branches(branches, 1, 4, temperature=0, keep=True)
+    assert len(alive_when_next_stacked) == len(refs) > 1 and not any(alive_when_next_stacked)
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ragged, "stack_layers", stack)
+    monkeypatch.setattr(ragged, "decode", fail)
+    with pytest.raises(KeyboardInterrupt):
+        sample_branches(branches, 1, 4, temperature=0, keep=True)
+    with pytest.raises(RuntimeError, match="lost its state"):
+        branches[0].extend(tokens(2, 3))

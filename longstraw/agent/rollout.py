@@ -66,6 +66,11 @@ class AgentSettings:
             raise ValueError(f"max_tool_tokens must be >= 1; got {self.max_tool_tokens}")
 
 
+#: tokens a chat template puts around one tool reply (role markers, the next turn's header): room kept beside the
+#: reply's own budget; a longer reply is written by one copy of the branch's own K/V instead of in place
+REPLY_TEMPLATE_TOKENS = 64
+
+
 class EnvironmentRollout:
     """The multi-turn rollout hook of an environment factory (see the module doc). `parse`: text → tool calls."""
 
@@ -81,6 +86,9 @@ class EnvironmentRollout:
         #: one tokenizer call at a time when trajectories run in threads (a fast tokenizer is not safe to share)
         self._tokenizing = threading.Lock()
         self.__name__ = getattr(factory, "__name__", type(factory).__name__)
+        #: room each branch keeps after a decoded turn for the tool replies that follow (`sample_branches`'
+        #: `room_after`): a reply's budget and its chat template at first, then the longest replies seen
+        self._reply_room = self.settings.max_tool_tokens + REPLY_TEMPLATE_TOKENS
 
     def __call__(self, sampler: TurnSampler, example: Example, num_generations: int) -> list[Response]:
         split = getattr(sampler, "split", None)
@@ -154,6 +162,7 @@ class EnvironmentRollout:
                     generator=[gens[i] for i in rows],
                     allowed_token_ids=sampler.allowed_token_ids,
                     keep=True,
+                    room_after=self._reply_room,
                 )
                 for i, out in zip(rows, outs):
                     del pending[i]
@@ -219,6 +228,7 @@ class EnvironmentRollout:
                     stopped, truncated = "budget", True
                     break
                 obs_ids = torch.tensor(obs, dtype=torch.long)
+                self._reply_room = max(self._reply_room, obs_ids.numel())
                 branch.extend(obs_ids)
                 pieces.append((obs_ids, torch.zeros(obs_ids.numel()), False))
                 added += obs_ids.numel()

@@ -72,6 +72,13 @@ class BranchCache(Cache):
         self._written: set[int] = set()
         self._keep: list = []
 
+    def reserve(self, tokens: int) -> None:
+        """Tell the attention layers how many tokens are still to come in this decode or extension (0: none), so that
+        their own K/V grow in place instead of by a copy per token (`longstraw.kinds.full_attention.Room`)."""
+        for layer in self.layers:
+            if hasattr(layer, "reserve"):
+                layer.reserve = max(0, int(tokens))
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         """Always None, so that linear-attention layers take their functional conv path
         (`update_conv_state` returns [previous window | new inputs]; the branch layer keeps its window).

@@ -4,15 +4,69 @@ Durable bytes per prompt token: 2 · kv_heads · head_dim · dtype size. The K/V
 once at their final length (P − 1) and filled chunk by chunk, so capture never concatenates or copies
 what it already holds. A branch keeps its own K/V apart and attention merges the two parts
 (`longstraw.ops.attention.split_attention`), so the prompt K/V is never copied into a branch.
+
+Growth without a copy per token: while decoding or extending a branch (no autograd), a branch layer told how many
+tokens are still to come (`reserve`) copies its own K/V once into a buffer with room for them (`Room`) and then writes
+each new token in place; with autograd (replay) or nothing reserved it concatenates as before.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from ..ops.quant import QuantizedTokens, host_or_device
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind, repeat_rows
+
+
+@dataclass(eq=False)
+class Room:
+    """Own K/V buffers `[B, Hkv, capacity, D]` whose first `used` columns hold keys (and values) and whose rest is
+    room for more. Only `writer` (the layer that made it, held weakly) writes into it, and only while its keys are a
+    view of it that ends at `used` (its first rows, from some column): copies of the layer (`snapshot`, a fork) and
+    views handed out earlier never see columns written after them. A ragged batch's rows can each get a room of their
+    own over the batch's buffer (`longstraw.ragged.split_rows`: disjoint rows, one writer each)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    used: int
+    writer: weakref.ref
+
+    def start(self, layer, keys: torch.Tensor, values: torch.Tensor) -> int | None:
+        """The column where `layer`'s own `keys` / `values` start when `layer` writes this room and they are its
+        latest view (the first rows, up to `used`); else None."""
+        if self.writer() is not layer:
+            return None
+        start = _column(self.keys, keys)
+        if start is None or start + keys.shape[-2] != self.used or _column(self.values, values) != start:
+            return None
+        return start
+
+    def takes(self, layer, keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor) -> int | None:
+        """`start`, when `new` `[B, Hkv, n, D]` also fits in the room after the keys; else None."""
+        if self.used + new.shape[-2] > self.keys.shape[-2] or new.shape[:2] != keys.shape[:2]:
+            return None
+        if new.dtype != keys.dtype:
+            return None
+        return self.start(layer, keys, values)
+
+
+def _column(buffer: torch.Tensor, view: torch.Tensor) -> int | None:
+    """Where `view` `[b ≤ B, H, c, D]` starts in `buffer` `[B, H, C, D]`, when it is `buffer[:b, :, s:s+c]`: s."""
+    if view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        return None
+    if view.shape[0] > buffer.shape[0] or view.shape[1] != buffer.shape[1] or view.shape[3] != buffer.shape[3]:
+        return None
+    if view.stride() != buffer.stride():
+        return None
+    offset = view.storage_offset() - buffer.storage_offset()
+    step = buffer.stride(2)
+    if offset < 0 or offset % step or offset // step + view.shape[2] > buffer.shape[2]:
+        return None
+    return offset // step
 
 
 class AttentionBranchLayer(PromptBranchLayer):
@@ -43,6 +97,11 @@ class AttentionBranchLayer(PromptBranchLayer):
     #: the layout (`row_pad`, `row_offset`) of the keys the latest `update` returned, before trimming: what the
     #: attention of that forward reads
     row_layout: tuple[list[int], list[int]] | None = None
+    #: tokens still to come while decoding or extending (set through `BranchCache.reserve`): an append that copies the
+    #: own K/V makes room for them (`Room`), so that the next appends write in place
+    reserve: int = 0
+    #: the buffer the own K/V are a view of, with room after them; None: none
+    room: Room | None = None
 
     def __init__(
         self,
@@ -70,11 +129,7 @@ class AttentionBranchLayer(PromptBranchLayer):
         self.device = key_states.device
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.keys is None:
-            keys, values = key_states, value_states
-        else:
-            keys = torch.cat([self.keys, key_states], dim=-2)
-            values = torch.cat([self.values, value_states], dim=-2)
+        keys, values = self._append(key_states, value_states)
         self.keys, self.values = keys, values
         if self.row_pad is not None:
             assert self.row_offset is not None  # set together (`longstraw.ragged.stack_layers`)
@@ -89,12 +144,60 @@ class AttentionBranchLayer(PromptBranchLayer):
                 self.row_pad = [max(0, p - drop) for p in self.row_pad]
         return keys, values
 
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The own K/V after appending `k`, `v` `[B, Hkv, n, D]`: written into the room in place where this layer
+        may (`Room.takes`), else concatenated; without autograd and with tokens reserved, concatenation goes into a
+        new room for them (one copy of the own K/V instead of one per token)."""
+        old_k, old_v = self.keys, self.values
+        graph = torch.is_grad_enabled() and (
+            k.requires_grad or v.requires_grad or (old_k is not None and old_k.requires_grad)
+        )
+        if old_k is not None and old_v is not None and self.room is not None and not graph:
+            start = self.room.takes(self, old_k, old_v, k)
+            if start is not None:
+                room, n, b = self.room, k.shape[-2], old_k.shape[0]  # the buffer's first b rows
+                room.keys[:b, :, room.used : room.used + n].copy_(k)
+                room.values[:b, :, room.used : room.used + n].copy_(v)
+                room.used += n
+                return room.keys[:b, :, start : room.used], room.values[:b, :, start : room.used]
+        if graph or self.reserve <= 0:
+            if old_k is None or old_v is None:
+                return k, v
+            return torch.cat([old_k, k], dim=-2), torch.cat([old_v, v], dim=-2)
+        old = 0 if old_k is None else old_k.shape[-2]
+        used = old + k.shape[-2]
+        keys = k.new_empty(*k.shape[:2], used + self.reserve, k.shape[3])
+        values = v.new_empty(*v.shape[:2], used + self.reserve, v.shape[3])
+        if old_k is not None and old_v is not None:
+            keys[:, :, :old].copy_(old_k)
+            values[:, :, :old].copy_(old_v)
+        keys[:, :, old:used].copy_(k)
+        values[:, :, old:used].copy_(v)
+        self.room = Room(keys, values, used, weakref.ref(self))
+        return keys[:, :, :used], values[:, :, :used]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched. A ragged
-        batch also drops the padding columns no remaining row needs."""
+        batch also drops the padding columns no remaining row needs. A layer writing a room (`Room`) moves the rows
+        it keeps to its first rows in place (no copy of the batch); rows that leave must be taken out before
+        (`longstraw.ragged.take_row`)."""
         if self.keys is not None:
             assert self.values is not None  # appended with the keys
-            self.keys, self.values = self.keys[indices], self.values[indices]
+            start = (
+                None if self.room is None or torch.is_grad_enabled() else self.room.start(self, self.keys, self.values)
+            )
+            if start is not None and self.room is not None:
+                room, rows = self.room, indices.tolist()
+                if rows != sorted(rows) or len(set(rows)) != len(rows):
+                    raise ValueError(f"batch_select_indices: rows must be distinct and ascending; got {rows}")
+                for i, r in enumerate(rows):  # r >= i: each row moves down onto a row already moved or left
+                    if r != i:
+                        room.keys[i, :, start : room.used].copy_(room.keys[r, :, start : room.used])
+                        room.values[i, :, start : room.used].copy_(room.values[r, :, start : room.used])
+                n = len(rows)
+                self.keys, self.values = room.keys[:n, :, start : room.used], room.values[:n, :, start : room.used]
+            else:
+                self.keys, self.values = self.keys[indices], self.values[indices]
         if self.row_pad is not None and self.row_offset is not None:
             rows = indices.tolist()
             pad, self.row_offset = [self.row_pad[i] for i in rows], [self.row_offset[i] for i in rows]
