@@ -16,8 +16,12 @@ stacked: `stackable` says so, and `sample_branches` then decodes the branches on
 `keep=True` (one sequence per branch, an agent's turn): each row's state is taken back out of the batch when it
 leaves it (`take_row`), so the sampled turn becomes part of its branch exactly as `Branch.sample` leaves it.
 
-Memory: the branches' own states stacked (a copy of each branch's own K/V, padded to the longest) + B rows of
-sampled own K/V; the prompt state is read, never copied.
+Memory: the branches' own states stacked in one buffer (padded to the longest) with room for the turn, where each
+sampled token is written in place; the prompt state is read, never copied. With `keep=True` the branches hand their
+state to the batch, each branch's copy freed as its layer is stacked, so the batch never holds a branch twice; rows
+that leave early take a copy of theirs (the batch then moves its remaining rows down in place), the last ones their
+rows of the buffer, with room after them for what the branch reads next (`room_after`: an agent's tool reply, written
+in place). Without it (rows sharing a document) the branches stay as they are and the batch holds a copy.
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ Memory: E/N experts per rank; the dispatch buffers are T·k rows of the hidden s
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -58,13 +60,61 @@ def spreads_experts(module: torch.nn.Module) -> bool:
 @dataclass
 class ExpertShards:
     """What `shard_experts` did: the group, the modules (in model order), each module's first local expert and
-    count; `load[i]` the rows each call of module i received on this rank (appended per call)."""
+    count; `load[i]` the rows each call of module i received on this rank (appended per call, read and cleared by
+    `take_load`); `spread` the parameters held in slices, by id: the experts' weights and the PEFT adapters around
+    them (`_Slicing`)."""
 
     group: Group
     modules: list[torch.nn.Module]
     first: list[int]
     count: list[int]
     load: list[list[int]] = field(default_factory=list)
+    spread: dict[int, _Slicing] = field(default_factory=dict)
+    #: per module, the names of its spread weights (what its eager forward reads, adapted or not)
+    names: list[list[str]] = field(default_factory=list)
+
+    def is_spread(self, p: torch.Tensor) -> bool:
+        """Whether `p` is a parameter this rank holds a slice of (its gradient is whole on this rank: no all-reduce
+        over the group)."""
+        return id(p) in self.spread
+
+    def whole(self, p: torch.Tensor, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
+        """A spread parameter whole, or `value` laid out as it (its gradient, an optimizer moment): a collective of
+        the group, every rank passing its slice, in the same order."""
+        sl = self.spread[id(p)]
+        mine = (p if value is None else value).detach().contiguous()
+        parts = [t[0] for t in self.group.all_gather(f"expert parallel: {name} gathered", [mine])]
+        if sl.lora_rank is None:
+            return torch.cat(parts)
+        out = parts[0].shape[0]  # PEFT's lora_B `[out, r · E]`, expert-minor columns
+        return torch.cat([t.reshape(out, sl.lora_rank, -1) for t in parts], dim=2).reshape(out, -1)
+
+    def local(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `whole` for the spread parameter `p` (the inverse of `whole`)."""
+        sl = self.spread[id(p)]
+        first, n = self.first[sl.module], self.count[sl.module]
+        if sl.lora_rank is None:
+            per = whole.shape[0] // (self.group.size * n)  # rows per expert: 1 for weights, r for lora_A
+            return whole[first * per : (first + n) * per]
+        out = whole.shape[0]
+        return whole.reshape(out, sl.lora_rank, -1)[:, :, first : first + n].reshape(out, -1)
+
+    def take_load(self) -> list[int]:
+        """Per experts module, the rows this rank received since the last call (its experts' work), and clears it."""
+        totals = [sum(calls) for calls in self.load]
+        for calls in self.load:
+            calls.clear()
+        return totals
+
+
+@dataclass(frozen=True)
+class _Slicing:
+    """How a spread parameter is sliced: of experts module `module`; `lora_rank` None: along dim 0 in blocks per
+    expert (the experts' weights `[E, ...]`, PEFT's lora_A `[E · r, in]`); else PEFT's lora_B `[out, r · E]`, whose
+    columns are rank-major (column j · E + e: expert e's j-th)."""
+
+    module: int
+    lora_rank: int | None = None
 
 
 def shard_experts(model, group=None) -> ExpertShards:
@@ -81,18 +131,87 @@ def shard_experts(model, group=None) -> ExpertShards:
             raise ValueError(f"{type(m).__name__}: {e} experts do not divide over {g.size} ranks")
         n = e // g.size
         first = g.rank * n
+        shards.names.append([])
         for name, p in list(m.named_parameters(recurse=False)):
             if p.dim() >= 2 and p.shape[0] == e:  # one slice per expert (weights, and biases `[E, out]`)
                 local = torch.nn.Parameter(p.detach()[first : first + n].clone(), requires_grad=p.requires_grad)
                 setattr(m, name, local)
+                shards.spread[id(local)] = _Slicing(i)
+                shards.names[i].append(name)
         m.num_experts = n
         _SHARDED[m] = (shards, i)
         shards.first.append(first)
         shards.count.append(n)
         shards.load.append([])
+    _slice_adapters(model, shards)
     _register()
     model.set_experts_implementation(IMPLEMENTATION)
     return shards
+
+
+def _slice_adapters(model, shards: ExpertShards) -> None:
+    """Slice the PEFT LoRA adapters of spread experts weights (`target_parameters`, PEFT 0.21's `ParamWrapper`: lora_A
+    `[E · r, in]`, lora_B `[out, r · E]`, `num_experts` E) to this rank's experts, so that the adapter's delta is that
+    of the experts the rank holds. Every rank must have built the same adapters (seeded, or broadcast) before."""
+    index = {m: i for i, m in enumerate(shards.modules)}
+    for w in model.modules():
+        lora_a, lora_b = getattr(w, "lora_A", None), getattr(w, "lora_B", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or not isinstance(lora_b, torch.nn.ModuleDict):
+            continue
+        if not isinstance(getattr(w, "num_experts", None), int):
+            continue
+        base = w.get_base_layer()
+        i = index.get(base)
+        if i is None:
+            continue
+        first, n, total = shards.first[i], shards.count[i], w.num_experts
+        if n == 1:
+            raise ValueError(
+                f"{type(base).__name__}: one expert per rank with a LoRA adapter on the experts: PEFT 0.21 reads a "
+                "one-expert adapter as a 2-D weight; use fewer ranks for the experts, or leave them out of "
+                "lora_target_modules"
+            )
+        ranks: dict = getattr(w, "r", {})  # PEFT: adapter name → rank
+        for name in list(lora_a.keys()):
+            r = int(ranks[name])
+            a, b = cast(torch.Tensor, lora_a[name].weight), cast(torch.Tensor, lora_b[name].weight)
+            if a.shape[0] != r * total or b.shape[1] != r * total:
+                raise ValueError(f"{type(w).__name__}: adapter {name!r} of unexpected shape {tuple(a.shape)}")
+            new_a = torch.nn.Parameter(a.detach()[first * r : (first + n) * r].clone(), requires_grad=a.requires_grad)
+            cols = b.detach().reshape(b.shape[0], r, total)[:, :, first : first + n]
+            new_b = torch.nn.Parameter(cols.reshape(b.shape[0], r * n).clone(), requires_grad=b.requires_grad)
+            cast(torch.nn.Linear, lora_a[name]).weight = new_a
+            cast(torch.nn.Linear, lora_b[name]).weight = new_b
+            shards.spread[id(new_a)] = _Slicing(i)
+            shards.spread[id(new_b)] = _Slicing(i, lora_rank=r)
+        w.num_experts = n
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, shards: ExpertShards) -> float:
+    """The L2 norm of all gradients of `params`, spread ones (each rank's own experts, summed over the group) and the
+    others (whole and equal on every rank, after their all-reduce), the same float on every rank; scales every
+    gradient by min(1, max_norm / norm) when `max_norm` > 0 and the norm is finite (torch's rule). A collective:
+    one all-reduce of a scalar."""
+    grads = [(p.grad, shards.is_spread(p)) for p in params if p.grad is not None]
+    dev = grads[0][0].device if grads else torch.device("cpu")
+    spread_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    whole_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    for g, spread in grads:
+        if spread:
+            spread_sq += g.double().square().sum()
+        else:
+            whole_sq += g.double().square().sum()
+    try:
+        dist.all_reduce(spread_sq, group=shards.group.group)
+    except RuntimeError as err:
+        shards.group._fail("expert parallel: gradient norm", err)
+    norm = float((spread_sq + whole_sq).sqrt())
+    if max_norm > 0 and math.isfinite(norm):
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for g, _ in grads:
+                g.mul_(coef)
+    return norm
 
 
 def _register() -> None:
@@ -157,6 +276,12 @@ def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     shards.load[i].append(int(sum(recv)))
     eager = type(self).forward.__wrapped__
     y = eager(self, x, ids[:, None], torch.ones(ids.numel(), 1, dtype=top_k_weights.dtype, device=x.device))
+    if torch.is_grad_enabled():
+        # the backward's all-to-alls run on every rank or on none: whether `y` is in the graph must not depend on
+        # which experts this rank's rows reached (none: the eager forward returns a constant)
+        inputs = [t for t in (x, *(getattr(self, w) for w in shards.names[i])) if t.requires_grad]
+        if inputs and not y.requires_grad:
+            y = y + sum(t.reshape(-1)[:1].sum() for t in inputs) * 0.0
     back = _Exchange.apply(y, recv, send, g, f"{name}: outputs")
     weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
     out = torch.zeros_like(hidden_states)

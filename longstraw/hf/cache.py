@@ -293,8 +293,9 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
 
 
 def snapshot(layer):
-    """A copy of a branch layer that later appends do not change (branch layers rebind their tensors
-    and never write them in place, so copying the attribute dicts is enough)."""
+    """A copy of a branch layer that later appends do not change (branch layers rebind their tensors as they grow and
+    write in place only into room after them that the copy does not read and may not write,
+    `longstraw.kinds.full_attention.Room`: copying the attribute dicts is enough)."""
     new = copy.copy(layer)
     for name, value in vars(layer).items():
         if isinstance(value, dict):

@@ -31,7 +31,8 @@ from ..ops.quant import QuantizedTokens
 
 def repeat_rows(t: torch.Tensor | None, repeats: int) -> torch.Tensor | None:
     """`t` `[B, ...]` → `[B · repeats, ...]`, each row `repeats` times in a row (a view of `t` when B = 1: branch layers
-    rebind their tensors as they grow and never write them in place); None stays None."""
+    never change what they hold, they rebind their tensors as they grow and write in place only into room after them,
+    `longstraw.kinds.full_attention.Room`); None stays None."""
     if t is None:
         return None
     return t.expand(repeats, *t.shape[1:]) if t.shape[0] == 1 else t.repeat_interleave(repeats, dim=0)

@@ -139,10 +139,10 @@ def load_checkpoint(root: Path, model, optimizer, scheduler, masters=None, name:
         )
     blob = _load_tensors(ckpt / "optimizer.pt")
     state = read_trainer_state(ckpt)
-    if state.get("fsdp"):
+    if state.get("fsdp") or (state.get("expert_parallel") or 1) > 1:
         raise CheckpointError(
-            f"checkpoint {ckpt} was written with fsdp (decoder layers sharded over "
-            f"{state.get('world_size')} processes): resume it with fsdp: true on as many"
+            f"checkpoint {ckpt} was written with {_spread_of(state)} (weights spread over "
+            f"{state.get('world_size')} processes): resume it alike on as many"
         )
     load_weights(model, ckpt / "weights")
     optimizer.load_state_dict(blob["optimizer"])
@@ -154,11 +154,22 @@ SHARDED_WEIGHTS = "trainable.safetensors"
 
 
 def save_sharded_checkpoint(
-    root: Path, step: int, ranks, weights: dict, optimizer_local: dict, scheduler, trainer_state: dict, masters=None
+    root: Path,
+    step: int,
+    ranks,
+    weights: dict,
+    optimizer_local: dict,
+    scheduler,
+    trainer_state: dict,
+    masters=None,
+    sharding: dict | None = None,
 ) -> Path | None:
-    """Write `root/step-{step}` of a run whose decoder layers are sharded (a collective of `ranks`): `weights`
+    """Write `root/step-{step}` of a run whose weights are spread over the ranks (a collective of `ranks`): `weights`
     {name: whole tensor} (rank 0's is written), `optimizer_local` this rank's optimizer state with plain tensors
-    (`longstraw.distributed.fsdp.local_optimizer_state`). Returns the folder on rank 0, None elsewhere."""
+    (`longstraw.distributed.fsdp.local_optimizer_state`). `sharding`: how (recorded in the trainer state, and what
+    `load_sharded_checkpoint` requires): `{"fsdp": True}` (the default: the decoder layers sharded) or
+    `{"expert_parallel": N}` (the experts spread). Returns the folder on rank 0, None elsewhere."""
+    sharding = {"fsdp": True} if sharding is None else sharding
     final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
 
     def start():
@@ -177,7 +188,7 @@ def save_sharded_checkpoint(
         (tmp / "weights").mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights" / SHARDED_WEIGHTS))
         return _finish(
-            root, tmp, final, step, {}, scheduler, {**trainer_state, "fsdp": True, "world_size": ranks.size}, masters
+            root, tmp, final, step, {}, scheduler, {**trainer_state, **sharding, "world_size": ranks.size}, masters
         )
 
     final = ranks.from_main("checkpoint: write", finish)
@@ -213,19 +224,22 @@ def read_trainer_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
-def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, scheduler, masters=None) -> dict:
+def load_sharded_checkpoint(
+    ckpt: Path, ranks, load_weights_fn, optimizer, scheduler, masters=None, sharding: dict | None = None
+) -> dict:
     """Restore a checkpoint of `save_sharded_checkpoint` on this rank: `load_weights_fn({name: whole tensor})` puts
     the weights into the (sharded) model, this rank's optimizer file into `optimizer` (shards wrapped as the
-    parameters' `DTensor`s again), the rest as `load_checkpoint`. Returns the trainer state."""
+    parameters' `DTensor`s again), the rest as `load_checkpoint`. `sharding`: as the run that wrote it (refused
+    otherwise, as on another number of processes). Returns the trainer state."""
     from ..distributed.fsdp import sharded_optimizer_state
 
+    sharding = {"fsdp": True} if sharding is None else sharding
     state = read_trainer_state(ckpt)
-    if not state.get("fsdp") or state.get("world_size") != ranks.size:
+    if any(state.get(k) != v for k, v in sharding.items()) or state.get("world_size") != ranks.size:
         raise CheckpointError(
-            f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) "
-            f"{'with' if state.get('fsdp') else 'without'} fsdp; this run has {ranks.size} "
-            "with fsdp: "
-            "a sharded run resumes only from its own kind of checkpoint on as many processes"
+            f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) with "
+            f"{_spread_of(state)}; this run has {ranks.size} with {_spread_of(sharding)}: a run whose weights are "
+            "spread over its ranks resumes only from its own kind of checkpoint on as many processes"
         )
     with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
         load_weights_fn(weights)
@@ -234,6 +248,15 @@ def load_sharded_checkpoint(ckpt: Path, ranks, load_weights_fn, optimizer, sched
     optimizer.load_state_dict(sharded_optimizer_state(optimizer, local))
     _restore(blob, state, scheduler, masters)
     return state
+
+
+def _spread_of(fields: dict) -> str:
+    """How a run's weights were spread, in words."""
+    if fields.get("fsdp"):
+        return "fsdp"
+    if (fields.get("expert_parallel") or 1) > 1:
+        return f"expert_parallel {fields['expert_parallel']}"
+    return "the weights whole on every rank"
 
 
 def _load_tensors(path: Path):

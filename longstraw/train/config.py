@@ -283,6 +283,12 @@ class TrainConfig:
         "state over the ranks (FSDP2; 1/N per rank); checkpoints keep one optimizer file per rank "
         "and resume on as many processes",
     )
+    expert_parallel: int = _f(
+        1,
+        "runs of several processes with a mixture-of-experts model: spread each MoE layer's routed experts over "
+        "this many ranks (it divides the process count; each rank holds 1/N of the experts and their LoRA "
+        "adapters, tokens go to their experts' rank and back by all-to-all); 1: every rank holds every expert",
+    )
     device: str = _f("auto", "where the model runs: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     dtype: str = _f(
         "auto",
@@ -412,6 +418,16 @@ class TrainConfig:
             "sizes must be >= 1",
         )
         need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
+        need(self.expert_parallel >= 1, "expert_parallel must be >= 1")
+        need(
+            self.expert_parallel == 1 or not self.fsdp,
+            "expert_parallel with fsdp: sharding the dense layers beside spread experts is not built yet; use one",
+        )
+        need(
+            self.expert_parallel == 1 or self.rollout_backend == "own",
+            "expert_parallel with rollout_backend: vllm: the server would need the spread experts gathered every "
+            "step, which is not built; use the own sampler",
+        )
         need(
             self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
             "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0",

@@ -34,11 +34,11 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..distributed.ranks import setup_ranks
+from ..distributed.ranks import Ranks, setup_ranks
 from ..losses import make_loss
 from ..model.positions import position_limit
 from ..paths import cache_dir
@@ -66,6 +66,9 @@ from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
+
+if TYPE_CHECKING:
+    from ..distributed.expert_parallel import ExpertShards
 
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
 
@@ -114,6 +117,12 @@ class Trainer(Evaluation):
             [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
             "Trainer: initial weights from rank 0",
         )
+        #: `expert_parallel`: this rank's share of the experts (`ExpertShards`), and the ranks holding the same share in
+        #: the other expert groups (None: one group)
+        self.experts: ExpertShards | None = None
+        self.expert_replicas: Ranks | None = None
+        if cfg.expert_parallel > 1:
+            self.experts = self._spread_experts()
         self.sharded = cfg.fsdp and self.ranks.size > 1
         if cfg.fsdp and not self.sharded:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
@@ -153,6 +162,11 @@ class Trainer(Evaluation):
             )
         # what the optimizer steps on: the float32 parameters themselves, float32 masters of the bf16 ones
         self.masters = MasterWeights(self.params)
+        if self.experts is not None and any(self.experts.is_spread(p) for p, _ in self.masters.pairs):
+            raise ValueError(
+                "expert_parallel with trainable bf16 experts (full fine-tuning in bf16): their float32 master copies "
+                "are not checkpointed per rank yet; use dtype fp32, or a LoRA adapter"
+            )
         self.opt = torch.optim.AdamW(
             self.masters.params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
@@ -202,6 +216,35 @@ class Trainer(Evaluation):
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)
         self.sync_seconds: float | None = None
+
+    def _spread_experts(self):
+        """`expert_parallel: N`: each group of N consecutive ranks spreads every MoE layer's experts over its ranks
+        (`longstraw.distributed.expert_parallel.shard_experts`, after every rank holds rank 0's weights); with more
+        ranks than N, the ranks holding the same experts in different groups sum those gradients
+        (`expert_replicas`). Every forward of the run is already a collective of all the ranks (context parallel
+        capture, sampling and padded replays), so each group's all-to-alls run in step."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from ..distributed.expert_parallel import shard_experts
+
+        n, world, rank = self.cfg.expert_parallel, self.ranks.size, self.ranks.rank
+        if world % n:
+            raise ValueError(f"expert_parallel: {n} needs a process count it divides; this run has {world}")
+        group = replicas = None
+        if world > n:  # torch.distributed: every rank creates every group, in the same order
+            timeout = datetime.timedelta(seconds=self.cfg.dist_timeout)
+            for first in range(0, world, n):
+                g = dist.new_group(list(range(first, first + n)), timeout=timeout)
+                if first <= rank < first + n:
+                    group = g
+            for i in range(n):
+                g = dist.new_group(list(range(i, world, n)), timeout=timeout)
+                if rank % n == i:
+                    replicas = g
+            self.expert_replicas = Ranks(replicas)
+        return shard_experts(self.model, group)
 
     def _vllm_client(self):
         """`rollout_backend: vllm`: the client of `vllm_url`, or of a server started here on the model (stopped by
@@ -312,9 +355,11 @@ class Trainer(Evaluation):
         )
 
     def _before_last_backward(self):
-        """With sharded layers: what turns their gradient reduction on for the step's last backward."""
+        """With sharded layers: what turns their gradient reduction on for the step's last backward. With spread
+        experts, nothing to call, but given so that every rank runs the same forwards (a supervised step's padded
+        full-sequence batches)."""
         if not self.sharded:
-            return None
+            return (lambda: None) if self.experts is not None else None
         from ..distributed.fsdp import gradient_sync
 
         return lambda: gradient_sync(self.model, True)
@@ -409,7 +454,13 @@ class Trainer(Evaluation):
             with self.meter.stage("all_reduce"):  # the gradients of every rank's replays, summed: once per step
                 # (where the gradients are: the float32 parameters, float32 masters of bf16 ones)
                 self.ranks.all_reduce_grads(self._replicated(self.masters.params), "trainer: gradient all-reduce")
+                if self.expert_replicas is not None:  # the same experts held in the other expert groups
+                    self.expert_replicas.all_reduce_grads(
+                        [p for p in self.masters.params if self._spread(p)], "trainer: expert gradient all-reduce"
+                    )
             m["world_size"] = self.ranks.size
+        if self.experts is not None:
+            m.update(self._expert_load())
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
         m.update(self.meter.results())
@@ -428,6 +479,11 @@ class Trainer(Evaluation):
             from ..distributed.fsdp import clip_grad_norm
 
             norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg)
+            grads_ok = math.isfinite(norm)
+        elif self.experts is not None:  # each rank's experts and the all-reduced rest: one norm on every rank
+            from ..distributed.expert_parallel import clip_grad_norm as clip_spread
+
+            norm = clip_spread(params, self.cfg.max_grad_norm, self.experts)
             grads_ok = math.isfinite(norm)
         else:
             grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
@@ -451,12 +507,74 @@ class Trainer(Evaluation):
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _replicated(self, params):
-        """`params` but sharded ones (with sharded layers); every one of them otherwise."""
+        """`params` that every rank holds whole and alike: all but sharded ones (with sharded layers) and spread
+        experts (`expert_parallel`)."""
+        out = [p for p in params if not self._spread(p[1] if isinstance(p, tuple) else p)]
         if not self.sharded:
-            return list(params)
+            return out
         from ..distributed.fsdp import is_sharded
 
-        return [p for p in params if not is_sharded(p[1] if isinstance(p, tuple) else p)]
+        return [p for p in out if not is_sharded(p[1] if isinstance(p, tuple) else p)]
+
+    def _spread(self, p: torch.Tensor) -> bool:
+        """Whether `p` is a slice of spread experts' weights or adapters (`expert_parallel`)."""
+        return self.experts is not None and self.experts.is_spread(p)
+
+    def _expert_load(self) -> dict:
+        """The rows each rank's experts received since the last step, per MoE layer (all-gathered): the most loaded
+        rank's over the mean, at the worst layer (1.0: balanced), and the rows in all."""
+        assert self.experts is not None  # called with spread experts only
+        totals = self.experts.take_load()
+        per_rank = self.experts.group.all_gather_ints("expert parallel: load", totals)
+        worst = 1.0
+        for layer in zip(*per_rank):
+            mean = sum(layer) / len(layer)
+            if mean > 0:
+                worst = max(worst, max(layer) / mean)
+        return {"expert_load_imbalance": worst, "expert_rows": sum(sum(r) for r in per_rank)}
+
+    def _whole_trainable(self) -> dict[str, torch.Tensor]:
+        """{name: whole tensor on the CPU} of the trainable weights on rank 0 (a collective: sharded layers and
+        spread experts gathered, in the same order on every rank); empty on the other ranks."""
+        named = self._named_trainable()
+        if self.sharded:
+            from ..distributed.fsdp import full_tensors
+
+            return full_tensors(named, keep=self.ranks.main)
+        out = {}
+        experts = self.experts
+        for name, p in named:
+            whole = experts.whole(p, name) if experts is not None and experts.is_spread(p) else p.detach()
+            if self.ranks.main:
+                out[name] = whole.cpu().clone()
+        return out
+
+    def _load_whole(self, values, where: str) -> None:
+        """Whole tensors `values[name]` into the trainable weights: each rank keeps its shard of a sharded layer and
+        its slice of spread experts."""
+        named = self._named_trainable()
+        if self.sharded:
+            from ..distributed.fsdp import load_full_tensors
+
+            load_full_tensors(named, values, where)
+            return
+        missing = [n for n, _ in named if n not in values]
+        if missing:
+            raise ValueError(f"{where}: no values for {len(missing)} parameter(s), first {missing[0]}")
+        experts = self.experts
+        with torch.no_grad():
+            for name, p in named:
+                v = values[name]
+                v = experts.local(p, v) if experts is not None and experts.is_spread(p) else v
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, this rank's is {tuple(p.shape)}")
+                p.copy_(v.to(p.device, p.dtype))
+
+    def _sharding(self) -> dict:
+        """What a checkpoint of this run records about how its weights were spread (resumed only alike)."""
+        if self.sharded:
+            return {"fsdp": True}
+        return {"expert_parallel": self.cfg.expert_parallel}
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
@@ -465,18 +583,19 @@ class Trainer(Evaluation):
         )
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
-        if self.sharded:
-            from ..distributed.fsdp import full_tensors, local_optimizer_state
+        if self.sharded or self.experts is not None:
+            from ..distributed.fsdp import local_optimizer_state
 
             return save_sharded_checkpoint(
                 self.out / "checkpoints",
                 self.step,
                 self.ranks,
-                full_tensors(self._named_trainable(), keep=self.ranks.main),
+                self._whole_trainable(),
                 local_optimizer_state(self.opt.state_dict()),
                 self.sched,
                 state,
                 masters=self.masters,
+                sharding=self._sharding(),
             )
         if not self.ranks.main:
             return None
@@ -495,16 +614,15 @@ class Trainer(Evaluation):
         name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
 
         def load():
-            if name is not None and self.sharded:
-                from ..distributed.fsdp import load_full_tensors
-
+            if name is not None and (self.sharded or self.experts is not None):
                 return load_sharded_checkpoint(
                     root / name,
                     self.ranks,
-                    lambda values: load_full_tensors(self._named_trainable(), values, f"checkpoint {name}"),
+                    lambda values: self._load_whole(values, f"checkpoint {name}"),
                     self.opt,
                     self.sched,
                     masters=self.masters,
+                    sharding=self._sharding(),
                 )
             return load_checkpoint(root, self.model, self.opt, self.sched, masters=self.masters, name=name)
 
@@ -531,7 +649,7 @@ class Trainer(Evaluation):
                 base_model = tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
-        model = self._unsharded_copy() if self.sharded else self.model
+        model = self._unsharded_copy() if self.sharded or self.experts is not None else self.model
         # save_pretrained writes `dtype` and `architectures` into the live config; on N ranks rank 0 alone exports,
         # and the ranks' configs must stay equal (a context-parallel capture compares them): put them back
         config = model.config
@@ -552,7 +670,7 @@ class Trainer(Evaluation):
 
     def _unsharded_copy(self):
         """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
-        with sharded layers; memory: a second copy of the model on rank 0, at the end)."""
+        with sharded layers or spread experts; memory: a second copy of the model on rank 0, at the end)."""
         from ..distributed.fsdp import load_full_tensors
         from .checkpoint import LazyTensors
 

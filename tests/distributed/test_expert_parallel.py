@@ -246,3 +246,75 @@ def test_a_rank_gone_mid_dispatch_is_an_error_naming_the_collective(tmp_path):
     got = torch.load(tmp_path / "dying.pt")
     assert got["message"] is not None and "expert parallel layer 0: counts" in got["message"], got
     assert got["waited"] < TIMEOUT_S / 2
+
+
+def _adapted(arch: str):
+    """The tiny model with LoRA on every linear layer and on the experts' 3-D weights (PEFT 0.21's
+    `target_parameters`), both factors random (`init_lora_weights=False`: a zero lora_B would hide how it is sliced),
+    the same on every process (seeded)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                init_lora_weights=False))
+
+
+def _adapter_worker(rank: int, n: int, init: str, out_dir: str, arch: str):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    from longstraw.distributed.expert_parallel import shard_experts
+
+    model = _adapted(arch)
+    shards = shard_experts(model)
+    loss, lp = _loss(model, _sequence(rank), rank)
+    loss.backward()
+    grads = {}
+    for k, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if shards.is_spread(p):  # this rank's experts' adapters: whole on this rank, gathered laid out as one's
+            g = shards.whole(p, k, g)
+        else:
+            dist.all_reduce(g)
+        grads[k] = g.clone()
+    torch.save(dict(logprobs=lp.detach(), grads=grads, spread=sum(shards.is_spread(p) for p in model.parameters())),
+               os.path.join(out_dir, f"adapter-rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_adapters_of_spread_experts_are_sliced_with_them(tmp_path):
+    """LoRA adapters on the experts' weights (lora_A `[E · r, in]`, lora_B `[out, r · E]` with expert-minor columns)
+    spread with the experts over 2 ranks: each rank's log-probs, and the adapters' gradients gathered whole, equal
+    one process's on the unspread adapted model, within its float32 floor measured against float64 on transformers.
+    Seen failing with lora_B sliced as contiguous columns (log-probs 0.28 off)."""
+    arch, n = "mixtral", 2
+    spawn_ranks(_adapter_worker, (n, str(tmp_path / "init"), str(tmp_path), arch), n,
+                ["torch", "torch.distributed", "longstraw", "peft", "transformers.models.mixtral.modeling_mixtral"],
+                3 * TIMEOUT_S, "spread adapters")
+    results = [torch.load(tmp_path / f"adapter-rank{r}.pt") for r in range(n)]
+
+    def run(model):
+        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        lps, total = [], None
+        for r in range(n):
+            loss, lp = _loss(model, _sequence(r), r)
+            total = loss if total is None else total + loss
+            lps.append(lp.detach())
+        return lps, dict(zip(params, torch.autograd.grad(total, list(params.values()))))
+
+    lp32, g32 = run(_adapted(arch))
+    lp64, g64 = run(_adapted(arch).double())
+    floor_lp = max((a.double() - b).abs().max().item() for a, b in zip(lp32, lp64))
+    assert all(r["spread"] > 0 for r in results)
+    for r in range(n):
+        err = (results[r]["logprobs"] - lp32[r]).abs().max().item()
+        assert err <= FLOOR_FACTOR * floor_lp + EPS32 * lp32[r].abs().max().item(), (r, err, floor_lp)
+    for k, g in results[0]["grads"].items():
+        floor = (g32[k].double() - g64[k]).norm().item()
+        d = (g - g32[k]).norm().item()
+        assert d <= FLOOR_FACTOR * floor + GRAD_TOL * g32[k].norm().item(), (k, d, g32[k].norm().item())
