@@ -91,43 +91,55 @@ def _run(out: str, cfg: dict, force: dict | None = None, stop_after: int | None 
                 shapes={n: tuple(p.shape) for n, p in named})
 
 
-def _worker(rank: int, n: int, init: str, out_dir: str):
+def _worker(rank: int, n: int, init: str, out_dir: str, cases: list[str], resume: bool):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     results = {}
-    for case, cfg in CASES.items():
-        whole = _run(os.path.join(out_dir, case), dict(cfg, expert_parallel=n))
-        cut = _run(os.path.join(out_dir, case + "-cut"), dict(cfg, expert_parallel=n), stop_after=2)
-        resumed = _run(os.path.join(out_dir, case + "-cut"), dict(cfg, expert_parallel=n))
-        results[case] = dict(whole=whole, cut_steps=len(cut["rows"]), resumed=resumed)
+    for case in cases:
+        cfg = dict(CASES[case], expert_parallel=2)
+        results[case] = dict(whole=_run(os.path.join(out_dir, case), cfg))
+        if resume:
+            cut = _run(os.path.join(out_dir, case + "-cut"), cfg, stop_after=2)
+            results[case].update(cut_steps=len(cut["rows"]), resumed=_run(os.path.join(out_dir, case + "-cut"), cfg))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "longstraw", "longstraw.train.trainer", "peft",
+           "transformers.models.mixtral.modeling_mixtral", "transformers.models.deepseek_v3.modeling_deepseek_v3"]
+
+
 @pytest.fixture(scope="module")
 def spread_runs(tmp_path_factory):
+    """2 processes, one expert group of 2: every case, and its interrupted and resumed run."""
     tmp = tmp_path_factory.mktemp("ep-trainer")
-    spawn_ranks(_worker, (2, str(tmp / "init"), str(tmp)), 2,
-                ["torch", "torch.distributed", "longstraw", "longstraw.train.trainer", "peft",
-                 "transformers.models.mixtral.modeling_mixtral",
-                 "transformers.models.deepseek_v3.modeling_deepseek_v3"], 6 * TIMEOUT_S, "expert-parallel training")
+    spawn_ranks(_worker, (2, str(tmp / "init"), str(tmp), list(CASES), True), 2, PRELOAD, 6 * TIMEOUT_S,
+                "expert-parallel training")
     return tmp, [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_groups(tmp_path_factory):
+    """4 processes, two expert groups of 2 (ranks 0-1 and 2-3; ranks 0 and 2, 1 and 3 hold the same experts)."""
+    tmp = tmp_path_factory.mktemp("ep-trainer-4")
+    spawn_ranks(_worker, (4, str(tmp / "init"), str(tmp), ["mixtral-lora"], False), 4, PRELOAD, 6 * TIMEOUT_S,
+                "expert-parallel training on 4 processes")
+    return tmp, [torch.load(tmp / f"rank{r}.pt") for r in range(4)]
 
 
 #: the applied gradient, 2 ranks with spread experts vs one process at the same weights, relative to its norm
 GRAD_TOL = 16 * EPS32
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_spread_experts_train_like_one_process(spread_runs, tmp_path, case):
-    tmp, results = spread_runs
+def _like_one_process(results: list, case: str, tmp_path) -> None:
     got = results[0][case]["whole"]
     assert got["experts"] and len(got["grads"]) == STEPS
-    # rank 1 gathered the same whole gradients and weights
-    for a, b in zip(got["grads"], results[1][case]["whole"]["grads"]):
-        assert all(torch.equal(a[n], b[n]) for n in a)
+    # every rank gathered the same whole gradients and weights
+    for other in results[1:]:
+        for a, b in zip(got["grads"], other[case]["whole"]["grads"]):
+            assert all(torch.equal(a[n], b[n]) for n in a)
     # each rank held half of the experts' weights (and of their adapters)
     spread = [n for n, s in got["shapes"].items() if s != tuple(got["final"][n].shape)]
     assert spread and all(got["shapes"][n][0] * 2 == got["final"][n].shape[0] or
@@ -146,6 +158,17 @@ def test_spread_experts_train_like_one_process(spread_runs, tmp_path, case):
         if a["phase"] == "grpo":
             assert abs(a["loss"] - b["loss"]) <= GRAD_TOL * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
             assert a["expert_load_imbalance"] >= 1.0 and a["expert_rows"] > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_spread_experts_train_like_one_process(spread_runs, tmp_path, case):
+    _like_one_process(spread_runs[1], case, tmp_path)
+
+
+def test_two_expert_groups_train_like_one_process(two_groups, tmp_path):
+    """4 processes in two expert groups: the experts' gradients summed over the groups (ranks holding the same experts),
+    the rest over all 4."""
+    _like_one_process(two_groups[1], "mixtral-lora", tmp_path)
 
 
 @pytest.mark.parametrize("case", list(CASES))
