@@ -175,6 +175,13 @@ def main(argv=None) -> int:
     )
     pl.add_argument("--context-parallel", dest="context_parallel", type=int, default=1)
     pl.add_argument("--fsdp", type=int, default=1)
+    pl.add_argument(
+        "--expert-parallel",
+        dest="expert_parallel",
+        type=int,
+        default=1,
+        help="ranks the routed experts are spread over",
+    )
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
     pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
     pl.add_argument("--json", action="store_true", help="machine-readable output")

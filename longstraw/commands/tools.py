@@ -113,6 +113,7 @@ def cmd_plan(args) -> int:
             chunk_size=args.chunk_size,
             context_parallel=args.context_parallel,
             fsdp=args.fsdp,
+            expert_parallel=args.expert_parallel,
             checkpoint_layers=args.checkpoint_layers,
             device_memory_gib=args.device_memory_gib,
             row_suffix=args.row_suffix,

@@ -75,6 +75,8 @@ class PlanConfig:
     block_size: int = 1024
     context_parallel: int = 1
     fsdp: int = 1
+    #: ranks the routed experts are spread over (`expert_parallel`): their weights, adapters and moments ÷ it
+    expert_parallel: int = 1
     checkpoint_layers: bool = False
     #: device memory per rank in GiB (None: no verdict)
     device_memory_gib: float | None = None
@@ -88,7 +90,15 @@ class PlanConfig:
                 raise ValueError(f"plan: {msg}")
 
         need(isinstance(self.prompt_length, int) and self.prompt_length >= 1, "prompt_length must be an int >= 1")
-        for name in ("num_generations", "completion_length", "chunk_size", "block_size", "context_parallel", "fsdp"):
+        for name in (
+            "num_generations",
+            "completion_length",
+            "chunk_size",
+            "block_size",
+            "context_parallel",
+            "fsdp",
+            "expert_parallel",
+        ):
             if name == "chunk_size" and self.chunk_size is None:
                 continue
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be an int >= 1")
@@ -127,24 +137,34 @@ def load_config(model):
     return cfg.get_text_config(decoder=True)
 
 
-def _params(cfg, lora_rank: int) -> tuple[int, int]:
-    """(all parameters, LoRA parameters) estimated from the config: embeddings, LM head, attention and MLP
-    projections (MoE: every expert), norms ignored."""
-    d = dimensions(cfg)
-    h, layers = d["h"], d["layers"]
-    attn = [(h, d["q"]), (h, d["kv"]), (h, d["kv"]), (d["q"], h)]
-    experts = (
+def _experts(cfg) -> int:
+    """Routed experts per MoE layer (0: a dense model)."""
+    return (
         config_value(cfg, "num_experts", 0)
         or config_value(cfg, "n_routed_experts", 0)
         or config_value(cfg, "num_local_experts", 0)
     )
+
+
+def _params(cfg, lora_rank: int) -> tuple[int, int, int, int]:
+    """(parameters outside the routed experts, the routed experts' own, LoRA parameters outside them, LoRA of the
+    experts' 3-D weights) estimated from the config: embeddings, LM head, attention and MLP projections (MoE: every
+    expert, every layer), norms ignored. PEFT's `all-linear` adapts the experts' weights `[E, in, out]` with lora_A
+    `[E · r, in]` and lora_B `[out, r · E]` (r doubled for a fused gate_up_proj)."""
+    d = dimensions(cfg)
+    h, layers = d["h"], d["layers"]
+    attn = [(h, d["q"]), (h, d["kv"]), (h, d["kv"]), (d["q"], h)]
+    experts = _experts(cfg)
     moe_i = config_value(cfg, "moe_intermediate_size", 0) or config_value(cfg, "intermediate_size", 0)
     dense_i = config_value(cfg, "intermediate_size", 4 * h)
     mlp = [(h, dense_i), (h, dense_i), (dense_i, h)]
-    per_layer = sum(a * b for a, b in attn) + (3 * h * moe_i * experts if experts else sum(a * b for a, b in mlp))
-    total = layers * per_layer + 2 * d["vocab"] * h
+    dense = layers * (sum(a * b for a, b in attn) + (0 if experts else sum(a * b for a, b in mlp)))
+    dense += 2 * d["vocab"] * h
+    routed = layers * 3 * h * moe_i * experts
     lora = layers * lora_rank * (sum(a + b for a, b in attn) + sum(a + b for a, b in mlp)) if lora_rank else 0
-    return total, lora
+    # PEFT 0.21 gives the fused gate_up_proj `[E, 2 i, h]` rank 2 r, down_proj `[E, h, i]` rank r
+    lora_routed = layers * lora_rank * experts * (2 * (h + 2 * moe_i) + (moe_i + h)) if lora_rank else 0
+    return dense, routed, lora, lora_routed
 
 
 @dataclass
@@ -215,9 +235,14 @@ def plan(pc: PlanConfig) -> Plan:
     chunk_size = pc.chunk_size or auto_chunk_size(cfg, pc.prompt_length, pc.dtype)
     local = math.ceil(captured / pc.context_parallel)
     state = _durable(cfg, kinds, local, elem, pc.state_dtype)
-    n_params, n_lora = _params(cfg, pc.lora_rank)
-    weights = n_params * elem // pc.fsdp
-    optimizer = n_lora * 4 * 4 if pc.lora_rank else n_params * (elem + 8) // pc.fsdp
+    dense, routed, lora_dense, lora_routed = _params(cfg, pc.lora_rank)
+    n_params = dense + routed
+    # spread experts (`expert_parallel`): each rank holds 1 / EP of the routed experts, their adapters and moments
+    weights = dense * elem // pc.fsdp + routed * elem // pc.expert_parallel
+    if pc.lora_rank:
+        optimizer = (lora_dense + lora_routed // pc.expert_parallel) * 4 * 4
+    else:
+        optimizer = dense * (elem + 8) // pc.fsdp + routed * (elem + 8) // pc.expert_parallel
 
     state_grad = 0
     if pc.prompt_grad == "exact":
@@ -250,6 +275,11 @@ def plan(pc: PlanConfig) -> Plan:
         capture_transient = 3 * c * (own_per_token + act) // 2 + chunk * (ffn + recurrence) + attn_tile
     else:
         capture_transient = c * (own_per_token + act + ffn + recurrence) + attn_tile
+    if pc.expert_parallel > 1 and _experts(cfg):
+        # the dispatch of one feed-forward call of a capture chunk: its (token, choice) rows out, the rows received,
+        # the experts' outputs and the rows brought back (4 buffers of chunk · k rows of the hidden size)
+        k = config_value(cfg, "num_experts_per_tok", 1)
+        capture_transient += 4 * chunk * k * d["h"] * elem
     r, g = pc.completion_length, pc.num_generations
     # a sharing row's own suffix: a branch's own K/V held while it samples and replays (detached), or more tokens in
     # each replay's graph (exact: the suffix runs with autograd in the response's forward)

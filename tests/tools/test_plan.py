@@ -164,3 +164,27 @@ def test_the_backend_choice_picks_the_measured_winner():
     assert small.backend == "own" and "100.0 GiB" in small.reason
     plan_out = plan(PlanConfig("llama", 2048, num_generations=8, completion_length=256))
     assert plan_out.rollout_backend == "vllm" and "R*" in str(plan_out)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_expert_parallel_divides_the_routed_experts(lora_rank):
+    """`expert_parallel`: the per-rank weights (and, fully fine-tuned, their optimizer state; with LoRA, the experts'
+    adapters' moments) lose (EP − 1) / EP of the routed experts' own, counted on the model (its experts modules'
+    3-D weights, and PEFT's adapters of them), not on the formula; nothing else changes but the dispatch buffers."""
+    from peft import LoraConfig, get_peft_model
+
+    from longstraw.distributed.expert_parallel import experts_modules
+
+    model = longstraw.testing.models.tiny_model("mixtral")
+    routed = sum(p.numel() for m in experts_modules(model) for p in m.parameters(recurse=False))
+    adapters = 0
+    if lora_rank:
+        peft = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules="all-linear"))
+        adapters = sum(p.numel() for n, p in peft.named_parameters() if p.requires_grad and ".experts." in n)
+    one = plan(PlanConfig("mixtral", 256, dtype="fp32", lora_rank=lora_rank))
+    for ep in (2, 4):
+        spread = plan(PlanConfig("mixtral", 256, dtype="fp32", lora_rank=lora_rank, expert_parallel=ep))
+        assert one.weights - spread.weights == routed * 4 * (ep - 1) // ep
+        moments = adapters * 4 * 4 if lora_rank else routed * (4 + 8)
+        assert one.optimizer - spread.optimizer == moments * (ep - 1) // ep
+        assert spread.durable_state == one.durable_state and spread.sampler == one.sampler
