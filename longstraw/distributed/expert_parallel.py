@@ -187,30 +187,41 @@ def _slice_adapters(model, shards: ExpertShards) -> None:
         w.num_experts = n
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, shards: ExpertShards) -> float:
-    """The L2 norm of all gradients of `params`, spread ones (each rank's own experts, summed over the group) and the
-    others (whole and equal on every rank, after their all-reduce), the same float on every rank; scales every
-    gradient by min(1, max_norm / norm) when `max_norm` > 0 and the norm is finite (torch's rule). A collective:
-    one all-reduce of a scalar."""
-    grads = [(p.grad, shards.is_spread(p)) for p in params if p.grad is not None]
-    dev = grads[0][0].device if grads else torch.device("cpu")
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, shards: ExpertShards, sharded_group=None) -> float:
+    """The L2 norm of all gradients of `params`, the same float on every rank: spread ones (each rank's own experts,
+    summed over the expert group), FSDP2 shards (`DTensor`s, summed over `sharded_group`, the default group when
+    None) and the others (whole and equal on every rank, after their all-reduce). Scales every gradient by
+    min(1, max_norm / norm) when `max_norm` > 0 and the norm is finite (torch's rule). A collective: an all-reduce
+    of a scalar per kind."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    dev = grads[0].device if grads else torch.device("cpu")
     spread_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    shard_sq = torch.zeros((), dtype=torch.float64, device=dev)
     whole_sq = torch.zeros((), dtype=torch.float64, device=dev)
-    for g, spread in grads:
-        if spread:
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if shards.is_spread(p):
             spread_sq += g.double().square().sum()
+        elif isinstance(g, DTensor):
+            shard_sq += g.to_local().double().square().sum()
         else:
             whole_sq += g.double().square().sum()
     try:
         dist.all_reduce(spread_sq, group=shards.group.group)
+        if any(isinstance(g, DTensor) for g in grads):
+            dist.all_reduce(shard_sq, group=sharded_group)
     except RuntimeError as err:
         shards.group._fail("expert parallel: gradient norm", err)
-    norm = float((spread_sq + whole_sq).sqrt())
+    norm = float((spread_sq + shard_sq + whole_sq).sqrt())
     if max_norm > 0 and math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
-            for g, _ in grads:
-                g.mul_(coef)
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
     return norm
 
 

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 
-def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters: bool = False):
+def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters: bool = False, ignored=None):
     """Shard every decoder layer of `model` (a transformers causal LM, optionally PEFT-wrapped) over `mesh` (a 1-D
     `DeviceMesh`; None: all ranks of the default group on the model's device type) with `fully_shard`; returns
     `model`. `reshard_after_forward`: free the gathered parameters after each layer's forward (and gather again in
@@ -63,7 +63,10 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
 
     `float32_masters` (full fine-tuning of a bf16 model): the layers' parameters are kept sharded in float32 (the
     optimizer's master weights, 4 bytes per parameter / N per rank) and gathered in their original dtype for the
-    forward, their gradients reduced in float32 (FSDP2's `MixedPrecisionPolicy`)."""
+    forward, their gradients reduced in float32 (FSDP2's `MixedPrecisionPolicy`).
+
+    `ignored`: parameters left whole on this rank and out of FSDP's gathers and reductions (spread experts, whose
+    slices differ per rank: `longstraw.distributed.expert_parallel`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..model.prepare import prepare
@@ -79,7 +82,10 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
                 raise ValueError(f"float32_masters: a decoder layer holds parameters of several dtypes {dtypes}")
             policy = MixedPrecisionPolicy(param_dtype=dtypes.pop(), reduce_dtype=torch.float32)
             layer.float()
-        sharded = fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        skip = {q for q in layer.parameters() if ignored is not None and q in ignored} or None
+        sharded = fully_shard(
+            layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, ignored_params=skip
+        )
         # summed over the ranks' branches, not averaged: a plain SUM reduction (gloo has no PREMUL_SUM, which a
         # divide factor of 1 would otherwise select; torch 2.11-2.13 FSDP2)
         sharded.set_gradient_divide_factor(1.0)  # (`sharded` is `layer`, its class now an FSDPModule)

@@ -235,7 +235,9 @@ def load_sharded_checkpoint(
 
     sharding = {"fsdp": True} if sharding is None else sharding
     state = read_trainer_state(ckpt)
-    if any(state.get(k) != v for k, v in sharding.items()) or state.get("world_size") != ranks.size:
+    written = {"fsdp": bool(state.get("fsdp")), "expert_parallel": state.get("expert_parallel") or 1}
+    wanted = {"fsdp": False, "expert_parallel": 1, **sharding}
+    if written != wanted or state.get("world_size") != ranks.size:
         raise CheckpointError(
             f"checkpoint {ckpt} was written by a run of {state.get('world_size', 1)} process(es) with "
             f"{_spread_of(state)}; this run has {ranks.size} with {_spread_of(sharding)}: a run whose weights are "
@@ -252,11 +254,10 @@ def load_sharded_checkpoint(
 
 def _spread_of(fields: dict) -> str:
     """How a run's weights were spread, in words."""
-    if fields.get("fsdp"):
-        return "fsdp"
+    parts = ["fsdp"] if fields.get("fsdp") else []
     if (fields.get("expert_parallel") or 1) > 1:
-        return f"expert_parallel {fields['expert_parallel']}"
-    return "the weights whole on every rank"
+        parts.append(f"expert_parallel {fields['expert_parallel']}")
+    return " and ".join(parts) or "the weights whole on every rank"
 
 
 def _load_tensors(path: Path):

@@ -420,10 +420,6 @@ class TrainConfig:
         need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
         need(self.expert_parallel >= 1, "expert_parallel must be >= 1")
         need(
-            self.expert_parallel == 1 or not self.fsdp,
-            "expert_parallel with fsdp: sharding the dense layers beside spread experts is not built yet; use one",
-        )
-        need(
             self.expert_parallel == 1 or self.rollout_backend == "own",
             "expert_parallel with rollout_backend: vllm: the server would need the spread experts gathered every "
             "step, which is not built; use the own sampler",

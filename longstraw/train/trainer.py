@@ -132,7 +132,12 @@ class Trainer(Evaluation):
 
             layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
             in_layers = [p for p in layers.parameters() if p.requires_grad]
-            shard(self.model, float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers))
+            spread = {p for p in self.model.parameters() if self._spread(p)}  # each rank's own: FSDP leaves them
+            shard(
+                self.model,
+                float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers),
+                ignored=spread or None,
+            )
         self.data = build_data(cfg, self.tok, rows, eval_rows)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
@@ -475,15 +480,15 @@ class Trainer(Evaluation):
     def _optimizer_step(self, m: dict) -> None:
         params = self.masters.params  # where the gradients are (float32)
         norm = None
-        if self.sharded:  # shards and replicated gradients: one norm, one verdict, the same on every rank
+        if self.experts is not None:  # each rank's experts, shards and the all-reduced rest: one norm on every rank
+            from ..distributed.expert_parallel import clip_grad_norm as clip_spread
+
+            norm = clip_spread(params, self.cfg.max_grad_norm, self.experts, self.ranks.pg)
+            grads_ok = math.isfinite(norm)
+        elif self.sharded:  # shards and replicated gradients: one norm, one verdict, the same on every rank
             from ..distributed.fsdp import clip_grad_norm
 
             norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg)
-            grads_ok = math.isfinite(norm)
-        elif self.experts is not None:  # each rank's experts and the all-reduced rest: one norm on every rank
-            from ..distributed.expert_parallel import clip_grad_norm as clip_spread
-
-            norm = clip_spread(params, self.cfg.max_grad_norm, self.experts)
             grads_ok = math.isfinite(norm)
         else:
             grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
@@ -536,15 +541,16 @@ class Trainer(Evaluation):
     def _whole_trainable(self) -> dict[str, torch.Tensor]:
         """{name: whole tensor on the CPU} of the trainable weights on rank 0 (a collective: sharded layers and
         spread experts gathered, in the same order on every rank); empty on the other ranks."""
-        named = self._named_trainable()
-        if self.sharded:
-            from ..distributed.fsdp import full_tensors
+        from ..distributed.fsdp import is_sharded
 
-            return full_tensors(named, keep=self.ranks.main)
         out = {}
         experts = self.experts
-        for name, p in named:
-            whole = experts.whole(p, name) if experts is not None and experts.is_spread(p) else p.detach()
+        for name, p in self._named_trainable():
+            if experts is not None and experts.is_spread(p):
+                whole = experts.whole(p, name)
+            else:
+                t = p.detach()
+                whole = t.full_tensor() if is_sharded(t) else t
             if self.ranks.main:
                 out[name] = whole.cpu().clone()
         return out
@@ -552,29 +558,26 @@ class Trainer(Evaluation):
     def _load_whole(self, values, where: str) -> None:
         """Whole tensors `values[name]` into the trainable weights: each rank keeps its shard of a sharded layer and
         its slice of spread experts."""
-        named = self._named_trainable()
-        if self.sharded:
-            from ..distributed.fsdp import load_full_tensors
+        from ..distributed.fsdp import load_full_tensors
 
-            load_full_tensors(named, values, where)
-            return
-        missing = [n for n, _ in named if n not in values]
+        named = self._named_trainable()
+        experts = self.experts
+        spread = [(n, p) for n, p in named if experts is not None and experts.is_spread(p)]
+        load_full_tensors([(n, p) for n, p in named if not self._spread(p)], values, where)
+        missing = [n for n, _ in spread if n not in values]
         if missing:
             raise ValueError(f"{where}: no values for {len(missing)} parameter(s), first {missing[0]}")
-        experts = self.experts
         with torch.no_grad():
-            for name, p in named:
-                v = values[name]
-                v = experts.local(p, v) if experts is not None and experts.is_spread(p) else v
+            for name, p in spread:
+                assert experts is not None  # spread parameters come from it
+                v = experts.local(p, values[name])
                 if tuple(v.shape) != tuple(p.shape):
                     raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, this rank's is {tuple(p.shape)}")
                 p.copy_(v.to(p.device, p.dtype))
 
     def _sharding(self) -> dict:
         """What a checkpoint of this run records about how its weights were spread (resumed only alike)."""
-        if self.sharded:
-            return {"fsdp": True}
-        return {"expert_parallel": self.cfg.expert_parallel}
+        return {"fsdp": self.sharded, "expert_parallel": self.cfg.expert_parallel}
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""

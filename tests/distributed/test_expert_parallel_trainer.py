@@ -31,6 +31,7 @@ CASES = {
     "mixtral-lora": dict(model="mixtral"),
     "deepseek-lora": dict(model="deepseek_v3"),
     "mixtral-full": dict(model="mixtral", lora=False, learning_rate=1e-3, beta=0.0),
+    "mixtral-fsdp": dict(model="mixtral", fsdp=True),  # the dense layers sharded beside the spread experts
 }
 
 
@@ -45,11 +46,15 @@ def _cfg(out: str, **kw) -> TrainConfig:
 
 
 def _whole(trainer, name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value` (of parameter `p`) whole: a spread slice gathered over the expert group (a collective)."""
+    """`value` (of parameter `p`) whole: a spread slice gathered over the expert group, an FSDP2 shard over the ranks
+    (collectives)."""
+    from longstraw.distributed.fsdp import is_sharded
+
     experts = trainer.experts
     if experts is not None and experts.is_spread(p):
         return experts.whole(p, name, value).clone()
-    return value.detach().clone()
+    value = value.detach()
+    return (value.full_tensor() if is_sharded(value) else value).clone()
 
 
 def _run(out: str, cfg: dict, force: dict | None = None, stop_after: int | None = None, resume: bool = False):
@@ -86,9 +91,12 @@ def _run(out: str, cfg: dict, force: dict | None = None, stop_after: int | None 
         trainer.train(on_step=on_step)
     except Stop:
         pass
+    from longstraw.distributed.fsdp import is_sharded
+
     final = {n: _whole(trainer, n, p, p) for n, p in named}
     return dict(rows=rows, grads=grads, at=at, final=final, experts=trainer.experts is not None,
-                shapes={n: tuple(p.shape) for n, p in named})
+                shapes={n: tuple(p.to_local().shape if is_sharded(p) else p.shape) for n, p in named},
+                fsdp_shards=sum(is_sharded(p) for _, p in named))
 
 
 def _worker(rank: int, n: int, init: str, out_dir: str, cases: list[str], resume: bool):
@@ -140,10 +148,11 @@ def _like_one_process(results: list, case: str, tmp_path) -> None:
     for other in results[1:]:
         for a, b in zip(got["grads"], other[case]["whole"]["grads"]):
             assert all(torch.equal(a[n], b[n]) for n in a)
-    # each rank held half of the experts' weights (and of their adapters)
-    spread = [n for n, s in got["shapes"].items() if s != tuple(got["final"][n].shape)]
-    assert spread and all(got["shapes"][n][0] * 2 == got["final"][n].shape[0] or
-                          got["shapes"][n][1] * 2 == got["final"][n].shape[1] for n in spread)
+    # each rank held half of the experts' weights (and of their adapters), and, with fsdp, half of the layers' others
+    halved = [n for n, s in got["shapes"].items() if s != tuple(got["final"][n].shape)]
+    assert halved and all(got["shapes"][n][0] * 2 == got["final"][n].shape[0] or
+                          got["shapes"][n][1] * 2 == got["final"][n].shape[1] for n in halved)
+    assert (got["fsdp_shards"] > 0) == bool(CASES[case].get("fsdp"))
     force = {row["step"]: w for row, w in zip(got["rows"], got["at"])}
     want = _run(str(tmp_path / "one"), CASES[case], force=force)
     assert not want["experts"] and len(want["grads"]) == STEPS
