@@ -57,4 +57,13 @@ echo "# (c) GRPO step grid, time box ${LEFT} s"
 if [ "$LEFT" -lt 40 ]; then echo "# no time left for the grid"; exit 0; fi
 timeout $(( LEFT + 20 )) "$PY" bench/gpu_step.py --out "$OUT" --budget-s $(( LEFT - 10 )) "${SMOKE_ARGS[@]}" 2>&1 \
     | grep -v '^{'
+# (d) on a machine with several GPUs: expert parallelism over NCCL, one GPU per rank (bench/expert_parallel.py)
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ] && [ -z "${SMOKE:-}" ]; then
+    CONFIGS=(1:1 2:1:fsdp 2:2 2:2:fsdp)
+    if [ "$NGPU" -ge 4 ]; then CONFIGS+=(4:1:fsdp 4:4 4:4:fsdp); fi
+    echo "# (d) expert parallelism over NCCL on ${NGPU} GPUs"
+    timeout 300 "$PY" bench/expert_parallel.py --backend nccl --P 65536 --configs "${CONFIGS[@]}" \
+        --out "$OUT/expert_parallel" 2>&1 | grep -v '^{'
+fi
 echo "# done in $(( $(date +%s) - T0 )) s"
