@@ -34,7 +34,7 @@ import torch
 
 from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
-from .kinds.full_attention import Room
+from .kinds.full_attention import Room, room_for
 from .model.positions import positions_left
 from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sample
 
@@ -106,8 +106,9 @@ def _cat_states(states: list[dict], name: str) -> dict:
 
 def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
     """One branch layer over the rows of `layers` (the same decoder layer of several branch caches, `rows[i]` rows
-    each): own K/V right-aligned and padded (`row_pad`, `row_offset`) in one buffer with `room` more columns that the
-    batch's decoding writes in place (`longstraw.kinds.full_attention.Room`), recurrent states concatenated."""
+    each): own K/V right-aligned and padded (`row_pad`, `row_offset`) in one buffer with `room` more columns (at most
+    `room_for`) that the batch's decoding writes in place (`longstraw.kinds.full_attention.Room`), recurrent states
+    concatenated."""
     first = layers[0]
     if isinstance(first, MixerlessBranchLayer):
         return first
@@ -128,6 +129,7 @@ def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
         new.keys = new.values = new.room = None
         if like is not None:
             k0, v0 = like.keys, like.values
+            room = room_for(width, room)
             keys = k0.new_empty(sum(rows), k0.shape[1], width + room, k0.shape[3])
             values = v0.new_empty(sum(rows), v0.shape[1], width + room, v0.shape[3])
             r = 0

@@ -197,3 +197,26 @@ def test_a_batch_takes_each_branch_once_and_a_failed_one_loses_them(monkeypatch)
         sample_branches(branches, 1, 4, temperature=0, keep=True)
     with pytest.raises(RuntimeError, match="lost its state"):
         branches[0].extend(tokens(2, 3))
+
+
+def test_a_long_cap_is_not_held_in_full(monkeypatch):
+    """A turn's cap of 600 tokens is not allocated from the first token (a response that stops early would hold it
+    all): the room at most doubles what the layer holds (at least `ROOM_MIN`), so 600 tokens after 3 take 3 copies,
+    and the last one ends exactly at the cap."""
+    from longstraw.kinds.full_attention import ROOM_MIN
+
+    _, branches = _branches(make_model("llama"), [3])
+    capacity: dict[int, list[tuple[int, int]]] = {}  # per layer: (own tokens, the room's columns) at each step
+    append = AttentionBranchLayer._append
+
+    def spy(self, k, v):
+        keys, values = append(self, k, v)
+        capacity.setdefault(id(self), []).append((keys.shape[-2], self.room.keys.shape[-2]))
+        return keys, values
+
+    monkeypatch.setattr(AttentionBranchLayer, "_append", spy)
+    branches[0].sample(600, temperature=0)
+    for steps in capacity.values():
+        assert len(steps) == 600
+        assert all(cap <= 2 * used + ROOM_MIN for used, cap in steps)
+        assert len({cap for _, cap in steps}) == 3 and steps[-1] == (603, 603), sorted({c for _, c in steps})

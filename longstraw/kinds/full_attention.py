@@ -21,6 +21,17 @@ from ..ops.quant import QuantizedTokens, host_or_device
 from . import base
 from .base import LayerState, PromptBranchLayer, register_layer_kind, repeat_rows
 
+#: the least room a copy makes (tokens), however few it has yet
+ROOM_MIN = 256
+
+
+def room_for(used: int, wanted: int) -> int:
+    """Columns of room to make after `used` own tokens for `wanted` more: all of them, but at most as many again as
+    the layer holds (at least `ROOM_MIN`), so that a long cap that is rarely reached (a response stopping early)
+    is not held in full from the first token; growing past it copies again, each copy at least doubling the room
+    (a token is copied O(1) times on average)."""
+    return max(0, min(wanted, max(ROOM_MIN, used)))
+
 
 @dataclass(eq=False)
 class Room:
@@ -166,8 +177,9 @@ class AttentionBranchLayer(PromptBranchLayer):
             return torch.cat([old_k, k], dim=-2), torch.cat([old_v, v], dim=-2)
         old = 0 if old_k is None else old_k.shape[-2]
         used = old + k.shape[-2]
-        keys = k.new_empty(*k.shape[:2], used + self.reserve, k.shape[3])
-        values = v.new_empty(*v.shape[:2], used + self.reserve, v.shape[3])
+        spare = room_for(used, self.reserve)
+        keys = k.new_empty(*k.shape[:2], used + spare, k.shape[3])
+        values = v.new_empty(*v.shape[:2], used + spare, v.shape[3])
         if old_k is not None and old_v is not None:
             keys[:, :, :old].copy_(old_k)
             values[:, :, :old].copy_(old_v)
