@@ -18,6 +18,10 @@ collective: every rank of the group must call each MoE layer the same number of 
 tokens (zero included). Gradients: an expert's weights receive the gradient of every rank's tokens routed to it, on
 the rank that holds it (no all-reduce); the other parameters' gradients are each rank's own tokens', summed over the
 ranks as any data-parallel gradient is. `ExpertShards.load` records the rows each rank received per layer.
+PEFT's LoRA adapters of the experts' 3-D weights (`target_parameters`) are spread with them (`_slice_adapters`);
+`ExpertShards.whole` / `local` gather a spread parameter whole and slice it back (checkpoints), `clip_grad_norm` takes
+one norm over spread, sharded and whole gradients. A call whose rows reach none of this rank's experts keeps its
+output in the autograd graph, so that the backward's all-to-alls run on every rank or on none.
 Memory: E/N experts per rank; the dispatch buffers are T·k rows of the hidden size, out and back.
 """
 
