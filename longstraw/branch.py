@@ -251,9 +251,9 @@ class Branch:
         self.added += turn.numel()
         return out
 
-    def _lend(self) -> BranchCache:
+    def lend_state(self) -> BranchCache:
         """The branch's own cache, handed to a ragged decode batch (`longstraw.ragged.sample_branches`, keep=True),
-        which gives it back through `adopt_turn`; until then the branch holds nothing of its own."""
+        which gives it back through `adopt_turn`; until then the branch holds nothing of its own (using it says so)."""
         own = self._live()
         self._own = None
         self._gone = "lost its state: the ragged decode batch it was handed to did not finish"

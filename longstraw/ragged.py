@@ -270,7 +270,7 @@ def sample_branches(
         check_generator(g, device)
     after = max(0, int(room_after))
     if keep:  # the branches' own caches, handed to the batch
-        caches = [cast("Branch", b)._lend() for b in branches]
+        caches = [cast("Branch", b).lend_state() for b in branches]
     else:
         caches = [b._cache(k) for b, k in zip(branches, counts)]
     block = caches[0].block
