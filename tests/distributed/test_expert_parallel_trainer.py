@@ -189,3 +189,14 @@ def test_spread_experts_resume_from_their_checkpoint(spread_runs, case):
     assert results[0][case]["cut_steps"] == 2 and len(resumed["grads"]) == 1
     for n, w in whole["final"].items():
         assert torch.equal(resumed["final"][n], w), n
+
+
+def test_expert_parallel_refusals(tmp_path):
+    """What is not built is refused by name: expert_parallel on a process count it does not divide (one process here),
+    with vLLM rollouts; and below 1."""
+    with pytest.raises(ValueError, match="expert_parallel: 2 needs a process count it divides; this run has 1"):
+        Trainer(_cfg(str(tmp_path / "one"), model="mixtral", expert_parallel=2))
+    with pytest.raises(ValueError, match="expert_parallel with rollout_backend: vllm"):
+        _cfg(str(tmp_path / "v"), model="mixtral", expert_parallel=2, rollout_backend="vllm", train_embeddings=False)
+    with pytest.raises(ValueError, match="expert_parallel must be >= 1"):
+        _cfg(str(tmp_path / "z"), model="mixtral", expert_parallel=0)
