@@ -71,9 +71,9 @@ class Branch:
         self.state = state
         #: the process group of a context-parallel prompt state (`longstraw.distributed.Group`), else None
         self.group = getattr(state, "group", None)
-        self._parts = state._parts
+        self.parts = state.parts
         self.chunk_size = chunk_size or state.chunk_size
-        self._own: BranchCache | None = state._cache(1)
+        self._own: BranchCache | None = state.branch_cache(1)
         for layer in self._own.layers:  # sliding-window layers keep only the own K/V later tokens can read
             if isinstance(layer, AttentionBranchLayer):
                 layer.trim = True
@@ -110,7 +110,7 @@ class Branch:
         return own_nbytes(self._live(), self.state)
 
     def _check_room(self, n: int) -> None:
-        check_positions(self._parts.config, self.length + n, "the trajectory")
+        check_positions(self.parts.config, self.length + n, "the trajectory")
 
     @property
     def prompt_length(self) -> int:
@@ -122,7 +122,7 @@ class Branch:
         """ "detached": what the branch added was run without autograd, a constant for whatever reads it."""
         return "detached"
 
-    def _cache(self, batch: int = 1) -> BranchCache:
+    def branch_cache(self, batch: int = 1) -> BranchCache:
         """A branch cache that starts where this branch is and grows apart from it (snapshots of its layers), for
         `batch` sequences (the branch's own tensors repeated as views); the branch itself is unchanged."""
         own = self._live()
@@ -136,9 +136,9 @@ class Branch:
         """A new branch that starts where this one is (the same positions, its layers' snapshots) and grows apart
         from it: each of a row's trajectories forks from the row's branch as they fork from a prompt state."""
         new = Branch.__new__(Branch)
-        new.state, new.group, new._parts = self.state, self.group, self._parts
+        new.state, new.group, new.parts = self.state, self.group, self.parts
         new.chunk_size = chunk_size or self.chunk_size
-        new._own = self._cache(1)
+        new._own = self.branch_cache(1)
         new.last_token = self.last_token.clone()
         new.length, new.added = self.length, self.added
         new._gone = None
@@ -166,12 +166,12 @@ class Branch:
             )
         if prefix_ids is not None and len(prefix_ids) > 0:  # the prefix read into a child branch first
             with self.fork() as child:
-                child.extend(as_ids(prefix_ids, "prefix_ids", self._parts.config.vocab_size, self.last_token.device))
+                child.extend(as_ids(prefix_ids, "prefix_ids", self.parts.config.vocab_size, self.last_token.device))
                 return child.replay(response_ids, temperature, checkpoint_layers)
-        response = self.state._response(response_ids, checkpoint_layers, self.length)
-        cache = self.state._replay_cache(self)
+        response = self.state.checked_response(response_ids, checkpoint_layers, self.length)
+        cache = self.state.replay_cache(self)
         return replay_tokens(
-            self._parts, self.last_token, self.length - 1, response, cache, temperature, checkpoint_layers
+            self.parts, self.last_token, self.length - 1, response, cache, temperature, checkpoint_layers
         )
 
     # ------------------------------------------------------------------ growth
@@ -183,7 +183,7 @@ class Branch:
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(device)
         if ids.numel() == 0:
             return
-        vocab = self._parts.config.vocab_size
+        vocab = self.parts.config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"tokens outside [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
         self._check_room(ids.numel())
@@ -194,7 +194,7 @@ class Branch:
         for s in range(0, inputs.numel(), self.chunk_size):
             e = min(s + self.chunk_size, inputs.numel())
             cache.reserve(inputs.numel() - e)  # the own K/V grow in place, one copy for the whole extension
-            run_decoder(self._parts, inputs[None, s:e], torch.arange(start + s, start + e, device=device), cache)
+            run_decoder(self.parts, inputs[None, s:e], torch.arange(start + s, start + e, device=device), cache)
         cache.reserve(0)
         self.last_token = ids[-1:].clone()
         self.length += ids.numel()
@@ -215,8 +215,8 @@ class Branch:
         tokens (its stop token included) become part of the trajectory. `max_new_tokens` is cut to the positions
         the model has left."""
         cache = self._live()
-        vocab = self._parts.config.vocab_size
-        max_new_tokens = positions_left(self._parts.config, self.length, max_new_tokens)
+        vocab = self.parts.config.vocab_size
+        max_new_tokens = positions_left(self.parts.config, self.length, max_new_tokens)
         check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
         device = self.last_token.device
         check_generator(generator, device)
@@ -231,7 +231,7 @@ class Branch:
                 },
             )
         out = decode(
-            self._parts,
+            self.parts,
             cache,
             self.last_token[None],
             self.length - 1,

@@ -50,7 +50,9 @@ class PromptState:
         prompt_grad: str,
         block: int,
     ):
-        self._parts = parts
+        #: the model's parts the state was captured with (decoder, LM head, config: `longstraw.hf.parts.ModelParts`),
+        #: what its branches, sampler and replays run
+        self.parts = parts
         self.layers: list[LayerState] | None = layers
         self.last_token = last_token
         self.prompt_length = prompt_length
@@ -89,7 +91,8 @@ class PromptState:
             raise RuntimeError("this PromptState was released")
         return self.layers
 
-    def _cache(self, batch: int = 1) -> BranchCache:
+    def branch_cache(self, batch: int = 1) -> BranchCache:
+        """A cache of `batch` rows over this state (each layer's branch: reads the state, keeps what the rows add)."""
         return BranchCache([layer.branch(batch) for layer in self._live()], block=self.block)
 
     # ------------------------------------------------------------------ exact mode
@@ -108,7 +111,7 @@ class PromptState:
         layers = self._live()
         if self._backward_done:
             raise RuntimeError("PromptState.backward() was already called for this state")
-        parts = self._parts
+        parts = self.parts
         device = self.last_token.device
         bounds = self._chunks
         for c in range(len(bounds) - 1, -1, -1):
@@ -155,7 +158,7 @@ class PromptState:
         layer's activations (MoE experts included) to one layer's, for one more forward of the response.
         Gradients are the same.
         """
-        parts = self._parts
+        parts = self.parts
         device = self.last_token.device
         prefix = (
             torch.zeros(0, dtype=torch.long, device=device)
@@ -167,8 +170,8 @@ class PromptState:
             return self._replay_after(prefix, response_ids, temperature, checkpoint_layers)
         if n:  # exact: one forward of prefix + response, the log-probs taken after the prefix
             response_ids = torch.cat([prefix, as_ids(response_ids, "response_ids", parts.config.vocab_size, device)])
-        response = self._response(response_ids, checkpoint_layers)
-        cache = self._replay_cache()
+        response = self.checked_response(response_ids, checkpoint_layers)
+        cache = self.replay_cache()
         start = self.prompt_length - 1
         return replay_tokens(parts, self.last_token, start, response, cache, temperature, checkpoint_layers, skip=n)
 
@@ -179,19 +182,21 @@ class PromptState:
             branch.extend(prefix)
             return branch.replay(response_ids, temperature, checkpoint_layers)
 
-    def _response(self, response_ids, checkpoint_layers: bool, length: int | None = None) -> torch.Tensor:
+    def checked_response(
+        self, response_ids: TokenIds, checkpoint_layers: bool, length: int | None = None
+    ) -> torch.Tensor:
         """The response of a replay as a 1-D LongTensor on the state's device, checked against the vocabulary and the
         model's positions after `length` tokens (default: the prompt's; a branch's replay gives its own)
         (`ContextParallelState` agrees it across the ranks)."""
-        parts = self._parts
+        parts = self.parts
         response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
         check_length(parts.config, (self.prompt_length if length is None else length) + response.numel())
         return response
 
-    def _replay_cache(self, branch: Branch | None = None) -> BranchCache:
+    def replay_cache(self, branch: Branch | None = None) -> BranchCache:
         """The cache a replay reads its prompt state through: each layer's branch, or a snapshot of `branch`'s layers
         (a replay after a branch of this state) (`ContextParallelState` reads the sliced layers across the ranks)."""
-        return self._cache() if branch is None else branch._cache(1)
+        return self.branch_cache() if branch is None else branch.branch_cache(1)
 
     def fork(self, chunk_size: int | None = None) -> Branch:
         """A `longstraw.branch.Branch` of this state: one trajectory that grows by `extend` (tool output) and
@@ -300,7 +305,7 @@ def capture_local(
                 for layer in layers:
                     layer.mark_boundary()
                 state._chunks.append((s, e))
-            cache = state._cache()
+            cache = state.branch_cache()
             run_decoder(parts, prompt[None, s:e], torch.arange(s, e, device=device), cache)
             for layer, branch in zip(layers, cache.layers):
                 layer.commit(branch, e - s)

@@ -63,9 +63,9 @@ def stackable(branches: Sequence[Branch | PromptState]) -> bool:
     state = _prompt(branches[0])
     if any(_prompt(b) is not state for b in branches) or getattr(state, "group", None) is not None:
         return False
-    if _reads_position_from_cache(state._parts.decoder):
+    if _reads_position_from_cache(state.parts.decoder):
         return False
-    probe = branches[0]._cache(1)
+    probe = branches[0].branch_cache(1)
     return all(layer_stackable(layer) for layer in probe.layers)
 
 
@@ -256,7 +256,7 @@ def sample_branches(
             sample(b, k, c, generator=g, allowed_token_ids=allowed_token_ids, **kw)  # type: ignore[arg-type]
             for b, k, c, g in zip(branches, counts, caps, gens)
         ]
-    parts = branches[0]._parts
+    parts = branches[0].parts
     vocab = parts.config.vocab_size
     if keep:
         caps = [
@@ -272,7 +272,7 @@ def sample_branches(
     if keep:  # the branches' own caches, handed to the batch
         caches = [cast("Branch", b).lend_state() for b in branches]
     else:
-        caches = [b._cache(k) for b, k in zip(branches, counts)]
+        caches = [b.branch_cache(k) for b, k in zip(branches, counts)]
     block = caches[0].block
     per_branch: list[list] = [list(own.layers) for own in caches]
     del caches

@@ -163,12 +163,12 @@ def sample(
     `prefix_ids` `[L]`: tokens already in the response (earlier turns, tool output): read once into
     every row's own state, then decoding continues after them; returned tokens exclude the prefix.
     """
-    parts = state._parts
+    parts = state.parts
     check_sampling(num, max_new_tokens, temperature, top_p, top_k, parts.config.vocab_size)
     device = state.last_token.device
     banned = banned_tokens(allowed_token_ids, parts.config.vocab_size, device)
     check_generator(generator, device)
-    cache = state._cache(num)
+    cache = state.branch_cache(num)
     for layer in cache.layers:  # sliding-window layers keep only the own K/V later steps can read
         if isinstance(layer, AttentionBranchLayer):
             layer.trim = True

@@ -128,7 +128,7 @@ def replay_segments(
             before_last_backward=before_last_backward,
         )
         return Replay(logprobs=out.logprobs[n:], entropy=out.entropy[n:])
-    parts = state._parts
+    parts = state.parts
     device = state.last_token.device
     group = getattr(state, "group", None)
     m = torch.as_tensor(mask, dtype=torch.float32).reshape(-1)
@@ -137,14 +137,14 @@ def replay_segments(
         if m.numel() != response.numel():
             raise ValueError(f"mask has {m.numel()} entries for {response.numel()} tokens")
         check_length(parts.config, state.prompt_length + response.numel())
-        cache = state._cache(1)
+        cache = state.branch_cache(1)
     else:
         # context parallelism: a collective; the response checked on every rank, the cache reads the prompt's slices
         owner = state if isinstance(state, PromptState) else state.state
         if m.numel() != torch.as_tensor(response_ids).numel():
             response_ids = torch.full((1,), -1)  # refused on every rank by the agreed check below
-        response = owner._response(response_ids, checkpoint_layers, state.prompt_length)
-        cache = owner._replay_cache(None if state is owner else cast(Branch, state))
+        response = owner.checked_response(response_ids, checkpoint_layers, state.prompt_length)
+        cache = owner.replay_cache(None if state is owner else cast(Branch, state))
     if not _Carry.serves(cache):  # the same gradient, the whole trajectory's graph
         return _replay_whole(state, response, m, segment_loss, temperature, checkpoint_layers, before_last_backward)
     return _replay_carried(
@@ -451,11 +451,11 @@ def _idle(state, inputs, start: int, slot: _Slot, checkpoint_layers: bool, befor
     """A rank with no segment in `slot`: the trajectory's first input token through a throwaway replay cache (the
     same collectives as the other ranks' forward), and a backward of weight 0 when the slot has one."""
     owner = state if isinstance(state, PromptState) else state.state
-    cache = owner._replay_cache(None if state is owner else state)
+    cache = owner.replay_cache(None if state is owner else state)
     _set_lengths(cache, slot.lengths)
     positions = torch.arange(start, start + 1, device=inputs.device)
     with torch.set_grad_enabled(slot.backward):
-        hidden = run_decoder(state._parts, inputs[None, :1], positions, cache, checkpoint_layers=checkpoint_layers)
+        hidden = run_decoder(state.parts, inputs[None, :1], positions, cache, checkpoint_layers=checkpoint_layers)
         if slot.backward and hidden.requires_grad:
             if before_backward is not None:
                 before_backward()
@@ -480,7 +480,7 @@ def _replay_carried(
     `PromptState.backward()`. Cost: about one more forward + backward of the trajectory before its last policy turn;
     memory: the carry (`_Carry`) + one segment's graph. Context parallelism: the slots of `_lockstep`; an environment
     segment in a slot where another rank back-propagates runs with autograd and a backward of weight 0."""
-    parts = state._parts
+    parts = state.parts
     device = state.last_token.device
     group = getattr(state, "group", None)
     collective = group is not None

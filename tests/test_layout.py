@@ -112,6 +112,44 @@ def test_no_module_imports_another_modules_private_names():
     assert not private, f"(module, from, private name): {private}"
 
 
+def private_reads(package: Path = PACKAGE) -> list[tuple[str, str]]:
+    """(module, private attribute) for every `x._name` a module reads where `_name` is a private attribute, method or
+    function of another module of the package and of none of its own (`self._name` / `cls._name` and `super()._name`
+    are the class's own business). Private names of other libraries are not counted."""
+    mods = _modules(package)
+    trees = {m: ast.parse(f.read_text()) for m, f in mods.items()}
+    own: dict[str, set[str]] = {m: set() for m in mods}
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own[m].add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own[m].add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own[m].add(node.id)
+    defined = set().union(*own.values())
+    found = []
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            if node.attr in defined and node.attr not in own[m]:
+                found.append((m, node.attr))
+    return sorted(set(found))
+
+
+def test_no_module_reads_another_modules_private_members():
+    """What modules share of each other is public (`PromptState.parts`, `branch_cache`, `replay_cache`,
+    `checked_response`, `Group.fail`, ...): no module reads a private member another module defines."""
+    found = private_reads()
+    assert not found, f"(module, private member of another module): {found}"
+
+
 def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     """The checks themselves: a two-module circle held together by a function-local import is found, and so is an
     import of a private name; an annotation-only import is not an edge."""
@@ -126,6 +164,19 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     graph, private = import_graph(pkg)
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
     assert private == [("pkg.d", "pkg.a", "_hidden")]
+
+
+def test_the_check_sees_a_private_member_read_from_another_module(tmp_path):
+    """A module reading another module's private attribute or method is found; its own, `self._x`, `super()._x` and
+    other libraries' private names are not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "state.py").write_text("class State:\n    def __init__(self):\n        self._parts = 1\n\n"
+                                  "    def _cache(self):\n        return self._parts\n")
+    (pkg / "user.py").write_text("import torch\n\ndef f(s, other):\n    torch._C\n    other._mine = 2\n"
+                                 "    return s._cache(), s._parts, other._mine\n")
+    assert private_reads(pkg) == [("pkg.user", "_cache"), ("pkg.user", "_parts")]
 
 
 #: The package's tiers, top to bottom (docs/design.md, "The tiers"): a module imports modules of its own tier or of a

@@ -91,7 +91,7 @@ class Group:
         # gloo exchanges CPU tensors; NCCL device tensors
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
-    def _fail(self, name: str, err: BaseException):
+    def fail(self, name: str, err: BaseException):
         raise CollectiveError(
             f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} ({type(err).__name__}: {err})"
         ) from err
@@ -146,7 +146,7 @@ class Group:
         try:
             _all_gather_single(out, buf, group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
         parts = [self._unpack(chunk, specs, device) for chunk in out.chunk(self.size)]
         self._check_tags(name, [t for t, _ in parts])
         return [p for _, p in parts]
@@ -162,7 +162,7 @@ class Group:
         try:
             dist.all_to_all_single(recv, send, group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
         parts = [self._unpack(chunk, specs, device) for chunk in recv.chunk(self.size)]
         self._check_tags(name, [t for t, _ in parts])
         return [p for _, p in parts]
@@ -175,7 +175,7 @@ class Group:
         try:
             dist.broadcast(buf, src=self._global(src), group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
         tag, out = self._unpack(buf, specs, device)
         self._check_tags(name, [tag])
         return out
@@ -196,7 +196,7 @@ class Group:
             )
             dist.send(self._pack(name, tensors), dst=self._global(dst), group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
 
     def recv(self, name: str, src: int, device=None) -> list[torch.Tensor]:
         """What rank `src` sent with `send` under the same name."""
@@ -204,7 +204,7 @@ class Group:
         try:
             dist.recv(header, src=self._global(src), group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
         fields: list[int] = header.tolist()
         self._check_tags(name, [fields[0]], ranks=[src])
         specs = []
@@ -215,7 +215,7 @@ class Group:
         try:
             dist.recv(buf, src=self._global(src), group=self.group)
         except RuntimeError as err:
-            self._fail(name, err)
+            self.fail(name, err)
         tag, out = self._unpack(buf, specs, device or self.device)
         self._check_tags(name, [tag], ranks=[src])
         return out

@@ -219,7 +219,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, shards: ExpertSh
         if any(isinstance(g, DTensor) for g in grads):
             dist.all_reduce(shard_sq, group=sharded_group)
     except RuntimeError as err:
-        shards.group._fail("expert parallel: gradient norm", err)
+        shards.group.fail("expert parallel: gradient norm", err)
     norm = float((spread_sq + shard_sq + whole_sq).sqrt())
     if max_norm > 0 and math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -245,7 +245,7 @@ class _Exchange(torch.autograd.Function):
         try:
             dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.group)
         except RuntimeError as err:
-            group._fail(name, err)
+            group.fail(name, err)
         return out
 
     @staticmethod
@@ -254,7 +254,7 @@ class _Exchange(torch.autograd.Function):
         try:
             dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group.group)
         except RuntimeError as err:
-            ctx.group._fail(f"{ctx.name} (backward)", err)
+            ctx.group.fail(f"{ctx.name} (backward)", err)
         return back, None, None, None, None
 
 
@@ -264,7 +264,7 @@ def _counts(group: Group, send: list[int], name: str) -> list[int]:
     try:
         dist.all_to_all_single(out, torch.tensor(send, dtype=torch.int64), group=group.group)
     except RuntimeError as err:
-        group._fail(name, err)
+        group.fail(name, err)
     return out.tolist()
 
 
@@ -287,7 +287,7 @@ def expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: torc
         try:
             dist.all_to_all_single(ids, (flat[order] - dest[order] * n).contiguous(), recv, send, group=g.group)
         except RuntimeError as err:
-            g._fail(f"{name}: expert ids", err)
+            g.fail(f"{name}: expert ids", err)
     shards.load[i].append(int(sum(recv)))
     eager = type(self).forward.__wrapped__
     y = eager(self, x, ids[:, None], torch.ones(ids.numel(), 1, dtype=top_k_weights.dtype, device=x.device))

@@ -90,7 +90,7 @@ class Ranks:
         return list(range(self.rank, n, self.size))
 
     # ------------------------------------------------------------------ collectives
-    def _fail(self, name: str, err: BaseException):
+    def fail(self, name: str, err: BaseException):
         raise CollectiveError(
             f"longstraw collective {name!r} failed on rank {self.rank} of {self.size} ({type(err).__name__}: {err})"
         ) from err
@@ -196,7 +196,7 @@ class Ranks:
             try:
                 torch.distributed.all_reduce(flat, group=self.pg)
             except RuntimeError as err:
-                self._fail(f"{name} (bucket {k + 1} of {len(buckets)})", err)
+                self.fail(f"{name} (bucket {k + 1} of {len(buckets)})", err)
             off = 0
             for g in grads:
                 g.copy_(flat[off : off + g.numel()].view_as(g))
@@ -210,7 +210,7 @@ class Ranks:
             try:
                 torch.distributed.broadcast(p.data, src=0, group=self.pg)
             except RuntimeError as err:
-                self._fail(f"{name}: {pname}", err)
+                self.fail(f"{name}: {pname}", err)
 
     def check_same(self, named: list[tuple[str, torch.Tensor]], name: str, where: str = "") -> None:
         """Raise on every rank if the parameters differ between ranks: a float64 sum and sum of squares per tensor,

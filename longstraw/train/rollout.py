@@ -187,7 +187,7 @@ class TurnSampler:
     @property
     def max_positions(self) -> int | None:
         """The model's positions (`max_position_embeddings`; None: unbounded), which a trajectory may not pass."""
-        return position_limit(self.state._parts.config)
+        return position_limit(self.state.parts.config)
 
     @property
     def is_main(self) -> bool:

@@ -14,7 +14,7 @@ from ...hf.cache import BranchCache
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ...kinds.sliding_window import SlidingKVState
 from ...prompt_state import PromptState, as_ids, check_length, run_decoder
-from ...sampler import Samples, sampling_fields
+from ...sampler import Samples, TokenIds, sampling_fields
 from ..collectives import Group
 from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
 from .kinds import capture_branch, replay_branch, sample_branch
@@ -81,11 +81,13 @@ class ContextParallelState(PromptState):
             f"positions [{s}, {e}), {status})"
         )
 
-    def _response(self, response_ids, checkpoint_layers: bool, length: int | None = None) -> torch.Tensor:
+    def checked_response(
+        self, response_ids: TokenIds, checkpoint_layers: bool, length: int | None = None
+    ) -> torch.Tensor:
         """`PromptState.replay`'s check of the response, as a collective: every rank's response length is agreed
         (with the replay's number, `checkpoint_layers` and grad mode, which must match), and an invalid response on
         any rank is refused on every rank."""
-        parts = self._parts
+        parts = self.parts
         self._live()
         try:
             response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
@@ -115,12 +117,12 @@ class ContextParallelState(PromptState):
             ) from error
         return response
 
-    def _replay_cache(self, branch: Branch | None = None) -> BranchCache:
+    def replay_cache(self, branch: Branch | None = None) -> BranchCache:
         """The cache of a replay: sliced layers attend across the ranks' slices (`ReplayAttention`), the others read
         their replicated state locally. After `branch` (a branch of this state, the same on every rank): the sliced
         layers start from the branch's own K/V, the others from snapshots of the branch's layers."""
         start = self.prompt_length - 1
-        grown = None if branch is None else branch._cache(1).layers
+        grown = None if branch is None else branch.branch_cache(1).layers
         layers = []
         for i, layer in enumerate(self._live()):
             if isinstance(layer, SliceKVState):
@@ -178,12 +180,12 @@ class ContextParallelState(PromptState):
                 ]
                 got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
                 relay = RecurrentRelayExact(g, cache, i, layer, device, rank_sum(got))
-                block = cast(torch.nn.ModuleList, self._parts.decoder.layers)[i]
+                block = cast(torch.nn.ModuleList, self.parts.decoder.layers)[i]
                 hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
         assert self._prompt is not None  # exact mode: the captured tokens (`capture`)
         try:
             with torch.enable_grad():
-                hidden = run_decoder(self._parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
+                hidden = run_decoder(self.parts, self._prompt[None, s:e], torch.arange(s, e, device=device), cache)
         finally:
             for h in hooks:
                 h.remove()
@@ -260,7 +262,7 @@ class ContextParallelState(PromptState):
         )
         return samples
 
-    def _cache(self, batch: int = 1) -> BranchCache:
+    def branch_cache(self, batch: int = 1) -> BranchCache:
         """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
         start = self.prompt_length - 1
         return BranchCache(
