@@ -79,3 +79,46 @@ def test_demo_runs_in_bf16_from_the_command_line(tmp_path, capsys):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     blob = torch.load(out / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
     assert blob["master_weights"] and all(t.dtype == torch.float32 for t in blob["master_weights"])
+
+
+def test_vllm_serve_without_lora_serves_an_untied_copy(tmp_path, monkeypatch, capsys):
+    """`longstraw vllm-serve MODEL --lora-rank 0` (full fine-tuning: the weights are reloaded every step) on a model
+    with tied embeddings writes `MODEL-untied` beside it, whose LM head is a tensor of its own equal to the embeddings
+    and whose config says so, and serves that folder (the server itself replaced here: tests/train/test_vllm_backend.py
+    runs real ones)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from longstraw.tasks.tokenizer import build_tokenizer
+    from longstraw.testing.models import tiny_model
+    from longstraw.train import vllm_server
+
+    folder = tmp_path / "tied"
+    model = tiny_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    served = []
+
+    class Server:
+        url, log_path = "http://127.0.0.1:0", tmp_path / "log"
+
+        def alive(self):
+            return False
+
+        def log_tail(self):
+            return ""
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(vllm_server, "ensure_environment", lambda: None)
+    monkeypatch.setattr(vllm_server, "start", lambda model, **kw: served.append((model, kw)) or Server())
+    assert cli.main(["vllm-serve", str(folder), "--lora-rank", "0"]) == 1  # the stand-in server "exits" at once
+    untied = tmp_path / "tied-untied"
+    assert served and served[0][0] == untied and served[0][1]["lora_rank"] == 0
+    weights = load_file(str(untied / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
+    assert AutoConfig.from_pretrained(untied).tie_word_embeddings is False
+    assert "serving an untied copy" in capsys.readouterr().out
