@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 
 from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
+from .hf.parts import ModelParts
 from .kinds import AttentionBranchLayer
 from .kinds.base import BranchLayer
 from .model.positions import check_positions, positions_left
@@ -56,8 +57,28 @@ from .sampler import (
     sampling_fields,
 )
 
-if TYPE_CHECKING:
-    from .prompt_state import PromptState
+
+class PromptView(Protocol):
+    """What a branch reads of the prompt state it grows on (`longstraw.prompt_state.PromptState`, the
+    context-parallel state): never written."""
+
+    parts: ModelParts
+    last_token: torch.Tensor
+    chunk_size: int
+    prompt_grad: str
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    def branch_cache(self, batch: int = 1) -> BranchCache: ...
+
+    def replay_cache(self, branch: Branch | None = None) -> BranchCache: ...
+
+    def checked_response(
+        self, response_ids: TokenIds, checkpoint_layers: bool, length: int | None = None
+    ) -> torch.Tensor: ...
+
+    def live_layers(self) -> list: ...
 
 
 class Branch:
@@ -67,7 +88,7 @@ class Branch:
     Free it with `release()` or as a context manager; the prompt state stays.
     """
 
-    def __init__(self, state: PromptState, chunk_size: int | None = None):
+    def __init__(self, state: PromptView, chunk_size: int | None = None):
         self.state = state
         #: the process group of a context-parallel prompt state (`longstraw.distributed.Group`), else None
         self.group = getattr(state, "group", None)
@@ -87,7 +108,7 @@ class Branch:
     def _live(self):
         if self._own is None:
             raise RuntimeError(f"this Branch {getattr(self, '_gone', None) or 'was released'}")
-        self.state._live()  # the prompt state must still be held
+        self.state.live_layers()  # the prompt state must still be held
         return self._own
 
     def release(self) -> None:
@@ -262,7 +283,7 @@ class Branch:
     def adopt_turn(self, layers: list, turn: torch.Tensor, block: int) -> None:
         """Take `layers` (this branch's row of a ragged decode batch, `longstraw.ragged.take_row`) as the branch's own
         state after it sampled `turn` `[n]`: what `sample` leaves."""
-        self.state._live()
+        self.state.live_layers()
         self._own = BranchCache(layers, block=block)
         self._gone = None
         self.last_token = turn[-1:].clone()
@@ -270,9 +291,9 @@ class Branch:
         self.added += turn.numel()
 
 
-def own_nbytes(cache, state: PromptState) -> int:
+def own_nbytes(cache, state: PromptView) -> int:
     """Bytes of the tensors a branch cache holds of its own: those that share no storage with the prompt state."""
-    shared = {t.untyped_storage().data_ptr() for layer in state._live() for t in layer.tensors()}
+    shared = {t.untyped_storage().data_ptr() for layer in state.live_layers() for t in layer.tensors()}
     seen: set[int] = set()
     total = 0
     for layer in cache.layers:

@@ -91,6 +91,10 @@ class PromptState:
             raise RuntimeError("this PromptState was released")
         return self.layers
 
+    def live_layers(self) -> list[LayerState]:
+        """The state's layers; raises if the state was released (what a branch checks before it reads the state)."""
+        return self._live()
+
     def branch_cache(self, batch: int = 1) -> BranchCache:
         """A cache of `batch` rows over this state (each layer's branch: reads the state, keeps what the rows add)."""
         return BranchCache([layer.branch(batch) for layer in self._live()], block=self.block)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import Protocol
 
 import torch
 
@@ -36,11 +36,25 @@ from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
 from .kinds.full_attention import Room, room_for
 from .model.positions import positions_left
-from .sampler import Samples, banned_tokens, check_generator, check_sampling, decode, sample
+from .sampler import Decodable, Samples, banned_tokens, check_generator, check_sampling, decode, sample
 
-if TYPE_CHECKING:
-    from .branch import Branch
-    from .prompt_state import PromptState
+
+class Growing(Decodable, Protocol):
+    """A branch a ragged batch grows by one turn (`keep=True`: `longstraw.branch.Branch`): it hands its own state
+    to the batch and takes its row back."""
+
+    def lend_state(self) -> BranchCache: ...
+
+    def adopt_turn(self, layers: list, turn: torch.Tensor, block: int) -> None: ...
+
+    def sample(self, max_new_tokens: int, **options) -> Samples: ...
+
+
+def _growing(b: Decodable) -> Growing:
+    """`b` as a branch that grows (`keep=True`): a `PromptState` does not."""
+    if not all(callable(getattr(b, name, None)) for name in ("lend_state", "adopt_turn", "sample")):
+        raise TypeError(f"keep=True grows branches (longstraw.branch.Branch); got {type(b).__name__}")
+    return b  # type: ignore[return-value]  # checked above
 
 
 def _attention_ok(layer) -> bool:
@@ -55,7 +69,7 @@ def layer_stackable(layer) -> bool:
     return kind in (RecurrentBranchLayer, MixerlessBranchLayer)
 
 
-def stackable(branches: Sequence[Branch | PromptState]) -> bool:
+def stackable(branches: Sequence[Decodable]) -> bool:
     """Whether `sample_branches` decodes `branches` in one batch: one prompt state, on one process, and every layer of
     a kind `stack_layers` serves."""
     if not branches:
@@ -86,7 +100,7 @@ def _reads_position_from_cache(decoder) -> bool:
     return known
 
 
-def _prompt(b) -> PromptState:
+def _prompt(b: Decodable) -> Decodable:
     return getattr(b, "state", b)  # a Branch's prompt state, or the prompt state itself
 
 
@@ -212,7 +226,7 @@ def split_rows(layer, rows: Sequence[int]) -> list:
 
 @torch.no_grad()
 def sample_branches(
-    branches: Sequence[Branch | PromptState],
+    branches: Sequence[Decodable],
     nums: Sequence[int] | int,
     max_new_tokens: int | Sequence[int],
     *,
@@ -249,7 +263,7 @@ def sample_branches(
     if not stackable(branches):  # one branch after another
         if keep:
             return [
-                cast("Branch", b).sample(c, generator=g, allowed_token_ids=allowed_token_ids, **kw)  # type: ignore[arg-type]
+                _growing(b).sample(c, generator=g, allowed_token_ids=allowed_token_ids, **kw)  # type: ignore[arg-type]
                 for b, c, g in zip(branches, caps, gens)
             ]
         return [
@@ -270,7 +284,7 @@ def sample_branches(
         check_generator(g, device)
     after = max(0, int(room_after))
     if keep:  # the branches' own caches, handed to the batch
-        caches = [cast("Branch", b).lend_state() for b in branches]
+        caches = [_growing(b).lend_state() for b in branches]
     else:
         caches = [b.branch_cache(k) for b, k in zip(branches, counts)]
     block = caches[0].block
@@ -323,5 +337,5 @@ def sample_branches(
         r += k
     if keep:
         for i, b in enumerate(branches):
-            cast("Branch", b).adopt_turn(taken[i], out.tokens[i], cache.block)
+            _growing(b).adopt_turn(taken[i], out.tokens[i], cache.block)
     return results

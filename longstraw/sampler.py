@@ -17,18 +17,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
+from .hf.parts import ModelParts
 from .kinds import AttentionBranchLayer
 from .model.positions import check_positions
 from .ops.logprobs import chunked_logprobs
 
-if TYPE_CHECKING:
-    from .branch import Branch
-    from .prompt_state import PromptState
+
+class Decodable(Protocol):
+    """Where decoding starts (`longstraw.prompt_state.PromptState`, a `longstraw.branch.Branch` of one, the
+    context-parallel state): the model's parts, the positions before the next token, the held-back last token `[1]`,
+    and a cache of `batch` rows over it."""
+
+    parts: ModelParts
+    last_token: torch.Tensor
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    def branch_cache(self, batch: int = 1) -> BranchCache: ...
 
 
 #: token ids as callers pass them: a 1-D (or `[1, T]`) integer tensor, or a sequence of ints
@@ -143,7 +155,7 @@ def check_length(cfg, total: int) -> None:
 
 
 def sample(
-    state: PromptState | Branch,
+    state: Decodable,
     num: int,
     max_new_tokens: int,
     *,

@@ -1,8 +1,10 @@
-"""The package's import graph: no import circle, and no module importing another's private names.
+"""The package's import graph: no import circle, no import of a higher tier, and no module reading another's private
+names or members.
 
-Every import counts, function-local ones included (they are how circles hide); two kinds do not, because they never
-run as an import of the module: imports under `if TYPE_CHECKING:` (annotations) and those inside a module's
-`__getattr__` (the re-export of a moved name, kept for one release with a deprecation warning).
+Every import counts, of every kind: function-local ones (they are how circles hide), those under `if
+TYPE_CHECKING:` (annotations: a type named across tiers ties them as much as a call does) and those inside a
+module's `__getattr__` (a lazy re-export). What importing a package runs (its `__init__`, before any submodule) counts
+only its imports that run then: not its annotation-only or lazy ones.
 """
 
 import ast
@@ -31,14 +33,17 @@ def _not_run_as_imports(tree: ast.Module) -> set[int]:
     return skip
 
 
-def import_graph(package: Path = PACKAGE) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """(module → the package modules it imports, [(module, imported module, private name)])."""
+def import_graph(
+    package: Path = PACKAGE, every: bool = True
+) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """(module → the package modules it imports, [(module, imported module, private name)]). `every` False: only the
+    imports that run when the module is imported (not those under `if TYPE_CHECKING:` or in `__getattr__`)."""
     mods = _modules(package)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     private = []
     for m, f in mods.items():
         tree = ast.parse(f.read_text())
-        skip = _not_run_as_imports(tree)
+        skip = set() if every else _not_run_as_imports(tree)
         pkg = m if f.name == "__init__.py" else m.rsplit(".", 1)[0]
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -151,8 +156,8 @@ def test_no_module_reads_another_modules_private_members():
 
 
 def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
-    """The checks themselves: a two-module circle held together by a function-local import is found, and so is an
-    import of a private name; an annotation-only import is not an edge."""
+    """The checks themselves: a two-module circle held together by a function-local import is found, one held
+    together by an annotation-only import too, and so is an import of a private name."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -162,7 +167,8 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
                               "from .a import f\n")
     (pkg / "d.py").write_text("from .c import f\nfrom .a import _hidden\n")
     graph, private = import_graph(pkg)
-    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+    assert cycles(import_graph(pkg, every=False)[0]) == [["pkg.a", "pkg.b"]]
     assert private == [("pkg.d", "pkg.a", "_hidden")]
 
 
@@ -185,11 +191,13 @@ def test_the_check_sees_a_private_member_read_from_another_module(tmp_path):
 TIERS: list[tuple[str, ...]] = [
     ("longstraw.__main__", "longstraw.cli", "longstraw.commands"),  # the command line and its commands
     ("longstraw.tools",),  # the planner, one step three ways, the real models: each behind a command
-    ("longstraw.train", "longstraw.agent"),  # the trainer and its stages (agent rollouts are one)
+    # the trainer and its stages (agent rollouts are one); the package's own surface (`longstraw`), which re-exports
+    # `capture` and the state from below and, lazily, the TRL-shaped trainer from here
+    ("longstraw.train", "longstraw.agent", "longstraw"),
     # apart: what the trainer, the tools and the command line are given (losses, tasks and the environment
     # convention their tools follow, the tiny and benchmark models); the engine below imports none of them
     ("longstraw.losses", "longstraw.tasks", "longstraw.agent.environment", "longstraw.testing"),
-    ("longstraw", "longstraw.api"),  # the public surface; `capture`, the one dispatcher
+    ("longstraw.api",),  # `capture`, the one dispatcher
     ("longstraw.self_check",),
     ("longstraw.distributed",),  # context parallelism, FSDP2, collectives, ranks
     ("longstraw.trajectory",),  # segmented replay of a multi-turn trajectory
@@ -224,11 +232,15 @@ def tier_entry(module: str, tiers=TIERS) -> tuple[int, str] | None:
     return best
 
 
-def runtime_imports(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
+def runtime_imports(
+    graph: dict[str, set[str]], run: dict[str, set[str]] | None = None
+) -> list[tuple[str, str, str]]:
     """(module, module that importing it runs, the package whose `__init__` runs it or ""): each module it imports,
-    and what the `__init__` of each package enclosing one of those imports (Python runs a package's `__init__`
-    before its submodule: `from ..agent.environment import ToolCall` runs `longstraw/agent/__init__.py` too), except
-    the packages that enclose the importer as well (already run) and the root package."""
+    and what the `__init__` of each package enclosing one of those imports runs (`run`: the imports that run on
+    import; default `graph`) (Python runs a package's `__init__` before its submodule: `from ..agent.environment
+    import ToolCall` runs `longstraw/agent/__init__.py` too), except the packages that enclose the importer as well
+    (already run) and the root package."""
+    run = graph if run is None else run
     out = []
     for m, deps in graph.items():
         for d in sorted(deps):
@@ -237,14 +249,14 @@ def runtime_imports(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
             for k in range(2, len(parts)):
                 package = ".".join(parts[:k])
                 if package in graph and not (m == package or m.startswith(package + ".")):
-                    out += [(m, x, package) for x in sorted(graph[package]) if x != m]
+                    out += [(m, x, package) for x in sorted(run[package]) if x != m]
     return out
 
 
-def upward_imports(graph: dict[str, set[str]], tiers=TIERS) -> list[str]:
+def upward_imports(graph: dict[str, set[str]], tiers=TIERS, run: dict[str, set[str]] | None = None) -> list[str]:
     """Every import of a module of a higher tier than the importer's, as "importer (tier) → imported (tier)"."""
     found = []
-    for m, d, via in runtime_imports(graph):
+    for m, d, via in runtime_imports(graph, run):
         em, ed = tier_entry(m, tiers), tier_entry(d, tiers)
         if em is not None and ed is not None and ed[0] < em[0]:
             how = f" (run by {via}/__init__.py)" if via else ""
@@ -260,7 +272,7 @@ def test_every_import_goes_down_the_tiers():
     """No module imports one of a higher tier (function-local imports count): nothing below the trainer imports it,
     the engine imports neither the tools nor `longstraw.testing`, the losses nor the tasks, the ops import only
     themselves and the leaves, and so on down `TIERS`."""
-    upward = upward_imports(import_graph()[0])
+    upward = upward_imports(import_graph()[0], run=import_graph(every=False)[0])
     assert not upward, "imports of a higher tier:\n" + "\n".join(upward)
 
 
@@ -291,13 +303,23 @@ def test_the_tier_check_sees_an_upward_import(tmp_path):
         "agent/environment.py": "",
         "tasks/__init__.py": "",
         "tasks/tools.py": "from ..agent.environment import *\n",
+        # an annotation-only import of a higher tier counts; a package's lazy re-export counts for the package, not
+        # for what importing one of its submodules runs
+        "ops/kernel.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..sampler import f\n",
+        "losses/__init__.py": "def __getattr__(name):\n    from ..train.trainer import Trainer\n    return Trainer\n",
+        "losses/grpo.py": "",
+        "tasks/reward.py": "from ..losses.grpo import *\n",
         "stray.py": "",
     }
+    (pkg / "losses").mkdir()
     for name, text in files.items():
         (pkg / name).write_text(text)
     graph, _ = import_graph(pkg)
-    sampler, train, tasks = (tier_of(f"longstraw.{m}") for m in ("sampler", "train", "tasks"))
-    assert upward_imports(graph) == [
+    run, _ = import_graph(pkg, every=False)
+    sampler, train, tasks, ops = (tier_of(f"longstraw.{m}") for m in ("sampler", "train", "tasks", "ops"))
+    assert upward_imports(graph, run=run) == [
+        f"longstraw.losses (tier {tasks}: longstraw.losses) → longstraw.train.trainer (tier {train}: longstraw.train)",
+        f"longstraw.ops.kernel (tier {ops}: longstraw.ops) → longstraw.sampler (tier {sampler}: longstraw.sampler)",
         f"longstraw.sampler (tier {sampler}: longstraw.sampler) → longstraw.train.trainer (tier {train}: longstraw.train)",
         f"longstraw.tasks.tools (tier {tasks}: longstraw.tasks) → longstraw.agent.rollout (tier {train}: longstraw.agent)"
         " (run by longstraw.agent/__init__.py)",

@@ -23,7 +23,7 @@ import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
@@ -33,9 +33,47 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..ops.attention import DEFAULT_BLOCK, split_attention
 from ..ops.ragged_attention import ragged_attention
 
-if TYPE_CHECKING:  # the branch layers' types (`longstraw.kinds` sits above this bridge: annotations only)
-    from ..kinds.base import BranchLayer, CollectiveAttention
-    from ..kinds.full_attention import AttentionBranchLayer
+
+class AttendedLayer(Protocol):
+    """What `longstraw_attention` reads of the branch layer of an attention layer (`longstraw.kinds` sits above this
+    bridge, so its classes are described here, not imported: `AttentionBranchLayer`, and with `is_collective` the
+    context-parallel layers, which attend their prompt part themselves: `longstraw.kinds.base.CollectiveAttention`)."""
+
+    prompt_k: Any  # the prompt's keys `[1, Hkv, T, D]`: a tensor, 8-bit `QuantizedTokens` or host memory; or None
+    prompt_v: Any
+    prompt_length: int
+    prompt_start: int
+    window: int | None
+    chunk: int | None
+    row_layout: tuple[list[int], list[int]] | None
+    carried_k: torch.Tensor | None
+    carried_v: torch.Tensor | None
+    carried_start: int
+    is_collective: bool
+
+    @property
+    def own_length(self) -> int: ...
+
+    def attend(
+        self,
+        module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_start: int,
+        own_start: int,
+        scale: float | None,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        block: int,
+    ) -> torch.Tensor: ...
+
+
+class _RowSelecting(Protocol):
+    def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+
 
 ATTN_IMPLEMENTATION = "longstraw"
 
@@ -158,7 +196,7 @@ class BranchCache(Cache):
     def batch_select_indices(self, indices) -> None:
         """Keep the branch rows `indices` in every layer (finished sequences leave the batch)."""
         for layer in self.layers:
-            cast("BranchLayer", layer).batch_select_indices(indices)
+            cast(_RowSelecting, layer).batch_select_indices(indices)
 
 
 _ACTIVE: ContextVar[BranchCache | None] = ContextVar("longstraw_active_cache", default=None)
@@ -249,7 +287,7 @@ def longstraw_attention(
     layer_idx = module.layer_idx if module.layer_idx >= 0 else cache.last_updated  # Zamba2: see BranchCache.update
     # a module that dispatches through the attention interface runs in an attention layer
     # (`LayerState.uses_attention_interface`): its branch layer is an `AttentionBranchLayer`
-    layer = cast("AttentionBranchLayer", cache.layers[layer_idx])
+    layer = cast(AttendedLayer, cache.layers[layer_idx])
     if sliding_window is not None and layer.window != sliding_window:
         raise RuntimeError(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
@@ -269,9 +307,7 @@ def longstraw_attention(
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
     q_start = own_start + key.shape[-2] - query.shape[-2]
     if layer.is_collective:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
-        out = cast("CollectiveAttention", layer).attend(
-            module, query, key, value, q_start=q_start, own_start=own_start, **common
-        )
+        out = layer.attend(module, query, key, value, q_start=q_start, own_start=own_start, **common)
         return out.transpose(1, 2).contiguous(), None
     carried = None
     if layer.carried_k is not None and layer.carried_v is not None:  # a segmented replay's earlier own K/V
