@@ -171,23 +171,9 @@ class DsaReplayBranchLayer(LatentReplayBranchLayer):
     is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
-        layer, g = self.info.layer, self.info.group
-        q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
-        return select(
-            g,
-            f"replay layer {layer.layer_idx}: sparse selection",
-            q,
-            weights,
-            scale,
-            own_keys,
-            own_start,
-            q_pos,
-            topk,
-            block,
-            slice_keys=layer.index_keys,
-            slice_bounds=(layer.start, layer.end),
-            lengths=self.info.lengths,
-            limits=[own_start] * g.size,
+        info = self.info
+        return _select_after_slices(
+            "replay", info.group, info.layer, q, weights, scale, own_keys, topk, q_start, own_start, block, info.lengths
         )
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
@@ -203,25 +189,11 @@ class DsaSampleBranchLayer(LatentSampleBranchLayer):
     is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
-        layer, g = self.layer, self.group
-        q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
-        return select(
-            g,
-            f"sample layer {layer.layer_idx}: sparse selection",
-            q,
-            weights,
-            scale,
-            own_keys,
-            own_start,
-            q_pos,
-            topk,
-            block,
-            slice_keys=layer.index_keys,
-            slice_bounds=(layer.start, layer.end),
-            lengths=[q.shape[1]] * g.size,
-            limits=[own_start] * g.size,
-            replicated=True,
-        )
+        g = self.group
+        return _select_after_slices(
+            "sample", g, self.layer, q, weights, scale, own_keys, topk, q_start, own_start, block,
+            [q.shape[1]] * g.size, replicated=True,
+        )  # fmt: skip
 
     def attend_sparse(self, query, own, selection, *, q_start, own_start, scale, block):
         layer, g = self.layer, self.group
@@ -239,3 +211,29 @@ class DsaSampleBranchLayer(LatentSampleBranchLayer):
         )
         out, _ = _fold(acc, sparse_partial(query, own, own_start, selection.indices, selection.valid, scale))
         return out.to(query.dtype)
+
+
+def _select_after_slices(
+    what: str,
+    g,
+    layer,
+    q,
+    weights,
+    scale,
+    own_keys,
+    topk: int,
+    q_start: int,
+    own_start: int,
+    block: int,
+    lengths: list[int],
+    replicated: bool = False,
+):
+    """DSA's selection for rows after the whole prompt (a replay's or a sampler's; `what` names it): every slice's
+    candidates (`layer`'s indexer keys, this rank's slice) and the rows' own keys from `own_start`, merged
+    (`longstraw.distributed.sparse.select`). `lengths`: each rank's rows; `replicated`: every rank has every row."""
+    q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
+    return select(
+        g, f"{what} layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start, q_pos, topk,
+        block, slice_keys=layer.index_keys, slice_bounds=(layer.start, layer.end), lengths=lengths,
+        limits=[own_start] * g.size, replicated=replicated,
+    )  # fmt: skip
