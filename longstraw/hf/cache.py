@@ -34,25 +34,9 @@ from ..ops.attention import DEFAULT_BLOCK, split_attention
 from ..ops.ragged_attention import ragged_attention
 
 
-class AttendedLayer(Protocol):
-    """What `longstraw_attention` reads of the branch layer of an attention layer (`longstraw.kinds` sits above this
-    bridge, so its classes are described here, not imported: `AttentionBranchLayer`, and with `is_collective` the
-    context-parallel layers, which attend their prompt part themselves: `longstraw.kinds.base.CollectiveAttention`)."""
-
-    prompt_k: Any  # the prompt's keys `[1, Hkv, T, D]`: a tensor, 8-bit `QuantizedTokens` or host memory; or None
-    prompt_v: Any
-    prompt_length: int
-    prompt_start: int
-    window: int | None
-    chunk: int | None
-    row_layout: tuple[list[int], list[int]] | None
-    carried_k: torch.Tensor | None
-    carried_v: torch.Tensor | None
-    carried_start: int
-    is_collective: bool
-
-    @property
-    def own_length(self) -> int: ...
+class Attends(Protocol):
+    """A branch layer that attends its prompt part itself (`is_collective`: context parallel, where the attention over
+    the prompt's slices is a collective; `longstraw.kinds.base.CollectiveAttention`)."""
 
     def attend(
         self,
@@ -68,7 +52,32 @@ class AttendedLayer(Protocol):
         softcap: float | None,
         sinks: torch.Tensor | None,
         block: int,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Attention of the queries `q` `[B, H, R, D]` (positions from `q_start`) over [the prompt's slices | the
+        branch's own keys `k` `[B, Hkv, S, D]` and values `v` `[B, Hkv, S, Dv]` (positions from `own_start`)]: the
+        output `[B, H, R, Dv]` in q's dtype. `module`: the attention module; `scale` (None: D^−0.5), `window`,
+        `softcap`, `sinks` `[H]` and `block` (keys per tile) as `longstraw.ops.attention.split_attention` takes them."""
+
+
+class AttendedLayer(Attends, Protocol):
+    """What `longstraw_attention` reads of the branch layer of an attention layer (`longstraw.kinds` sits above this
+    bridge, so its classes are described here, not imported: `AttentionBranchLayer`, and with `is_collective` the
+    context-parallel layers, which `attend` their prompt part themselves)."""
+
+    prompt_k: Any  # the prompt's keys `[1, Hkv, T, D]`: a tensor, 8-bit `QuantizedTokens` or host memory; or None
+    prompt_v: Any
+    prompt_length: int
+    prompt_start: int
+    window: int | None
+    chunk: int | None
+    row_layout: tuple[list[int], list[int]] | None
+    carried_k: torch.Tensor | None
+    carried_v: torch.Tensor | None
+    carried_start: int
+    is_collective: bool
+
+    @property
+    def own_length(self) -> int: ...
 
 
 class _RowSelecting(Protocol):

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
+from ..hf.cache import Attends
 from ..ops.latent_attention import Selection
 from ..ops.quant import QuantizedTokens
 
@@ -113,32 +114,12 @@ class LatentBranch(BranchLayer, Protocol):
 
 
 @runtime_checkable
-class CollectiveAttention(BranchLayer, Protocol):
+class CollectiveAttention(BranchLayer, Attends, Protocol):
     """A branch layer that attends its prompt part itself: context parallel (`longstraw.distributed.context_parallel`),
     where each rank holds a slice of the prompt's K/V or latents and the attention over them is a collective. Such a
     layer declares `is_collective = True`; the longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) and
     `LatentAttention` (MLA: the latents as the one key head and as the values) then call `attend` instead of the
     split attention over a local prompt part."""
-
-    def attend(
-        self,
-        module,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        q_start: int,
-        own_start: int,
-        scale: float | None,
-        window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        block: int,
-    ) -> torch.Tensor:
-        """Attention of the queries `q` `[B, H, R, D]` (positions from `q_start`) over [the prompt's slices | the
-        branch's own keys `k` `[B, Hkv, S, D]` and values `v` `[B, Hkv, S, Dv]` (positions from `own_start`)]: the
-        output `[B, H, R, Dv]` in q's dtype. `module`: the attention module; `scale` (None: D^−0.5), `window`,
-        `softcap`, `sinks` `[H]` and `block` (keys per tile) as `longstraw.ops.attention.split_attention` takes them."""
 
 
 @runtime_checkable
