@@ -110,6 +110,18 @@ class ExpertShards:
             calls.clear()
         return totals
 
+    def load_metrics(self) -> dict:
+        """The rows each rank's experts received since the last call, per MoE layer (all-gathered over the group, a
+        collective; cleared): `expert_load_imbalance`, the most loaded rank's rows over the mean at the worst layer
+        (1.0: balanced), and `expert_rows`, the rows in all."""
+        per_rank = self.group.all_gather_ints("expert parallel: load", self.take_load())
+        worst = 1.0
+        for layer in zip(*per_rank):
+            mean = sum(layer) / len(layer)
+            if mean > 0:
+                worst = max(worst, max(layer) / mean)
+        return {"expert_load_imbalance": worst, "expert_rows": sum(sum(r) for r in per_rank)}
+
 
 @dataclass(frozen=True)
 class _Slicing:
@@ -151,6 +163,31 @@ def shard_experts(model, group=None) -> ExpertShards:
     _register()
     model.set_experts_implementation(IMPLEMENTATION)
     return shards
+
+
+def spread_experts(model, n: int, timeout_s: float) -> tuple[ExpertShards, dist.ProcessGroup | None]:
+    """`expert_parallel: n` over the default group of W ranks: each group of n consecutive ranks spreads every MoE
+    layer's experts over its ranks (`shard_experts`: call it once every rank holds the same weights); with W > n, the
+    ranks holding the same experts in the other groups form a group of their own, which sums those gradients
+    (returned; None when W = n). Every forward must be a collective of all W ranks (as the context-parallel capture,
+    sampling of the same sequences and padded replays are), so that each group's all-to-alls run in step."""
+    import datetime
+
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    if world % n:
+        raise ValueError(f"expert_parallel: {n} needs a process count it divides; this run has {world}")
+    group = replicas = None
+    if world > n:  # torch.distributed: every rank creates every group, in the same order
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for first in range(0, world, n):
+            g = dist.new_group(list(range(first, first + n)), timeout=timeout)
+            if first <= rank < first + n:
+                group = g
+        for i in range(n):
+            g = dist.new_group(list(range(i, world, n)), timeout=timeout)
+            if rank % n == i:
+                replicas = g
+    return shard_experts(model, group), replicas
 
 
 def _slice_adapters(model, shards: ExpertShards) -> None:

@@ -122,7 +122,10 @@ class Trainer(Evaluation):
         self.experts: ExpertShards | None = None
         self.expert_replicas: Ranks | None = None
         if cfg.expert_parallel > 1:
-            self.experts = self._spread_experts()
+            from ..distributed.expert_parallel import spread_experts
+
+            group, replicas = spread_experts(self.model, cfg.expert_parallel, cfg.dist_timeout)
+            self.experts, self.expert_replicas = group, None if replicas is None else Ranks(replicas)
         self.sharded = cfg.fsdp and self.ranks.size > 1
         if cfg.fsdp and not self.sharded:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
@@ -221,35 +224,6 @@ class Trainer(Evaluation):
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)
         self.sync_seconds: float | None = None
-
-    def _spread_experts(self):
-        """`expert_parallel: N`: each group of N consecutive ranks spreads every MoE layer's experts over its ranks
-        (`longstraw.distributed.expert_parallel.shard_experts`, after every rank holds rank 0's weights); with more
-        ranks than N, the ranks holding the same experts in different groups sum those gradients
-        (`expert_replicas`). Every forward of the run is already a collective of all the ranks (context parallel
-        capture, sampling and padded replays), so each group's all-to-alls run in step."""
-        import datetime
-
-        import torch.distributed as dist
-
-        from ..distributed.expert_parallel import shard_experts
-
-        n, world, rank = self.cfg.expert_parallel, self.ranks.size, self.ranks.rank
-        if world % n:
-            raise ValueError(f"expert_parallel: {n} needs a process count it divides; this run has {world}")
-        group = replicas = None
-        if world > n:  # torch.distributed: every rank creates every group, in the same order
-            timeout = datetime.timedelta(seconds=self.cfg.dist_timeout)
-            for first in range(0, world, n):
-                g = dist.new_group(list(range(first, first + n)), timeout=timeout)
-                if first <= rank < first + n:
-                    group = g
-            for i in range(n):
-                g = dist.new_group(list(range(i, world, n)), timeout=timeout)
-                if rank % n == i:
-                    replicas = g
-            self.expert_replicas = Ranks(replicas)
-        return shard_experts(self.model, group)
 
     def _vllm_client(self):
         """`rollout_backend: vllm`: the client of `vllm_url`, or of a server started here on the model (stopped by
@@ -465,7 +439,7 @@ class Trainer(Evaluation):
                     )
             m["world_size"] = self.ranks.size
         if self.experts is not None:
-            m.update(self._expert_load())
+            m.update(self.experts.load_metrics())
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
         m.update(self.meter.results())
@@ -524,19 +498,6 @@ class Trainer(Evaluation):
     def _spread(self, p: torch.Tensor) -> bool:
         """Whether `p` is a slice of spread experts' weights or adapters (`expert_parallel`)."""
         return self.experts is not None and self.experts.is_spread(p)
-
-    def _expert_load(self) -> dict:
-        """The rows each rank's experts received since the last step, per MoE layer (all-gathered): the most loaded
-        rank's over the mean, at the worst layer (1.0: balanced), and the rows in all."""
-        assert self.experts is not None  # called with spread experts only
-        totals = self.experts.take_load()
-        per_rank = self.experts.group.all_gather_ints("expert parallel: load", totals)
-        worst = 1.0
-        for layer in zip(*per_rank):
-            mean = sum(layer) / len(layer)
-            if mean > 0:
-                worst = max(worst, max(layer) / mean)
-        return {"expert_load_imbalance": worst, "expert_rows": sum(sum(r) for r in per_rank)}
 
     def _whole_trainable(self) -> dict[str, torch.Tensor]:
         """{name: whole tensor on the CPU} of the trainable weights on rank 0 (a collective: sharded layers and
