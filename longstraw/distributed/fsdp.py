@@ -148,22 +148,29 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> f
     return norm
 
 
-def full_tensors(named: list[tuple[str, torch.Tensor]], keep: bool = True) -> dict[str, torch.Tensor]:
+def full_tensors(named: list[tuple[str, torch.Tensor]], keep: bool = True, spread=None) -> dict[str, torch.Tensor]:
     """{name: the whole tensor on the CPU} for sharded and replicated tensors (a collective: one all-gather per
-    sharded tensor, in the given order on every rank). Memory: each tensor whole once, one at a time on the device;
-    with `keep` False (the ranks that do not write them) nothing stays, and the result is empty."""
+    sharded tensor, in the given order on every rank), and for the slices of spread experts when `spread` (the
+    `longstraw.distributed.expert_parallel.ExpertShards`) is given. Memory: each tensor whole once, one at a time on
+    the device; with `keep` False (the ranks that do not write them) nothing stays, and the result is empty."""
     out = {}
     for name, t in named:
-        t = t.detach()
-        whole = t.full_tensor() if is_sharded(t) else t
+        if spread is not None and spread.is_spread(t):
+            whole = spread.whole(t, name)
+        else:
+            t = t.detach()
+            whole = t.full_tensor() if is_sharded(t) else t
         if keep:
             out[name] = whole.cpu().clone()
     return out
 
 
-def load_full_tensors(named: list[tuple[str, torch.Tensor]], values: dict[str, torch.Tensor], where: str) -> None:
+def load_full_tensors(
+    named: list[tuple[str, torch.Tensor]], values: dict[str, torch.Tensor], where: str, spread=None
+) -> None:
     """Copy whole tensors `values[name]` into the (sharded or replicated) tensors `named`: each rank keeps its shard
-    of a sharded one. Raises naming `where` on a missing name or a shape mismatch."""
+    of a sharded one, and its slice of spread experts (`spread`: the `ExpertShards`, as `full_tensors`). Raises naming
+    `where` on a missing name or a shape mismatch."""
     from torch.distributed.tensor import distribute_tensor
 
     missing = [n for n, _ in named if n not in values]
@@ -172,6 +179,8 @@ def load_full_tensors(named: list[tuple[str, torch.Tensor]], values: dict[str, t
     with torch.no_grad():
         for name, t in named:
             v = values[name]
+            if spread is not None and spread.is_spread(t):
+                v = spread.local(t, v)
             if tuple(v.shape) != tuple(t.shape):
                 raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, the model's is {tuple(t.shape)}")
             if is_sharded(t):

@@ -499,43 +499,6 @@ class Trainer(Evaluation):
         """Whether `p` is a slice of spread experts' weights or adapters (`expert_parallel`)."""
         return self.experts is not None and self.experts.is_spread(p)
 
-    def _whole_trainable(self) -> dict[str, torch.Tensor]:
-        """{name: whole tensor on the CPU} of the trainable weights on rank 0 (a collective: sharded layers and
-        spread experts gathered, in the same order on every rank); empty on the other ranks."""
-        from ..distributed.fsdp import is_sharded
-
-        out = {}
-        experts = self.experts
-        for name, p in self._named_trainable():
-            if experts is not None and experts.is_spread(p):
-                whole = experts.whole(p, name)
-            else:
-                t = p.detach()
-                whole = t.full_tensor() if is_sharded(t) else t
-            if self.ranks.main:
-                out[name] = whole.cpu().clone()
-        return out
-
-    def _load_whole(self, values, where: str) -> None:
-        """Whole tensors `values[name]` into the trainable weights: each rank keeps its shard of a sharded layer and
-        its slice of spread experts."""
-        from ..distributed.fsdp import load_full_tensors
-
-        named = self._named_trainable()
-        experts = self.experts
-        spread = [(n, p) for n, p in named if experts is not None and experts.is_spread(p)]
-        load_full_tensors([(n, p) for n, p in named if not self._spread(p)], values, where)
-        missing = [n for n, _ in spread if n not in values]
-        if missing:
-            raise ValueError(f"{where}: no values for {len(missing)} parameter(s), first {missing[0]}")
-        with torch.no_grad():
-            for name, p in spread:
-                assert experts is not None  # spread parameters come from it
-                v = experts.local(p, values[name])
-                if tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, this rank's is {tuple(p.shape)}")
-                p.copy_(v.to(p.device, p.dtype))
-
     def _sharding(self) -> dict:
         """What a checkpoint of this run records about how its weights were spread (resumed only alike)."""
         return {"fsdp": self.sharded, "expert_parallel": self.cfg.expert_parallel}
@@ -548,13 +511,13 @@ class Trainer(Evaluation):
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
         if self.sharded or self.experts is not None:
-            from ..distributed.fsdp import local_optimizer_state
+            from ..distributed.fsdp import full_tensors, local_optimizer_state
 
             return save_sharded_checkpoint(
                 self.out / "checkpoints",
                 self.step,
                 self.ranks,
-                self._whole_trainable(),
+                full_tensors(self._named_trainable(), keep=self.ranks.main, spread=self.experts),
                 local_optimizer_state(self.opt.state_dict()),
                 self.sched,
                 state,
@@ -579,10 +542,14 @@ class Trainer(Evaluation):
 
         def load():
             if name is not None and (self.sharded or self.experts is not None):
+                from ..distributed.fsdp import load_full_tensors
+
                 return load_sharded_checkpoint(
                     root / name,
                     self.ranks,
-                    lambda values: self._load_whole(values, f"checkpoint {name}"),
+                    lambda values: load_full_tensors(
+                        self._named_trainable(), values, f"checkpoint {name}", spread=self.experts
+                    ),
                     self.opt,
                     self.sched,
                     masters=self.masters,
