@@ -19,15 +19,15 @@ tokens (zero included). Gradients: an expert's weights receive the gradient of e
 the rank that holds it (no all-reduce); the other parameters' gradients are each rank's own tokens', summed over the
 ranks as any data-parallel gradient is. `ExpertShards.load` records the rows each rank received per layer.
 PEFT's LoRA adapters of the experts' 3-D weights (`target_parameters`) are spread with them (`_slice_adapters`);
-`ExpertShards.whole` / `local` gather a spread parameter whole and slice it back (checkpoints), `clip_grad_norm` takes
-one norm over spread, sharded and whole gradients. A call whose rows reach none of this rank's experts keeps its
-output in the autograd graph, so that the backward's all-to-alls run on every rank or on none.
+`ExpertShards.whole` / `local` gather a spread parameter whole and slice it back (checkpoints, through
+`longstraw.distributed.fsdp.full_tensors(..., spread=)`); `fsdp.clip_grad_norm(..., spread=)` takes one norm over
+spread, sharded and whole gradients. A call whose rows reach none of this rank's experts keeps its output in the
+autograd graph, so that the backward's all-to-alls run on every rank or on none.
 Memory: E/N experts per rank; the dispatch buffers are T·k rows of the hidden size, out and back.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import cast
@@ -226,44 +226,6 @@ def _slice_adapters(model, shards: ExpertShards) -> None:
             shards.spread[id(new_a)] = _Slicing(i)
             shards.spread[id(new_b)] = _Slicing(i, lora_rank=r)
         w.num_experts = n
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, shards: ExpertShards, sharded_group=None) -> float:
-    """The L2 norm of all gradients of `params`, the same float on every rank: spread ones (each rank's own experts,
-    summed over the expert group), FSDP2 shards (`DTensor`s, summed over `sharded_group`, the default group when
-    None) and the others (whole and equal on every rank, after their all-reduce). Scales every gradient by
-    min(1, max_norm / norm) when `max_norm` > 0 and the norm is finite (torch's rule). A collective: an all-reduce
-    of a scalar per kind."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None]
-    dev = grads[0].device if grads else torch.device("cpu")
-    spread_sq = torch.zeros((), dtype=torch.float64, device=dev)
-    shard_sq = torch.zeros((), dtype=torch.float64, device=dev)
-    whole_sq = torch.zeros((), dtype=torch.float64, device=dev)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if shards.is_spread(p):
-            spread_sq += g.double().square().sum()
-        elif isinstance(g, DTensor):
-            shard_sq += g.to_local().double().square().sum()
-        else:
-            whole_sq += g.double().square().sum()
-    try:
-        dist.all_reduce(spread_sq, group=shards.group.group)
-        if any(isinstance(g, DTensor) for g in grads):
-            dist.all_reduce(shard_sq, group=sharded_group)
-    except RuntimeError as err:
-        shards.group.fail("expert parallel: gradient norm", err)
-    norm = float((spread_sq + shard_sq + whole_sq).sqrt())
-    if max_norm > 0 and math.isfinite(norm):
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
-    return norm
 
 
 def _register() -> None:

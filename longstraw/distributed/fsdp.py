@@ -123,27 +123,34 @@ def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     return isinstance(t, DTensor)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> float:
-    """The L2 norm of all gradients of `params` (sharded `DTensor`s and replicated tensors whose gradients every rank
-    holds whole and equal, e.g. after `all_reduce`), the same float on every rank (a collective: one all-reduce of
-    the shards' sums of squares); scales every gradient by min(1, max_norm / norm) when `max_norm` > 0 and the norm
-    is finite. A non-finite gradient on any rank gives a non-finite norm on every rank, so the ranks agree whether
-    to skip the step. Memory: one scalar per gradient."""
-    grads = [p.grad for p in params if p.grad is not None]
-    dev = grads[0].device if grads else torch.device("cpu")
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None, spread=None) -> float:
+    """The L2 norm of all gradients of `params` (sharded `DTensor`s, replicated tensors whose gradients every rank
+    holds whole and equal, e.g. after `all_reduce`, and with `spread` — the `ExpertShards` of
+    `longstraw.distributed.expert_parallel` — each rank's own experts' slices), the same float on every rank (a
+    collective: one all-reduce of the shards' sums of squares over `group`, one of the spread slices' over the expert
+    group); scales every gradient by min(1, max_norm / norm) when `max_norm` > 0 and the norm is finite. A
+    non-finite gradient on any rank gives a non-finite norm on every rank, so the ranks agree whether to skip the
+    step. Memory: one scalar per gradient."""
+    grads = [(p.grad, spread is not None and spread.is_spread(p)) for p in params if p.grad is not None]
+    dev = grads[0][0].device if grads else torch.device("cpu")
     shard_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    spread_sq = torch.zeros((), dtype=torch.float64, device=dev)
     whole_sq = torch.zeros((), dtype=torch.float64, device=dev)
-    for g in grads:
-        if is_sharded(g):
+    for g, own in grads:
+        if own:
+            spread_sq += g.double().square().sum()
+        elif is_sharded(g):
             shard_sq += g.to_local().double().square().sum()
         else:
             whole_sq += g.double().square().sum()
     torch.distributed.all_reduce(shard_sq, group=group)
-    norm = float((shard_sq + whole_sq).sqrt())
+    if spread is not None:
+        torch.distributed.all_reduce(spread_sq, group=spread.group.group)
+    norm = float((shard_sq + spread_sq + whole_sq).sqrt())
     if max_norm > 0 and math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1.0:
-            for g in grads:
+            for g, _ in grads:
                 (g.to_local() if is_sharded(g) else g).mul_(coef)
     return norm
 

@@ -454,15 +454,11 @@ class Trainer(Evaluation):
     def _optimizer_step(self, m: dict) -> None:
         params = self.masters.params  # where the gradients are (float32)
         norm = None
-        if self.experts is not None:  # each rank's experts, shards and the all-reduced rest: one norm on every rank
-            from ..distributed.expert_parallel import clip_grad_norm as clip_spread
-
-            norm = clip_spread(params, self.cfg.max_grad_norm, self.experts, self.ranks.pg)
-            grads_ok = math.isfinite(norm)
-        elif self.sharded:  # shards and replicated gradients: one norm, one verdict, the same on every rank
+        if self.sharded or self.experts is not None:
+            # shards, each rank's experts and replicated gradients: one norm, one verdict, the same on every rank
             from ..distributed.fsdp import clip_grad_norm
 
-            norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg)
+            norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg, spread=self.experts)
             grads_ok = math.isfinite(norm)
         else:
             grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
