@@ -334,11 +334,9 @@ class Trainer(Evaluation):
         )
 
     def _before_last_backward(self):
-        """With sharded layers: what turns their gradient reduction on for the step's last backward. With spread
-        experts, nothing to call, but given so that every rank runs the same forwards (a supervised step's padded
-        full-sequence batches)."""
+        """With sharded layers: what turns their gradient reduction on for the step's last backward."""
         if not self.sharded:
-            return (lambda: None) if self.experts is not None else None
+            return None
         from ..distributed.fsdp import gradient_sync
 
         return lambda: gradient_sync(self.model, True)

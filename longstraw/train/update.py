@@ -31,6 +31,7 @@ import torch
 
 from ..api import capture
 from ..branch import Branch
+from ..distributed.expert_parallel import spreads_experts
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
@@ -388,9 +389,10 @@ def sft_update(
     (what retrieval needs from a random start); examples of equal length go in one batch. Otherwise each
     prompt is captured and its answer replayed (detached, like GRPO).
 
-    `before_last_backward` (FSDP2, see `policy_update`): given, every rank runs one full-sequence forward per shape
-    of the step's prompts (the same shapes on every rank), its round-robin share of them padded with weight-0 rows
-    to ⌈n / N⌉, since every rank of a sharded model must run the same forwards and backwards.
+    `before_last_backward` (FSDP2, see `policy_update`) given, or a model whose experts are spread over the ranks
+    (`longstraw.distributed.expert_parallel`: every MoE call an all-to-all): every rank runs one full-sequence
+    forward per shape of the step's prompts (the same shapes on every rank), its round-robin share of them padded with
+    weight-0 rows to ⌈n / N⌉, since every rank must then run the same forwards and backwards.
     """
     eos = torch.tensor([policy.eos_token_id])
     for ex in examples:
@@ -401,8 +403,9 @@ def sft_update(
     n_tok = sum(a.numel() + len(ex.supervised) for (_, a), ex in zip(pairs, examples))
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
     parallel = ranks is not None and ranks.size > 1
+    lockstep = before_last_backward is not None or spreads_experts(policy.model)
     if full_sequence:
-        if before_last_backward is None and parallel:  # data parallel: whole prompts per rank
+        if parallel and not lockstep:  # data parallel: whole prompts per rank
             mine = ranks.share(len(pairs))
             loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
         else:
