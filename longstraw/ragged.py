@@ -142,10 +142,8 @@ def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
             offsets += [layer.own_offset] * n
         new.keys = new.values = new.room = None
         if like is not None:
-            k0, v0 = like.keys, like.values
-            room = room_for(width, room)
-            keys = k0.new_empty(sum(rows), k0.shape[1], width + room, k0.shape[3])
-            values = v0.new_empty(sum(rows), v0.shape[1], width + room, v0.shape[3])
+            buffer = Room.allocate(like.keys, like.values, sum(rows), width + room_for(width, room), width, new)
+            keys, values = buffer.keys, buffer.values
             r = 0
             for layer, n in zip(layers, rows):  # each branch's own K/V copied once, into its rows
                 own = _own_width(layer)
@@ -156,7 +154,7 @@ def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
                     values[r : r + n, :, width - own : width].copy_(layer.values)
                 r += n
             new.keys, new.values = keys[:, :, :width], values[:, :, :width]
-            new.room = Room(keys, values, width, weakref.ref(new))
+            new.room = buffer
         new.row_pad, new.row_offset, new.row_layout = pads, offsets, None
     return new
 
@@ -196,14 +194,11 @@ def take_row(layer, j: int, room: int | None = None):
             new.keys, new.values = layer.keys[j : j + 1], layer.values[j : j + 1]
         new.row_pad = new.row_offset = new.row_layout = None
         if room is not None and new.keys is not None and new.values is not None:
-            k, v = new.keys, new.values
-            n = k.shape[-2]
-            keys = k.new_empty(1, k.shape[1], n + room, k.shape[3])
-            values = v.new_empty(1, v.shape[1], n + room, v.shape[3])
-            keys[:, :, :n].copy_(k)
-            values[:, :, :n].copy_(v)
-            new.keys, new.values = keys[:, :, :n], values[:, :, :n]
-            new.room = Room(keys, values, n, weakref.ref(new))
+            n = new.keys.shape[-2]
+            own = Room.allocate(new.keys, new.values, 1, n + room, n, new)
+            own.keys[:, :, :n].copy_(new.keys)
+            own.values[:, :, :n].copy_(new.values)
+            new.keys, new.values, new.room = own.keys[:, :, :n], own.values[:, :, :n], own
     return new
 
 

@@ -46,6 +46,14 @@ class Room:
     used: int
     writer: weakref.ref
 
+    @classmethod
+    def allocate(cls, k: torch.Tensor, v: torch.Tensor, rows: int, capacity: int, used: int, writer) -> Room:
+        """Empty buffers of `rows` rows and `capacity` columns shaped like `k` / `v` `[B, Hkv, T, D]` (heads, head
+        dims, dtype, device), whose first `used` columns the caller fills, written by `writer`."""
+        keys = k.new_empty(rows, k.shape[1], capacity, k.shape[3])
+        values = v.new_empty(rows, v.shape[1], capacity, v.shape[3])
+        return cls(keys, values, used, weakref.ref(writer))
+
     def start(self, layer, keys: torch.Tensor, values: torch.Tensor) -> int | None:
         """The column where `layer`'s own `keys` / `values` start when `layer` writes this room and they are its
         latest view (the first rows, up to `used`); else None."""
@@ -177,16 +185,14 @@ class AttentionBranchLayer(PromptBranchLayer):
             return torch.cat([old_k, k], dim=-2), torch.cat([old_v, v], dim=-2)
         old = 0 if old_k is None else old_k.shape[-2]
         used = old + k.shape[-2]
-        spare = room_for(used, self.reserve)
-        keys = k.new_empty(*k.shape[:2], used + spare, k.shape[3])
-        values = v.new_empty(*v.shape[:2], used + spare, v.shape[3])
+        room = Room.allocate(k, v, k.shape[0], used + room_for(used, self.reserve), used, self)
         if old_k is not None and old_v is not None:
-            keys[:, :, :old].copy_(old_k)
-            values[:, :, :old].copy_(old_v)
-        keys[:, :, old:used].copy_(k)
-        values[:, :, old:used].copy_(v)
-        self.room = Room(keys, values, used, weakref.ref(self))
-        return keys[:, :, :used], values[:, :, :used]
+            room.keys[:, :, :old].copy_(old_k)
+            room.values[:, :, :old].copy_(old_v)
+        room.keys[:, :, old:used].copy_(k)
+        room.values[:, :, old:used].copy_(v)
+        self.room = room
+        return room.keys[:, :, :used], room.values[:, :, :used]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched. A ragged
