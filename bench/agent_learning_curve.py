@@ -10,7 +10,9 @@ document of 8 sections (~400 tokens each, the standard library's docstrings) beh
 `open <n>` and `answer <code>`; the code is in one section. Each trajectory is several turns whose tool replies
 grow its own branch of the prompt state, replayed turn by turn (`segment_replay`). Held-out rows (another seed) are
 played greedily (temperature 0) before the first step and after the last; success = the environment's reward (the
-right code). Intervals: Wilson 95 %; the gain's is a paired bootstrap over the rows. Rows are written as measured.
+right code). Intervals: Wilson 95 %; the gain's is a paired bootstrap over the rows. Rows are written as measured,
+and a rerun of the same command goes on where an interrupted one stopped (held-out rows and GRPO steps kept in
+bench/out/NAME).
 With `--in-prompt` the whole document is in the prompt as well (captured once per row, read by all G trajectories,
 each grown by its own tool replies): the long-context agent; `--distractors k` plants k other archives' codes.
 """
@@ -65,6 +67,7 @@ def main() -> None:
 
     path = model_path(args.model)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     work = Path("bench/out") / out.name
     tok = AutoTokenizer.from_pretrained(path)
     files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows, num_sections=args.sections,
@@ -86,23 +89,31 @@ def main() -> None:
     rows: list[dict] = []
 
     def score(when: str) -> list[float]:
+        """Play the held-out rows greedily; each row's outcome is appended to WORK/score-WHEN.jsonl as it is measured,
+        and a rerun goes on from the first row not there (a run of hours survives an interruption)."""
+        done_file = work / f"score-{when}.jsonl"
+        done = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
         trainer.model.eval()
-        t0 = time.perf_counter()
-        got, turns, calls, lengths = [], [], [], []
-        with torch.no_grad():
-            for ex in held:
+        with torch.no_grad(), done_file.open("a") as sink:
+            for ex in held[len(done):]:
+                t0 = time.perf_counter()
                 ids = trainer.encode(ex.prompt)
                 with longstraw.capture(trainer.model, ids) as state:
                     r = agent.trajectory(TurnSampler(state, trainer.policy, greedy, torch.Generator()), ex)
-                got.append(float(r.extra["environment_reward"] == 1.0))  # the right code (not the 0.25 for reading it)
-                turns.append(r.extra["turns"])
-                calls.append(r.extra["tool_calls"])
-                lengths.append(ids.shape[-1] + len(r.tokens))
+                one = dict(success=float(r.extra["environment_reward"] == 1.0),  # the right code, not 0.25 for reading
+                           turns=r.extra["turns"], tool_calls=r.extra["tool_calls"],
+                           length=ids.shape[-1] + len(r.tokens), seconds=time.perf_counter() - t0)
+                sink.write(json.dumps(one) + "\n")
+                sink.flush()
+                done.append(one)
+                print(f"{when}: row {len(done)}/{len(held)} {one}", flush=True)
         trainer.model.train()
+        got = [d["success"] for d in done]
+        turns, calls = [d["turns"] for d in done], [d["tool_calls"] for d in done]
         record(rows, dict(when=when, rows=len(got), success=sum(got) / len(got), ci95=wilson(sum(got), len(got)),
                           mean_turns=sum(turns) / len(turns), mean_tool_calls=sum(calls) / len(calls),
-                          max_context=max(lengths), seconds=time.perf_counter() - t0, per_row=got, turns=turns,
-                          tool_calls=calls), out)
+                          max_context=max(d["length"] for d in done), seconds=sum(d["seconds"] for d in done),
+                          per_row=got, turns=turns, tool_calls=calls), out)
         return got
 
     prompts = [trainer.encode(ex.prompt).shape[-1] for ex in held]
@@ -111,7 +122,9 @@ def main() -> None:
                       mean_prompt_tokens=sum(prompts) / len(prompts), max_prompt_tokens=max(prompts)), out)
     before = score("before")
     t0 = time.perf_counter()
-    metrics = trainer.train()
+    trainer.train()  # resumes from WORK/run's last checkpoint (one per step) when there is one
+    metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in metrics if m.get("phase") == "grpo"]
     record(rows, dict(when="training", steps=len(metrics), seconds=time.perf_counter() - t0,
                       reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
                       tool_calls=[m.get("agent/tool_calls") for m in metrics]), out)
