@@ -49,7 +49,7 @@ import torch
 
 from .collectives import CollectiveError, Group
 
-__all__ = ["Ranks", "launch_local", "setup_ranks"]
+__all__ = ["ContextGroups", "Ranks", "launch_local", "setup_ranks"]
 
 #: bytes per gradient all-reduce (one bucket of flattened gradients of one dtype and device)
 BUCKET_BYTES = 64 * 2**20
@@ -125,6 +125,18 @@ class Ranks:
         buf = data if data is not None else torch.empty(n, dtype=torch.uint8)  # data: rank 0's, None elsewhere
         (buf,) = self.group.broadcast(name, [buf], src=0)
         return pickle.load(io.BytesIO(buf.numpy().tobytes()))
+
+    def gather_objects(self, name: str, obj=None) -> list:
+        """Every rank's `obj` (pickled), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        assert self.group is not None  # size > 1: a group
+        data = pickle.dumps(obj)
+        sizes = [row[0] for row in self.group.all_gather_ints(f"{name}: sizes", [len(data)])]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = self.group.all_gather(name, [buf])
+        return [pickle.load(io.BytesIO(row[0][:n].numpy().tobytes())) for row, n in zip(rows, sizes)]
 
     def from_main(self, name: str, fn):
         """`fn()` run on rank 0 only; its result, or the exception it raised, on every rank."""
@@ -235,6 +247,49 @@ class Ranks:
         if self.owned and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
             self.owned = False
+
+
+class ContextGroups:
+    """`context_parallel: C` on the run's W ranks: W / C groups of C consecutive ranks. A group captures, samples and
+    replays a prompt together (`context`: the `Ranks` its collectives run in, each rank a slice of the prompt's
+    positions); the groups take the step's contexts in turn (context k by group k mod W / C, `owns`) and hand each
+    other what they sampled (`exchange`), so that every rank holds the whole step's responses and rewards.
+    C = 0 (or W): one group of every rank."""
+
+    def __init__(self, world: Ranks, size: int, timeout_s: float):
+        size = size or world.size
+        if world.size % size:
+            raise ValueError(f"context_parallel: {size} needs a process count it divides; this run has {world.size}")
+        self.world = world
+        self.count = world.size // size  #: how many groups
+        self.index = world.rank // size  #: this rank's group
+        self.context = world
+        if self.count > 1:
+            mine = None
+            for first in range(0, world.size, size):  # torch.distributed: every rank creates every group, in order
+                g = torch.distributed.new_group(
+                    list(range(first, first + size)), timeout=datetime.timedelta(seconds=timeout_s)
+                )
+                if first <= world.rank < first + size:
+                    mine = g
+            self.context = Ranks(mine) if size > 1 else Ranks()
+
+    def __repr__(self) -> str:
+        return f"ContextGroups(group {self.index} of {self.count}, {self.context})"
+
+    def owns(self, k: int) -> bool:
+        """Whether this rank's group takes the step's context `k`."""
+        return k % self.count == self.index
+
+    def exchange(self, name: str, mine: dict) -> dict:
+        """Every group's `mine` (what its first rank holds; the others' are not sent) merged into one dict, on every
+        rank (a collective of all W ranks)."""
+        if self.count == 1:
+            return dict(mine)
+        merged: dict = {}
+        for part in self.world.gather_objects(name, mine if self.context.main else None):
+            merged.update(part or {})
+        return merged
 
 
 def env_world_size() -> int:

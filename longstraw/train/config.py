@@ -283,6 +283,13 @@ class TrainConfig:
         "state over the ranks (FSDP2; 1/N per rank); checkpoints keep one optimizer file per rank "
         "and resume on as many processes",
     )
+    context_parallel: int = _f(
+        0,
+        "runs of several processes: ranks per context-parallel group, which capture, sample and replay a prompt "
+        "together (each holds a slice of its positions); the run's N / C groups of C consecutive ranks take the "
+        "step's prompts in turn (data parallel) and sum their gradients. 0: one group of all ranks; 1: each rank "
+        "takes whole prompts",
+    )
     expert_parallel: int = _f(
         1,
         "runs of several processes with a mixture-of-experts model: spread each MoE layer's routed experts over "
@@ -419,6 +426,14 @@ class TrainConfig:
         )
         need(self.dist_timeout > 0, "dist_timeout must be > 0 seconds")
         need(self.expert_parallel >= 1, "expert_parallel must be >= 1")
+        need(self.context_parallel >= 0, "context_parallel must be >= 0 (0: one group of all ranks)")
+        need(
+            self.expert_parallel == 1
+            or self.context_parallel == 0
+            or self.context_parallel % self.expert_parallel == 0,
+            f"expert_parallel: {self.expert_parallel} needs a context_parallel group it divides (context_parallel: "
+            f"{self.context_parallel}): an expert group's ranks must run every forward together",
+        )
         need(
             self.expert_parallel == 1 or self.rollout_backend == "own",
             "expert_parallel with rollout_backend: vllm: the server would need the spread experts gathered every "

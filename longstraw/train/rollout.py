@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +47,7 @@ from .vllm_client import VLLMClient, VLLMSampler
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from ..distributed.ranks import Ranks
+    from ..distributed.ranks import ContextGroups, Ranks
 
 
 @dataclass
@@ -122,6 +122,8 @@ class Rollout:
     contexts: list[Context] = field(default_factory=list)
     #: fraction of the step's prompt tokens not captured thanks to sharing (`longstraw.train.sharing.shared_fraction`)
     shared_frac: float = 0.0
+    #: the contexts this rank's context-parallel group replays (`context_parallel` groups); None: every context
+    own_contexts: list[int] | None = None
 
     def __post_init__(self):
         if not self.contexts:
@@ -346,6 +348,9 @@ class RolloutStage:
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
     ranks: Ranks | None = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
+    #: `context_parallel` groups (`longstraw.distributed.ranks.ContextGroups`): `ranks` is this rank's group, which
+    #: takes every `count`-th context of the step; None: one group (`ranks`) takes them all
+    groups: ContextGroups | None = None
     #: `shared_contexts`' options (`TrainConfig.share_prefixes`, `min_shared_prefix`, `max_row_suffix`)
     share_prefixes: bool = True
     min_shared_prefix: int = 256
@@ -366,20 +371,30 @@ class RolloutStage:
     def collect(self, examples: list[Example], step: int, meter: MemoryMeter) -> Rollout:
         prompts = [self.policy.encode(ex.prompt) for ex in examples]
         contexts = self.contexts(examples, prompts)
-        keep_state = len(contexts) == 1  # its state serves the update too (no second capture)
+        # with several context-parallel groups, this rank's group takes every `count`-th context
+        own = [k for k in range(len(contexts)) if self.groups is None or self.groups.owns(k)]
+        keep_state = len(own) == 1  # its state serves the update too (no second capture)
         groups: list[RowGroup | None] = [None] * len(examples)
         durable = 0
         if self.vllm is not None:  # the server samples every row of the step at once; nothing captured here
             self._vllm_rows(examples, prompts, contexts, step, meter, groups)
-        for ctx in contexts if self.vllm is None else ():
-            durable = max(durable, self._context(ctx, examples, prompts, step, keep_state, meter, groups))
+        for k in own if self.vllm is None else ():
+            durable = max(durable, self._context(contexts[k], examples, prompts, step, keep_state, meter, groups))
+        if self.groups is not None and self.groups.count > 1:  # the other groups' rows, sampled and scored there
+            mine = {b: replace(g, state=None) for b, g in enumerate(groups) if g is not None}
+            for b, g in self.groups.exchange("rollout: the groups' sampled rows", mine).items():
+                if groups[b] is None:
+                    groups[b] = g
+            durable = int(self.groups.world.max_floats("rollout: durable bytes", [float(durable)])[0])
         done = [g for g in groups if g is not None]
         assert len(done) == len(examples)  # every row is in one context
         per_f = torch.cat([g.rewards for g in done])
         total = combine_rewards(per_f, self.rewards.weights)
         adv = group_advantages(total, self.settings.num_generations, self.scale_rewards)
         tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in done)
-        return Rollout(done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts))
+        rollout = Rollout(done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts))
+        rollout.own_contexts = None if self.groups is None or self.groups.count == 1 else own
+        return rollout
 
     def _context(
         self,

@@ -16,7 +16,10 @@ step, with memory and time per stage (`longstraw.train.memory.MemoryMeter`), go 
 TensorBoard with `report_to: tensorboard`).
 
 On N processes (torchrun, `longstraw train --nproc N`; `longstraw.distributed.ranks`): the stages take `self.ranks`, the
-gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files.
+gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files. With
+`context_parallel: C` the ranks form N / C groups of C (`ContextGroups`): the GRPO rollout and update run in the group
+(its collectives), each group taking every (N / C)-th context of the step; the groups then exchange their sampled rows
+(every rank holds the step's rewards and advantages), and the gradient sum runs over all N.
 
 With `fsdp: true` on N processes the decoder layers are sharded over the ranks (FSDP2,
 `longstraw.distributed.shard`): each rank holds 1/N of their weights, gradients and AdamW moments. Their gradients
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..distributed.ranks import Ranks, setup_ranks
+from ..distributed.ranks import ContextGroups, Ranks, setup_ranks
 from ..losses import make_loss
 from ..model.positions import position_limit
 from ..paths import cache_dir
@@ -117,6 +120,21 @@ class Trainer(Evaluation):
             [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
             "Trainer: initial weights from rank 0",
         )
+        #: `context_parallel`: the groups of ranks that capture, sample and replay a prompt together (this rank's:
+        #: `groups.context`), which take the step's prompts in turn
+        self.groups = ContextGroups(self.ranks, cfg.context_parallel, cfg.dist_timeout)
+        if self.groups.count > 1 and (cfg.fsdp or cfg.rollout_backend == "vllm"):
+            raise ValueError(
+                f"context_parallel: {cfg.context_parallel} of {self.ranks.size} processes with "
+                f"{'fsdp: true' if cfg.fsdp else 'rollout_backend: vllm'}: "
+                + (
+                    "layers sharded over every rank need every forward run by all of them, and the groups run "
+                    "different prompts; "
+                    if cfg.fsdp
+                    else "the server's rows are not handed to several groups yet; "
+                )
+                + "use context_parallel: 0 (one group of all ranks)"
+            )
         #: `expert_parallel`: this rank's share of the experts (`ExpertShards`), and the ranks holding the same share in
         #: the other expert groups (None: one group)
         self.experts: ExpertShards | None = None
@@ -213,7 +231,8 @@ class Trainer(Evaluation):
             beta=cfg.beta,
             scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func,
-            ranks=self.ranks,
+            ranks=self.groups.context,
+            groups=self.groups if self.groups.count > 1 else None,
             share_prefixes=cfg.share_prefixes,
             min_shared_prefix=cfg.min_shared_prefix,
             max_row_suffix=cfg.max_row_suffix,
@@ -328,9 +347,10 @@ class Trainer(Evaluation):
             self.loss_fn,
             self.update_settings,
             self.meter,
-            ranks=self.ranks,
+            ranks=self.groups.context,
             before_last_backward=self._before_last_backward(),
             store=self.store,
+            world=self.ranks,
         )
 
     def _before_last_backward(self):

@@ -112,9 +112,12 @@ def policy_update(
     ranks=None,
     before_last_backward=None,
     store: StateStore | None = None,
+    world=None,
 ) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
     `ranks` (`longstraw.distributed.ranks.Ranks`, N processes): this rank's share of the replays (see the module doc).
+    `world`: the ranks the loss metrics are summed over when `ranks` is one of several context-parallel groups (each
+    replays the contexts `rollout.own_contexts`); default `ranks`.
     `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
     there: `longstraw.distributed.gradient_sync`); the same point on every rank. `store`: the prompt states kept across
     steps (`recapture_every`, `longstraw.train.staleness`), which the update reads and leaves to the store."""
@@ -127,8 +130,10 @@ def policy_update(
     offsets = [0]  # where each group's responses start in the step's
     for group in rollout.groups:
         offsets.append(offsets[-1] + len(group.responses))
-    last_context = len(rollout.contexts) - 1
-    for c, ctx in enumerate(rollout.contexts):
+    own = range(len(rollout.contexts)) if rollout.own_contexts is None else rollout.own_contexts
+    last_context = own[-1] if len(own) else -1
+    for c in own:
+        ctx = rollout.contexts[c]
         head = rollout.groups[ctx.rows[0]]
         state = head.state
         if state is None:
@@ -191,7 +196,9 @@ def policy_update(
                 state.release()
         for b in ctx.rows:
             rollout.groups[b].state = None
-    if parallel:
+    world = ranks if world is None else world
+    if world is not None and world.size > 1:
+        ranks = world
         sums = ranks.sum_floats(
             "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
         )

@@ -44,6 +44,11 @@ OTHER = dict(prompts_per_step=1, num_generations=4, sft_full_sequence=False, pro
              rows_per_context=None)
 
 
+#: run D's differences from A: two groups of one rank (data parallel), 3 prompts of a step in 2 contexts (the first
+#: two rows share a document): rank 0 takes the shared context, rank 1 the other
+DATA = dict(context_parallel=1, prompts_per_step=3)
+
+
 class CountingEnv:
     """tests.agent.test_agent's lookup environment, counting the instances this process made."""
 
@@ -155,6 +160,7 @@ def _train(out: str, cfg: dict | None = None, force: dict | None = None, stop_af
     except _Stopped:
         rows = done
     return dict(rows=rows, rollouts=seen, weights=_weights(trainer), grads=grads, lrs=lrs, at=at, start=start,
+                groups=(trainer.groups.index, trainer.groups.count, trainer.groups.context.size),
                 final=masters(), adam={k: trainer.opt.defaults[k] for k in ("betas", "eps", "weight_decay")})
 
 
@@ -217,6 +223,11 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
                                    force=weights_at(result["Y"]))
         result["whole_segmented"] = len(calls)
         torch.save(result, path)
+        dist.destroy_process_group()
+        return
+    if scenario == "data":  # context_parallel: 1: each rank takes whole prompts of the step, its own contexts
+        torch.save(dict(D=_train(os.path.join(out_dir, "D"), DATA),
+                        Z=_train(os.path.join(out_dir, "Z"), {**AGENT, **DATA, "rows_per_context": None})), path)
         dist.destroy_process_group()
         return
     if scenario == "resume":  # run B again: every rank resumes from rank 0's checkpoint of step 2
@@ -360,6 +371,35 @@ def test_two_processes_grow_agent_trajectories_like_one(tmp_path):
     assert len(whole_err) == 2 and max(whole_err) <= GRAD_TOL, whole_err
     print(f"\nagent run, 1 vs 2 processes (segments): applied gradients off by {[f'{e:.1e}' for e in grad_err]}; "
           f"2 processes whole vs segments {[f'{e:.1e}' for e in whole_err]}")
+
+
+def test_data_parallel_groups_train_like_one(tmp_path):
+    """`context_parallel: 1` on 2 processes: each rank captures, samples and replays its own contexts of the step whole
+    (no collective inside), the ranks exchange their rows, the gradients are summed over both. Run D (A's config, 3
+    prompts in 2 contexts) and run Z (agent trajectories, 3 contexts: rank 0 takes two, rank 1 one; each rank's
+    environments its own) = 1 process given the same weights before every step: the same responses, rewards and
+    advantages on both ranks, the losses and the applied gradient within the bounds of `test_two_processes_train_like_one`."""
+    two = _spawn(tmp_path, "data")
+    for run, cfg in (("D", DATA), ("Z", {**AGENT, **DATA, "rows_per_context": None})):
+        got0, got1 = two[0][run], two[1][run]
+        assert (got0["groups"], got1["groups"]) == ((0, 2, 1), (1, 2, 1))
+        one_cfg = {k: v for k, v in cfg.items() if k != "context_parallel"}
+        one = _train(str(tmp_path / f"one-{run}"), one_cfg, force=weights_at(got0))
+        assert one["rollouts"] and all(w["advantages"].abs().max() > 0.1 for w in one["rollouts"])
+        for got in (got0["rollouts"], got1["rollouts"]):
+            assert [g["tokens"] for g in got] == [w["tokens"] for w in one["rollouts"]]
+            assert [g["extra"] for g in got] == [w["extra"] for w in one["rollouts"]]
+            for g, w in zip(got, one["rollouts"]):
+                assert torch.allclose(g["rewards"], w["rewards"]) and torch.allclose(g["advantages"], w["advantages"])
+        for a, b in zip(got0["rows"], one["rows"]):
+            assert a["phase"] == b["phase"] and "skipped" not in a
+            for key in ("loss", "kl", "grad_norm", "reward"):
+                if key in b:
+                    assert math.isclose(a[key], b[key], **METRIC_TOL), (run, a["step"], key, a[key], b[key])
+        grad_err = [_rel(g, w) for g, w in zip(got0["grads"], one["grads"])]
+        assert len(grad_err) == len(one["grads"]) and max(grad_err) <= GRAD_TOL, (run, grad_err)
+        assert all(torch.equal(got0["weights"][k], got1["weights"][k]) for k in got0["weights"])
+        print(f"\n{run}, 1 process vs 2 groups of 1: applied gradients off by {[f'{e:.1e}' for e in grad_err]}")
 
 
 def test_dead_rank_is_a_named_error_and_the_resume_continues_identically(runs):

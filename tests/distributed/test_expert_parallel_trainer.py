@@ -33,6 +33,9 @@ CASES = {
     "mixtral-full": dict(model="mixtral", lora=False, learning_rate=1e-3, beta=0.0),
     "mixtral-fsdp": dict(model="mixtral", fsdp=True),  # the dense layers sharded beside the spread experts
 }
+#: 4 processes: two context-parallel groups of 2 (each an expert group of 2), 3 prompts per step: the groups take 2
+#: and 1 of them
+CP_CASE = dict(model="mixtral", context_parallel=2, prompts_per_step=3)
 
 
 def _cfg(out: str, **kw) -> TrainConfig:
@@ -95,6 +98,7 @@ def _run(out: str, cfg: dict, force: dict | None = None, stop_after: int | None 
 
     final = {n: _whole(trainer, n, p, p) for n, p in named}
     return dict(rows=rows, grads=grads, at=at, final=final, experts=trainer.experts is not None,
+                groups=(trainer.groups.index, trainer.groups.count, trainer.groups.context.size),
                 shapes={n: tuple(p.to_local().shape if is_sharded(p) else p.shape) for n, p in named},
                 fsdp_shards=sum(is_sharded(p) for _, p in named))
 
@@ -106,13 +110,17 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: list[str], resume
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     results = {}
     for case in cases:
-        cfg = dict(CASES[case], expert_parallel=2)
+        cfg = dict(_case(case), expert_parallel=2)
         results[case] = dict(whole=_run(os.path.join(out_dir, case), cfg))
         if resume:
             cut = _run(os.path.join(out_dir, case + "-cut"), cfg, stop_after=2)
             results[case].update(cut_steps=len(cut["rows"]), resumed=_run(os.path.join(out_dir, case + "-cut"), cfg))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _case(name: str) -> dict:
+    return CP_CASE if name == "mixtral-cp2" else CASES[name]
 
 
 PRELOAD = ["torch", "torch.distributed", "longstraw", "longstraw.train.trainer", "peft",
@@ -132,7 +140,8 @@ def spread_runs(tmp_path_factory):
 def two_groups(tmp_path_factory):
     """4 processes, two expert groups of 2 (ranks 0-1 and 2-3; ranks 0 and 2, 1 and 3 hold the same experts)."""
     tmp = tmp_path_factory.mktemp("ep-trainer-4")
-    spawn_ranks(_worker, (4, str(tmp / "init"), str(tmp), ["mixtral-lora"], False), 4, PRELOAD, 6 * TIMEOUT_S,
+    spawn_ranks(_worker, (4, str(tmp / "init"), str(tmp), ["mixtral-lora", "mixtral-cp2"], False), 4, PRELOAD,
+                12 * TIMEOUT_S,
                 "expert-parallel training on 4 processes")
     return tmp, [torch.load(tmp / f"rank{r}.pt") for r in range(4)]
 
@@ -152,9 +161,10 @@ def _like_one_process(results: list, case: str, tmp_path) -> None:
     halved = [n for n, s in got["shapes"].items() if s != tuple(got["final"][n].shape)]
     assert halved and all(got["shapes"][n][0] * 2 == got["final"][n].shape[0] or
                           got["shapes"][n][1] * 2 == got["final"][n].shape[1] for n in halved)
-    assert (got["fsdp_shards"] > 0) == bool(CASES[case].get("fsdp"))
+    assert (got["fsdp_shards"] > 0) == bool(_case(case).get("fsdp"))
     force = {row["step"]: w for row, w in zip(got["rows"], got["at"])}
-    want = _run(str(tmp_path / "one"), CASES[case], force=force)
+    one = {k: v for k, v in _case(case).items() if k != "context_parallel"}
+    want = _run(str(tmp_path / "one"), one, force=force)
     assert not want["experts"] and len(want["grads"]) == STEPS
     for step, (g, w) in enumerate(zip(got["grads"], want["grads"]), 1):
         flat_g = torch.cat([g[n].flatten() for n in sorted(g)])
@@ -180,6 +190,14 @@ def test_two_expert_groups_train_like_one_process(two_groups, tmp_path):
     _like_one_process(two_groups[1], "mixtral-lora", tmp_path)
 
 
+def test_context_parallel_groups_with_expert_groups_train_like_one_process(two_groups, tmp_path):
+    """`context_parallel: 2` and `expert_parallel: 2` on 4 processes: two groups of 2 ranks, each capturing, sampling
+    and replaying its own prompts of the step (2 and 1 of 3) with its experts spread over its 2 ranks; the groups'
+    rows exchanged, the gradients summed over all 4. The step's rewards and loss are those of one process."""
+    _like_one_process(two_groups[1], "mixtral-cp2", tmp_path)
+    assert [r["mixtral-cp2"]["whole"]["groups"] for r in two_groups[1]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_spread_experts_resume_from_their_checkpoint(spread_runs, case):
     """Interrupted after step 2 and resumed by a fresh trainer: the final weights are the uninterrupted run's, bit for
@@ -196,6 +214,11 @@ def test_expert_parallel_refusals(tmp_path):
     with vLLM rollouts; and below 1."""
     with pytest.raises(ValueError, match="expert_parallel: 2 needs a process count it divides; this run has 1"):
         Trainer(_cfg(str(tmp_path / "one"), model="mixtral", expert_parallel=2))
+    with pytest.raises(ValueError, match="context_parallel: 2 needs a process count it divides; this run has 1"):
+        Trainer(_cfg(str(tmp_path / "cp"), model="mixtral", context_parallel=2))
+    # an expert group's ranks run every forward together: inside one context-parallel group
+    with pytest.raises(ValueError, match="expert_parallel: 2 needs a context_parallel group it divides"):
+        _cfg(str(tmp_path / "c"), model="mixtral", expert_parallel=2, context_parallel=1)
     with pytest.raises(ValueError, match="expert_parallel with rollout_backend: vllm"):
         _cfg(str(tmp_path / "v"), model="mixtral", expert_parallel=2, rollout_backend="vllm", train_embeddings=False)
     with pytest.raises(ValueError, match="expert_parallel must be >= 1"):
