@@ -193,7 +193,9 @@ def test_two_expert_groups_train_like_one_process(two_groups, tmp_path):
 def test_context_parallel_groups_with_expert_groups_train_like_one_process(two_groups, tmp_path):
     """`context_parallel: 2` and `expert_parallel: 2` on 4 processes: two groups of 2 ranks, each capturing, sampling
     and replaying its own prompts of the step (2 and 1 of 3) with its experts spread over its 2 ranks; the groups'
-    rows exchanged, the gradients summed over all 4. The step's rewards and loss are those of one process."""
+    rows exchanged, the gradients summed over all 4. The step's rewards and loss are those of one process. Its
+    full-sequence supervised step splits 3 prompts over 4 ranks: the ranks' shares differ, so it holds only because
+    that step runs in lockstep with spread experts (without it, a named collective timeout)."""
     _like_one_process(two_groups[1], "mixtral-cp2", tmp_path)
     assert [r["mixtral-cp2"]["whole"]["groups"] for r in two_groups[1]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
 
