@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .distributed import context_parallel as cp
 from .model.capability import untested_because
 from .model.prepare import prepare
 from .ops.attention import DEFAULT_BLOCK
@@ -63,10 +64,8 @@ def capture(
     `progress`: called as `progress(done, total)` with the prompt tokens captured so far after each chunk (a capture
     of millions of tokens runs for minutes to hours); with `group`, once, when the collective capture is done.
     """
-    g = None  # with `group`: its `Group`, and `cp` imported
+    g = None  # with `group`: its `Group`
     if group is not None:  # torch.distributed only when a group is given
-        from .distributed import context_parallel as cp
-
         # every rank the same arguments first, so that whatever is refused below is refused on every rank alike
         g = cp.agree(group, model, prompt_ids, chunk_size, prompt_grad, block_size, verify, state_dtype, state_device)
     validated = validate_capture(model, prompt_ids, chunk_size, prompt_grad, block_size, state_dtype, progress)

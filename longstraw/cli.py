@@ -21,32 +21,9 @@ from .commands.demo import REAL_DEMO_LENGTH, cmd_demo
 from .commands.flags import add_config_flags
 from .commands.tools import cmd_check, cmd_compare, cmd_plan, cmd_real, cmd_vllm_serve
 from .commands.training import cmd_eval, cmd_train
-
-#: names this module held before the commands moved to `longstraw.commands` (kept for one release)
-_MOVED_NAMES = {
-    "DEMO_CONFIG": "demo",
-    "REAL_DEMO_CONFIG": "demo",
-    "demo_config": "demo",
-    "real_demo_config": "demo",
-    "cmd_demo_real": "demo",
-    "run_training": "training",
-}
-
-
-def __getattr__(name: str):
-    """`longstraw.cli.DEMO_CONFIG`, `run_training`, ... (moved to `longstraw.commands`) work for one release, with a
-    DeprecationWarning naming the new module."""
-    if name in _MOVED_NAMES:
-        import importlib
-
-        new = f"longstraw.commands.{_MOVED_NAMES[name]}"
-        warnings.warn(
-            f"longstraw.cli.{name} moved to {new}; the old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(new), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from .distributed import CollectiveError
+from .distributed.ranks import torch_collective_failure
+from .train.rewards import RewardFunctionError
 
 
 def _quiet() -> None:
@@ -203,9 +180,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    from .distributed import CollectiveError
-    from .train.rewards import RewardFunctionError
-
     try:
         return {
             "demo": cmd_demo,
@@ -227,8 +201,6 @@ def main(argv=None) -> int:
         )
         return 3
     except RuntimeError as err:  # the same inside torch's own collectives (FSDP2's, a DTensor's)
-        from .distributed.ranks import torch_collective_failure
-
         what = torch_collective_failure(err)
         if what is None:
             raise

@@ -45,6 +45,7 @@ raises `UnsupportedArchitectureError` with the report when it fails.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from contextlib import contextmanager
@@ -431,8 +432,6 @@ def _layer_inputs(decoder, start: int, length: int):
 
 def _float32_copy(model):
     """A float32 copy of `model` (adapters included) holding the same values as its half-precision weights."""
-    import copy
-
     return copy.deepcopy(model).float()
 
 

@@ -155,6 +155,48 @@ def test_no_module_reads_another_modules_private_members():
     assert not found, f"(module, private member of another module): {found}"
 
 
+#: what a function may import where it runs: optional dependencies (the `datasets`, `gguf` and `tensorboard`
+#: extras), a Unix-only module (`resource`); a package's `__getattr__` (a lazy re-export) may import its own modules
+LOCAL_IMPORTS_ALLOWED = {"datasets", "gguf", "torch.utils.tensorboard", "resource"}
+
+
+def local_imports(package: Path = PACKAGE) -> list[str]:
+    """`module:line name` of every import inside a function, but those `LOCAL_IMPORTS_ALLOWED`."""
+    found = []
+    for name, path in _modules(package).items():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    targets = ["." * node.level + (node.module or "")]
+                else:
+                    continue
+                lazy = fn.name == "__getattr__" and path.name == "__init__.py" and targets[0].startswith(".")
+                if not lazy and not all(t in LOCAL_IMPORTS_ALLOWED for t in targets):
+                    found.append(f"{name}:{node.lineno} {', '.join(targets)}")
+    return sorted(set(found))
+
+
+def test_functions_import_only_optional_dependencies():
+    """Imports sit at the top of their module (what a module needs shows there, and the tier check reads it), but
+    for optional dependencies and a package's lazy re-export."""
+    found = local_imports()
+    assert not found, f"function-local imports: {found}"
+
+
+def test_the_check_sees_a_function_local_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def __getattr__(name):\n    from . import a\n    return a\n")
+    (pkg / "a.py").write_text("def f():\n    import json\n    import gguf\n    return json\n\n"
+                              "def __getattr__(name):\n    from .b import g\n    return g\n")
+    assert local_imports(pkg) == ["pkg.a:2 json", "pkg.a:7 .b"]
+
+
 def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     """The checks themselves: a two-module circle held together by a function-local import is found, one held
     together by an annotation-only import too, and so is an import of a private name."""

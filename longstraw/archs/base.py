@@ -6,6 +6,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers import CONFIG_MAPPING
+from transformers.utils import logging
+
 #: Fields of every tiny config (only those the family's config class knows are passed, see `tiny_fields`).
 TINY_COMMON = dict(
     vocab_size=256,
@@ -82,9 +85,6 @@ def _has(cfg, name: str) -> bool:
 
 def tiny_fields(fam: Family) -> dict:
     """Config fields of `fam`'s tiny model: the common ones its config class knows, then its own."""
-    from transformers import CONFIG_MAPPING
-    from transformers.utils import logging
-
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the default config's full-size token ids may not fit its vocabulary: noise here
     try:

@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from ..tasks.documents import write_document_task
+from ..tools.real_models import model_path
+from ..train.config import TrainConfig
 from .flags import config_overrides
 from .training import launch, rank, report, run_training
 
@@ -79,12 +86,6 @@ REAL_DEMO_LENGTH = 4096
 def real_demo_config(overrides: dict | None = None, length: int = REAL_DEMO_LENGTH, variant: str = "needle"):
     """The `demo --real` config: the real model's folder, and the documents task written into OUTPUT/data (train rows
     for every step, `eval_examples` held-out rows of other seeds) unless it is there from an earlier run."""
-    from transformers import AutoTokenizer
-
-    from ..tasks.documents import write_document_task
-    from ..tools.real_models import model_path
-    from ..train.config import TrainConfig
-
     values = {**REAL_DEMO_CONFIG, **(overrides or {})}
     path = model_path("smollm2")
     data = Path(values["output_dir"]) / "data"
@@ -97,8 +98,6 @@ def real_demo_config(overrides: dict | None = None, length: int = REAL_DEMO_LENG
 
 
 def cmd_demo_real(args) -> int:
-    import time
-
     try:
         cfg = real_demo_config(config_overrides(args), args.length, args.variant)
     except RuntimeError as err:  # the model could not be installed
@@ -119,17 +118,12 @@ def cmd_demo_real(args) -> int:
 
 
 def demo_config(overrides: dict | None = None):
-    from ..train.config import TrainConfig
-
     values = dict(DEMO_CONFIG)
     values.update(overrides or {})
     return TrainConfig.from_dict(values)
 
 
 def cmd_demo(args) -> int:
-    import os
-    import time
-
     if args.real:
         if args.nproc != 1:
             print("longstraw: error: demo --real runs in one process", file=sys.stderr)

@@ -8,11 +8,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
+import yaml
+
+from ..train.config import TrainConfig
+
 
 def parse_value(field: dataclasses.Field, text: str):
     """A command-line string as the field's type (YAML syntax for lists and dicts)."""
-    import yaml
-
     kind = str(field.type)
     if text.lower() in ("none", "null") and "None" in kind:
         return None
@@ -36,8 +38,6 @@ def parse_value(field: dataclasses.Field, text: str):
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    from ..train.config import TrainConfig
-
     group = parser.add_argument_group("config fields (override the file; lists and dicts in YAML syntax)")
     for f in dataclasses.fields(TrainConfig):
         # every field has a default or a default factory (`longstraw.train.config._f`)
@@ -51,8 +51,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_overrides(args) -> dict:
-    from ..train.config import TrainConfig
-
     out = {}
     for f in dataclasses.fields(TrainConfig):
         if hasattr(args, f.name):

@@ -3,17 +3,27 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import time
 from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import longstraw
+from longstraw.model.oracles import full_sequence_logprobs
+from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
+from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
+from longstraw.tools.planner import PlanConfig, plan
+
+from ..model.positions import coverage, position_note
+from ..tools.real_models import model_path
+from ..train import vllm_server
+from ..train.vllm_client import save_untied
 
 
 def cmd_compare(args) -> int:
-    import torch
-
-    import longstraw
-    from longstraw.model.oracles import full_sequence_logprobs
-    from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
-
     print(
         f"one GRPO step on the tiny {args.model} model (P={args.P} prompt tokens, G={args.G} responses of "
         f"R={args.R}, LoRA, {args.threads} thread(s)), each method in a fresh process; "
@@ -56,11 +66,6 @@ def cmd_compare(args) -> int:
 
 def cmd_check(args) -> int:
     """Self-check of a local model folder (or a built-in tiny family) against the unmodified model."""
-    import torch
-
-    import longstraw
-    from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.model in TINY_CONFIGS or args.model in TINY_MULTIMODAL:
         model = tiny_model(args.model, dtype=dtype)
@@ -71,8 +76,6 @@ def cmd_check(args) -> int:
                 f"{path} is neither a model folder with a config.json nor a built-in tiny "
                 f"family ({', '.join(longstraw.tested_families())})"
             )
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     model = model.to(args.device).eval()
     if not args.gradients:
@@ -83,8 +86,6 @@ def cmd_check(args) -> int:
         print(f"longstraw check: refused: {err}")
         return 1
     print(report)
-    from ..model.positions import coverage, position_note
-
     c = coverage(model.config)
     if c.native is not None:
         scaled = f", RoPE scaling {c.rope_type} × {c.factor:g} covering {c.covered:,}" if c.factor > 1 else ""
@@ -97,8 +98,6 @@ def cmd_check(args) -> int:
 
 def cmd_plan(args) -> int:
     """Per-rank memory breakdown of a run from a model's config (see `longstraw.tools.planner`)."""
-    from longstraw.tools.planner import PlanConfig, plan
-
     result = plan(
         PlanConfig(
             args.model,
@@ -124,8 +123,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_real(args) -> int:
-    from ..tools.real_models import model_path
-
     try:
         print(model_path(args.name))
     except RuntimeError as err:
@@ -136,11 +133,6 @@ def cmd_real(args) -> int:
 
 def cmd_vllm_serve(args) -> int:
     """Create the vLLM environment if needed; with a model, serve it on 127.0.0.1 until interrupted."""
-    import signal
-    import time
-
-    from ..train import vllm_server
-
     vllm_server.ensure_environment()
     print(f"longstraw: the vLLM environment is {vllm_server.environment()}")
     if args.setup:
@@ -150,13 +142,7 @@ def cmd_vllm_serve(args) -> int:
         return 2
     model = Path(args.model)
     if not args.lora_rank:  # full fine-tuning: the weights are reloaded every step, into an untied copy
-        from transformers import AutoConfig
-
         if getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            from ..train.vllm_client import save_untied
-
             untied = model.parent / f"{model.name}-untied"
             print(f"longstraw: {model} ties its embeddings: serving an untied copy written to {untied}", flush=True)
             save_untied(AutoModelForCausalLM.from_pretrained(model), untied, AutoTokenizer.from_pretrained(model))

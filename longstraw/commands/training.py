@@ -4,10 +4,17 @@ what the demos run too), the evaluation table they print, and `--nproc N`'s loca
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..distributed.ranks import launch_local
+from ..testing.models import TINY_CONFIGS
+from ..train.config import TrainConfig
+from ..train.devices import resolve_device
+from ..train.plots import plot_run
+from ..train.trainer import Trainer
 from .flags import config_overrides
 
 if TYPE_CHECKING:
@@ -48,9 +55,6 @@ def run_training(cfg) -> tuple[Trainer, dict]:
 
     eval.json holds the accuracy per length, the baselines that apply, and each held-out example's greedy
     completion (what a reloaded model must reproduce)."""
-    from ..train.plots import plot_run
-    from ..train.trainer import Trainer
-
     trainer = Trainer(cfg)
     out = Path(cfg.output_dir)
     before = _accuracy_at_start(trainer, out) if cfg.eval_at_start else None
@@ -95,8 +99,6 @@ def _accuracy_at_start(trainer, out: Path) -> dict | None:
 
 
 def rank() -> int:
-    import os
-
     return int(os.environ.get("RANK", "0"))
 
 
@@ -105,9 +107,6 @@ def launch(args, cfg) -> int | None:
     return its exit status; None when this process is to train itself."""
     if args.nproc <= 1:
         return None
-    from ..distributed.ranks import launch_local
-    from ..train.devices import resolve_device
-
     argv = list(args.argv)
     for i, a in enumerate(argv):  # the ranks get the same command without --nproc
         if a == "--nproc":
@@ -120,8 +119,6 @@ def launch(args, cfg) -> int | None:
 
 
 def cmd_train(args) -> int:
-    from ..train.config import TrainConfig
-
     cfg = TrainConfig.from_yaml(args.config, config_overrides(args))  # checked before any rank starts
     launched = launch(args, cfg)
     if launched is not None:
@@ -138,15 +135,10 @@ def cmd_train(args) -> int:
 
 
 def _tiny_names():
-    from ..testing.models import TINY_CONFIGS
-
     return TINY_CONFIGS
 
 
 def cmd_eval(args) -> int:
-    from ..train.config import TrainConfig
-    from ..train.trainer import Trainer
-
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise SystemExit(f"{run} holds no config.yaml: not a longstraw run folder")

@@ -28,12 +28,14 @@ Memory: E/N experts per rank; the dispatch buffers are T·k rows of the hidden s
 
 from __future__ import annotations
 
+import datetime
 import weakref
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.distributed as dist
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from .collectives import Group
 
@@ -171,8 +173,6 @@ def spread_experts(model, n: int, timeout_s: float) -> tuple[ExpertShards, dist.
     ranks holding the same experts in the other groups form a group of their own, which sums those gradients
     (returned; None when W = n). Every forward must be a collective of all W ranks (as the context-parallel capture,
     sampling of the same sequences and padded replays are), so that each group's all-to-alls run in step."""
-    import datetime
-
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if world % n:
         raise ValueError(f"expert_parallel: {n} needs a process count it divides; this run has {world}")
@@ -229,8 +229,6 @@ def _slice_adapters(model, shards: ExpertShards) -> None:
 
 
 def _register() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, expert_parallel_forward)
 
 

@@ -30,16 +30,15 @@ forward and backward all-gathers and reduce-scatters over the group.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, TypeGuard, cast
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..hf.parts import base_model, decoder_of
-
-if TYPE_CHECKING:  # torch.distributed is imported where it is used
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+from ..model.prepare import prepare
 
 __all__ = [
     "clip_grad_norm",
@@ -67,10 +66,6 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
 
     `ignored`: parameters left whole on this rank and out of FSDP's gathers and reductions (spread experts, whose
     slices differ per rank: `longstraw.distributed.expert_parallel`)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from ..model.prepare import prepare
-
     if sharded_layers(model):
         raise ValueError("the model's decoder layers are already sharded (longstraw.distributed.shard was called)")
     prepare(model)  # longstraw's stand-in classes first; fully_shard then subclasses them
@@ -97,8 +92,6 @@ def shard(model, mesh=None, reshard_after_forward: bool = True, float32_masters:
 
 def sharded_layers(model) -> list[nn.Module]:
     """The decoder layers `shard` sharded (FSDP2 modules), in order; empty if none."""
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in cast(nn.ModuleList, decoder_of(base_model(model)).layers) if isinstance(m, FSDPModule)]
 
 
@@ -111,15 +104,11 @@ def gradient_sync(model, enabled: bool) -> None:
 def replicated_parameters(model) -> list[torch.Tensor]:
     """The trainable parameters FSDP does not shard (embeddings, final norm, LM head, ...): the caller sums their
     gradients over the ranks."""
-    from torch.distributed.tensor import DTensor
-
     return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
 
 
 # ---------------------------------------------------------------------------------------------- training helpers
 def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
@@ -178,8 +167,6 @@ def load_full_tensors(
     """Copy whole tensors `values[name]` into the (sharded or replicated) tensors `named`: each rank keeps its shard
     of a sharded one, and its slice of spread experts (`spread`: the `ExpertShards`, as `full_tensors`). Raises naming
     `where` on a missing name or a shape mismatch."""
-    from torch.distributed.tensor import distribute_tensor
-
     missing = [n for n, _ in named if n not in values]
     if missing:
         raise ValueError(f"{where}: no values for {len(missing)} parameter(s), first {missing[0]}")
@@ -209,8 +196,6 @@ def local_optimizer_state(state_dict: dict) -> dict:
 def sharded_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """`state_dict` from `local_optimizer_state` with the shards of sharded parameters wrapped as `DTensor`s of the
     optimizer's parameters again (AdamW's moments of a sharded parameter must be sharded like it)."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for g in optimizer.param_groups for p in g["params"]]
     out = {"param_groups": state_dict["param_groups"], "state": {}}
     for idx, st in state_dict["state"].items():

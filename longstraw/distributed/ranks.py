@@ -43,9 +43,12 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 import uuid
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .collectives import CollectiveError, Group
 
@@ -358,8 +361,6 @@ def torch_collective_failure(err: BaseException) -> str | None:
     wraps it (the sharded layers' all-gathers and reduce-scatters in FSDP2's hooks, a DTensor's gather, the gradient
     norm's all-reduce): a message naming the torch.distributed call, FSDP2's or DTensor's step, this rank and where
     longstraw was. None for any other error."""
-    import traceback
-
     if not isinstance(err, RuntimeError) or isinstance(err, CollectiveError) or env_world_size() <= 1:
         return None
     frames = [(f.filename.replace("\\", "/"), f.name, f.lineno) for f in traceback.extract_tb(err.__traceback__)]
@@ -393,9 +394,6 @@ def launch_local(nproc: int, argv: list[str], cpu: bool) -> int:
     nproc` would (torch.distributed's elastic launcher, rendezvous on a free local port, no restarts); on the CPU each
     rank gets one thread unless OMP_NUM_THREADS says otherwise. Returns the exit status: 0, or 1 when a rank failed
     (the launcher then stops the others)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     if env_world_size() > 1:
         raise ValueError("--nproc inside a multi-process launch (WORLD_SIZE is set): use one or the other")
     if cpu:

@@ -36,7 +36,7 @@ from ..ops.compressed_attention import (
     merge_parts,
     pool_windows,
 )
-from ..ops.latent_attention import select_topk
+from ..ops.latent_attention import index_scores, select_topk
 from . import base
 from .base import register_layer_kind
 from .full_attention import AttentionBranchLayer
@@ -394,8 +394,6 @@ class CompressedAttention:
 def full_indexer_scores(indexer, hidden_states, q_residual) -> torch.Tensor:
     """Indexer scores `[B, S, n]` of a whole sequence from position 0 (future entries −inf), computed with the
     stream and scoring code above: what the tie-free checks of the tests compare the top-k boundary on."""
-    from ..ops.latent_attention import index_scores
-
     b, s, _ = hidden_states.shape
     rate = indexer.compress_rate
     st = Stream(rate, 0).push(indexer, indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states), True)

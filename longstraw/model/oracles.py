@@ -5,6 +5,8 @@ All run the unmodified transformers model: no longstraw attention, no longstraw 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 
@@ -41,8 +43,6 @@ def _cache_config(model):
     `layer_types` transformers 5.24's cache infers them from `sliding_window` / `attention_chunk_size`
     (`cache_utils.get_layer_types_and_kwargs`), so a field a Llama never reads would make it keep only that many
     keys."""
-    import copy
-
     cfg = base_model(model).config
     text = cfg.get_text_config(decoder=True)
     types = model_layer_types(model)

@@ -9,6 +9,7 @@ built-in tasks' `answer`) as keyword lists.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,8 +68,6 @@ def fraction_correct(prompts, completions, answer, **kwargs) -> list[float]:
 
 def contains_answer(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's first line holds the answer as a whole word (a code in a sentence), else 0.0."""
-    import re
-
     out = []
     for c, a in zip(completions, answer):
         text = c if isinstance(c, str) else c[0]["content"]

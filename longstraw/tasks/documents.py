@@ -22,6 +22,7 @@ code (the model may answer in a sentence: "The access code is 4817."). `write_do
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import random
@@ -73,8 +74,6 @@ def paragraphs() -> list[str]:
 
 def named_paragraphs() -> list[tuple[str, str]]:
     """`paragraphs()` with the module each comes from: (module name, docstring)."""
-    import importlib
-
     seen, out = set(), []
     for name in SOURCE_MODULES:
         try:

@@ -19,7 +19,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import pyarrow as pa
 import torch
+from tqdm import tqdm
 
 #: bumped when the file layout changes (part of the key)
 FORMAT = 1
@@ -49,8 +51,6 @@ class TokenCache:
     Memory: the texts' digests; the ids stay on disk (4 bytes a token) until read."""
 
     def __init__(self, folder: str | Path, tokenizer, texts: Sequence[str], progress: bool = False):
-        import pyarrow as pa
-
         self._pa = pa
         digests = [_digest(t) for t in texts]
         self.index: dict[str, int] = {}
@@ -77,8 +77,6 @@ class TokenCache:
         schema = pa.schema([("ids", pa.int32())])
         try:
             with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                from tqdm import tqdm
-
                 for text in tqdm(texts, desc="tokenizing prompts (once)", unit="row", disable=not progress):
                     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                     writer.write_batch(pa.record_batch([pa.array(ids, pa.int32())], schema=schema))

@@ -25,6 +25,22 @@ import sys
 import time
 
 import torch
+from peft import LoraConfig, get_peft_model
+
+import longstraw
+from longstraw.model.oracles import full_sequence_logprobs
+
+from ..testing.models import (
+    BENCH_DENSE,
+    BENCH_DSA,
+    BENCH_DSV4,
+    BENCH_HYBRID,
+    BENCH_MLA,
+    BENCH_SLIDING,
+    BENCH_SSM,
+    tiny_model,
+)
+from ..train.memory import peak_rss_mb, reset_peak, rss_mb
 
 METHODS = ("naive_batched", "naive_serial", "longstraw", "longstraw_exact", "longstraw_ckpt")
 #: the benchmark's tiny models (see `bench_model`)
@@ -37,19 +53,6 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
     Mamba-2 + attention, `dsv4`: deepseek_v4) with a LoRA adapter on the attention projections, train mode.
     `fields`: config fields that replace the family's benchmark fields (e.g. narrower attention). `lora` False: every
     parameter trainable (full fine-tuning), no adapter."""
-    from peft import LoraConfig, get_peft_model
-
-    from ..testing.models import (
-        BENCH_DENSE,
-        BENCH_DSA,
-        BENCH_DSV4,
-        BENCH_HYBRID,
-        BENCH_MLA,
-        BENCH_SLIDING,
-        BENCH_SSM,
-        tiny_model,
-    )
-
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}; got {name!r}")
     extra = fields
@@ -75,9 +78,6 @@ def bench_model(name: str, seed: int = 0, fields: dict | None = None, lora: bool
 
 def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int = 4096) -> dict:
     """Run one step's forward and backward (gradients accumulate in `.grad`); returns details."""
-    import longstraw
-    from longstraw.model.oracles import full_sequence_logprobs
-
     info: dict = {}
     if method == "naive_batched":
         r = responses[0].numel()
@@ -91,8 +91,6 @@ def grpo_step(method: str, model, prompt, responses, advantages, chunk_size: int
             (-(a * lp).sum()).backward()
     elif method in ("longstraw", "longstraw_exact", "longstraw_ckpt"):
         mode = "exact" if method == "longstraw_exact" else "detached"
-        from ..train.memory import peak_rss_mb
-
         with longstraw.capture(model, prompt, chunk_size=chunk_size, prompt_grad=mode) as state:
             info["durable_mb"] = state.nbytes / 2**20
             info["durable_bytes"] = state.nbytes
@@ -137,8 +135,6 @@ def measure(
 def _measured(row: dict, fn) -> dict:
     """`row` plus the step memory (peak RSS − RSS before, peak reset first) and wall time of `fn()`,
     and what `fn` reports (durable state in MiB, ...)."""
-    from ..train.memory import peak_rss_mb, reset_peak, rss_mb
-
     before = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
@@ -166,8 +162,6 @@ SAMPLERS = ("hf_generate", "longstraw")
 
 def sampling_step(method: str, model, prompt, num: int, new_tokens: int, chunk_size: int = 4096) -> dict:
     """Sample `num` responses of exactly `new_tokens` tokens (no stop token) at temperature 1."""
-    import longstraw
-
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         if method == "hf_generate":

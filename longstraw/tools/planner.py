@@ -36,6 +36,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
+
 from ..kinds.sizes import state_bytes
 from ..model.capability import layer_plan
 from ..model.chunking import (
@@ -50,6 +53,7 @@ from ..model.chunking import (
 )
 from ..model.positions import position_note
 from ..ops.attention import TILE_ELEMENTS
+from ..testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
 from .backend_choice import choose_backend
 
 
@@ -113,10 +117,6 @@ class PlanConfig:
 
 def load_config(model):
     """A transformers text config from a config object, a folder / config.json, or a tiny family name."""
-    from transformers import AutoConfig, PreTrainedConfig
-
-    from ..testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_config
-
     if isinstance(model, PreTrainedConfig):
         cfg = model
     elif isinstance(model, str) and (model in TINY_CONFIGS or model in TINY_MULTIMODAL):
@@ -127,8 +127,6 @@ def load_config(model):
             data = json.loads(path.read_text())
             if "model_type" not in data:
                 raise ValueError(f"plan: {path} has no 'model_type' field")
-            from transformers import CONFIG_MAPPING
-
             cfg = CONFIG_MAPPING[data.pop("model_type")](**data)
         elif (path / "config.json").exists():
             cfg = AutoConfig.from_pretrained(path)
@@ -217,8 +215,6 @@ class Plan:
 
 
 def _durable(cfg, plan_kinds, tokens_local: int, elem: int, state_dtype) -> int:
-    import torch
-
     q = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[state_dtype]
     total = 0
     for i, kind in enumerate(plan_kinds):

@@ -27,6 +27,7 @@ SHA-256 the first wheel ships (`data/SHA256SUMS`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -35,6 +36,9 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..paths import cache_dir
 
@@ -92,8 +96,6 @@ def installed(name: str) -> Path | None:
 
 def _installed_member(member: str) -> Path | None:
     """`member` (a path inside a wheel) where its package is installed in this environment, else None."""
-    import importlib.util
-
     top, rest = member.split("/", 1)
     try:
         found = importlib.util.find_spec(top)
@@ -179,9 +181,6 @@ def model_path(name: str = "smollm2", progress: bool = True) -> Path:
         import gguf  # noqa: F401  (transformers' GGUF loader needs it)
     except ImportError as err:
         raise RuntimeError('the real models need the gguf package: pip install -e ".[real]"') from err
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = cache_dir("models")
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-") as tmp:

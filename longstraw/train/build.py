@@ -8,17 +8,18 @@ import math
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ..tasks import build_tokenizer
 from ..testing.models import TINY_CONFIGS, tiny_config
 from .config import TrainConfig
+from .devices import resolve_device, resolve_dtype
 from .rewards import RewardSet, resolve_reward
 
 
 def tiny_base(cfg: TrainConfig, tok, dtype: torch.dtype = torch.float32):
     """The built-in tiny model of `cfg`, random weights drawn from cfg.seed (the same every call)."""
-    from transformers import AutoModelForCausalLM
-
     mcfg = tiny_config(
         cfg.model,
         **{
@@ -39,10 +40,6 @@ def build_model_and_tokenizer(cfg: TrainConfig, model=None, tokenizer=None, peft
     device), `tokenizer` its tokenizer (default: the one in `cfg.model`'s folder); `peft_config`: a PEFT config to
     wrap the model with instead of the config's `lora_*` fields. A built-in tiny model always has its task's
     tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-    from .devices import resolve_device, resolve_dtype
-
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tok: PreTrainedTokenizerBase  # the task's word-level tokenizer, or the model folder's
@@ -76,15 +73,11 @@ def build_model_and_tokenizer(cfg: TrainConfig, model=None, tokenizer=None, peft
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses could never stop")
     if peft_config is None and cfg.lora:
-        from peft import LoraConfig
-
         extra = ["embed_tokens", "lm_head"] if cfg.train_embeddings else None
         peft_config = LoraConfig(
             r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules, modules_to_save=extra
         )
     if peft_config is not None:
-        from peft import get_peft_model
-
         if model_is_tiny:  # its init, adapter included, follows the seed `tiny_base` set
             model = get_peft_model(model, peft_config)
         else:

@@ -39,6 +39,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from ..distributed.fsdp import sharded_optimizer_state
 
 KEEP = 2
 
@@ -62,18 +67,12 @@ def save_weights(model, path: Path) -> None:
     if is_peft(model):
         model.save_pretrained(path)
     else:
-        from safetensors.torch import save_model
-
         path.mkdir(parents=True, exist_ok=True)
         save_model(model, str(path / "model.safetensors"))  # shared (tied) tensors stored once
 
 
 def load_weights(model, path: Path) -> None:
-    from safetensors.torch import load_file, load_model
-
     if is_peft(model):
-        from peft import set_peft_model_state_dict
-
         set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
     else:
         load_model(model, str(path / "model.safetensors"))
@@ -183,8 +182,6 @@ def save_sharded_checkpoint(
     )
 
     def finish():
-        from safetensors.torch import save_file
-
         (tmp / "weights").mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights" / SHARDED_WEIGHTS))
         return _finish(
@@ -200,8 +197,6 @@ class LazyTensors:
     checkpoint holds one whole tensor at a time, not the whole model, on every rank."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         file = safe_open(str(path), framework="pt")
         self._file: safe_open | None = file  # None once closed
         self._names = set(file.keys())
@@ -231,8 +226,6 @@ def load_sharded_checkpoint(
     the weights into the (sharded) model, this rank's optimizer file into `optimizer` (shards wrapped as the
     parameters' `DTensor`s again), the rest as `load_checkpoint`. `sharding`: as the run that wrote it (refused
     otherwise, as on another number of processes). Returns the trainer state."""
-    from ..distributed.fsdp import sharded_optimizer_state
-
     sharding = {"fsdp": True} if sharding is None else sharding
     state = read_trainer_state(ckpt)
     written = {"fsdp": bool(state.get("fsdp")), "expert_parallel": state.get("expert_parallel") or 1}

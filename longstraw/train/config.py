@@ -11,9 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..losses import LOSS_TYPES, SCALE_REWARDS
 from ..losses.base import IMPORTANCE_SAMPLING_LEVELS
+from ..losses.sampler_correction import SamplerCorrection
 from ..tasks import REWARD_FUNCTIONS, TASKS
+from ..testing.models import TINY_CONFIGS
+from .verl_names import from_verl
 
 
 def _f(default, help: str, **kw):
@@ -319,14 +324,10 @@ class TrainConfig:
                 raise ValueError(f"config: {msg}")
 
         if self.train_embeddings is None:  # a random-initialised tiny model needs them; a checkpoint does not
-            from ..testing.models import TINY_CONFIGS
-
             self.train_embeddings = self.model in TINY_CONFIGS
 
         need(self.rollout_backend in ("own", "vllm"), "rollout_backend must be 'own' or 'vllm'")
         if self.rollout_backend == "vllm":
-            from ..losses.sampler_correction import SamplerCorrection
-
             SamplerCorrection(  # validates the mode and bounds
                 self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min,
@@ -453,8 +454,6 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """A config from `values` (field: value); verl's names of the sampler correction are read as TRL's
         (`longstraw.train.verl_names`)."""
-        from .verl_names import from_verl
-
         values = from_verl(values)
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
@@ -463,8 +462,6 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-        import yaml
-
         values = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a config file must hold a mapping of field: value")

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
+from ..api import capture
 from ..losses import combine_rewards
 from ..tasks import Example
 
@@ -45,8 +47,6 @@ class Evaluation:
     def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
         """Greedy responses (token ids, stop token included) of the current model, one per example (`bar`: a
         progress bar advanced per example)."""
-        from ..api import capture
-
         out = []
         # greedy draws nothing; a generator of its own keeps the ranks' global RNGs (rank 0 alone exports) out of it
         unused = torch.Generator(device=next(self.model.parameters()).device) if self.ranks.size > 1 else None
@@ -103,8 +103,6 @@ class Evaluation:
         todo = {length: self.eval_examples(length, n) for length in lengths}
         bar = None
         if cfg.progress and self.ranks.main:
-            from tqdm import tqdm
-
             bar = tqdm(
                 total=sum(len(v) for v in todo.values()), desc="held-out evaluation", unit="example", dynamic_ncols=True
             )

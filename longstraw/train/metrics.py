@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from tqdm import tqdm
+
 
 def trim_metrics(path: Path, last_step: int) -> None:
     """Keep the metrics of steps ≤ last_step (the ones a resumed run does not redo)."""
@@ -50,8 +52,6 @@ class MetricsWriter:
         trim_metrics(self.path, resumed_step)
         self.bar = self.tb = None
         if cfg.progress:
-            from tqdm import tqdm
-
             self.bar = tqdm(
                 total=cfg.num_steps, initial=resumed_step, desc="longstraw", unit="step", dynamic_ncols=True
             )

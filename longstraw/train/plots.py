@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from matplotlib.figure import Figure  # pyplot's global state and backend are not needed to write a PNG
+
 
 def _rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
@@ -49,20 +51,12 @@ def _warmup_panel(ax, sft: list[dict]) -> None:
 
 
 def _save(fig, path: Path, written: list) -> None:
-    import matplotlib.pyplot as plt
-
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
     written.append(path)
 
 
 def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
     """Write reward.png, eval_accuracy.png and memory.png into `run`; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     run = Path(run)
     rows = _rows(run)
     written: list[Path] = []
@@ -71,7 +65,8 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
     grpo = [r for r in rows if r.get("phase") == "grpo"]
     sft = [r for r in rows if r.get("phase") == "sft"]
     panels = [p for p in (("grpo", grpo), ("sft", sft)) if p[1]]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(6.5, 3.3 * len(panels)), squeeze=False)
+    fig = Figure(figsize=(6.5, 3.3 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)
     for ax, (kind, part) in zip(axes[:, 0], panels):
         (_grpo_panel if kind == "grpo" else _warmup_panel)(ax, part)
     _save(fig, run / "reward.png", written)
@@ -81,7 +76,8 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
     if final.exists():
         evals.append((rows[-1]["step"], json.loads(final.read_text())["accuracy"]))
     if evals:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
+        fig = Figure(figsize=(6.5, 4))
+        ax = fig.subplots()
         for length in sorted({k for _, e in evals for k in e}, key=lambda k: (not k.isdigit(), len(k), k)):
             pts = [(s, e[length]) for s, e in evals if length in e]
             ax.plot(*zip(*pts), "o-", label=f"P = {length}" if length.isdigit() else length)
@@ -94,7 +90,8 @@ def plot_run(run: str | Path, baselines: dict | None = None) -> list[Path]:
         ax.legend(fontsize=8)
         _save(fig, run / "eval_accuracy.png", written)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r["step_mem_mb"] for r in rows], ".-", label="step (peak of the stages)")
     for stage in ("capture", "sample", "replay"):

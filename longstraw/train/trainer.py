@@ -40,17 +40,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import yaml
 
+from ..agent.rollout import AgentSettings, EnvironmentRollout
+from ..distributed.expert_parallel import spread_experts
+from ..distributed.fsdp import (
+    clip_grad_norm,
+    full_tensors,
+    gradient_sync,
+    is_sharded,
+    load_full_tensors,
+    local_optimizer_state,
+    shard,
+)
 from ..distributed.ranks import ContextGroups, Ranks, setup_ranks
+from ..hf.parts import base_model, decoder_of
 from ..losses import make_loss
 from ..model.positions import position_limit
 from ..paths import cache_dir
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
 from ..testing.models import TINY_CONFIGS
+from . import vllm_client, vllm_server
 from .build import build_model_and_tokenizer, generator, lr_lambda, reward_set, tiny_base
 from .checkpoint import (
     SHARDED_WEIGHTS,
+    LazyTensors,
     latest_name,
     load_checkpoint,
     load_sharded_checkpoint,
@@ -60,6 +75,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import build_data
+from .devices import resolve_device
 from .evaluation import HELD_OUT_KEY, Evaluation
 from .export import export_model
 from .memory import MemoryMeter
@@ -69,6 +85,7 @@ from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
+from .vllm_client import VLLMClient
 
 if TYPE_CHECKING:
     from ..distributed.expert_parallel import ExpertShards
@@ -106,8 +123,6 @@ class Trainer(Evaluation):
     ):
         self.cfg = cfg
         self.peft_config = peft_config
-        from .devices import resolve_device
-
         # one process, or a rank of a process group (the default group, or one started from torchrun's environment)
         self.ranks = setup_ranks(cfg.dist_timeout, resolve_device(cfg.device))
         if cfg.threads:
@@ -140,17 +155,12 @@ class Trainer(Evaluation):
         self.experts: ExpertShards | None = None
         self.expert_replicas: Ranks | None = None
         if cfg.expert_parallel > 1:
-            from ..distributed.expert_parallel import spread_experts
-
             group, replicas = spread_experts(self.model, cfg.expert_parallel, cfg.dist_timeout)
             self.experts, self.expert_replicas = group, None if replicas is None else Ranks(replicas)
         self.sharded = cfg.fsdp and self.ranks.size > 1
         if cfg.fsdp and not self.sharded:
             print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
         if self.sharded:
-            from ..distributed.fsdp import shard
-            from ..hf.parts import base_model, decoder_of
-
             layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
             in_layers = [p for p in layers.parameters() if p.requires_grad]
             spread = {p for p in self.model.parameters() if self._spread(p)}  # each rank's own: FSDP leaves them
@@ -164,8 +174,6 @@ class Trainer(Evaluation):
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
-            from ..agent.rollout import AgentSettings, EnvironmentRollout
-
             kw = {"parse": resolve_callable(cfg.tool_parser, "tool_parser")} if cfg.tool_parser else {}
             rollout_func = EnvironmentRollout(
                 resolve_callable(cfg.environment, "environment"),
@@ -250,8 +258,6 @@ class Trainer(Evaluation):
         self.vllm_server = None
         if self.cfg.rollout_backend != "vllm":
             return None
-        from .vllm_client import VLLMClient
-
         # on N processes rank 0 alone talks to the server (it samples every row and hands the rows to the others)
         url = self.ranks.from_main("vLLM: the server's URL", self._vllm_url)
         client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
@@ -263,8 +269,6 @@ class Trainer(Evaluation):
         """`vllm_url`, or the URL of a server started here on the model (rank 0's)."""
         url = self.cfg.vllm_url
         if url is None:
-            from . import vllm_client, vllm_server
-
             self.out.mkdir(parents=True, exist_ok=True)
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             folder = Path(self.cfg.model)
@@ -328,8 +332,6 @@ class Trainer(Evaluation):
             with self.meter.stage("sync"):
                 state = None
                 if self.sharded:  # every rank: the sharded layers gathered whole, rank 0 keeps them
-                    from ..distributed.fsdp import full_tensors
-
                     named = self._named_trainable() if self.cfg.lora else list(self.model.state_dict().items())
                     state = full_tensors(named, keep=self.ranks.main)
                 if self.ranks.main:
@@ -357,8 +359,6 @@ class Trainer(Evaluation):
         """With sharded layers: what turns their gradient reduction on for the step's last backward."""
         if not self.sharded:
             return None
-        from ..distributed.fsdp import gradient_sync
-
         return lambda: gradient_sync(self.model, True)
 
     def grpo_step(self, step: int) -> dict:
@@ -443,8 +443,6 @@ class Trainer(Evaluation):
         self.meter.start_step()
         self.opt.zero_grad(set_to_none=True)
         if self.sharded:  # the layers' gradients accumulate unreduced until the step's last backward
-            from ..distributed.fsdp import gradient_sync
-
             gradient_sync(self.model, False)
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
         if self.ranks.size > 1:
@@ -474,8 +472,6 @@ class Trainer(Evaluation):
         norm = None
         if self.sharded or self.experts is not None:
             # shards, each rank's experts and replicated gradients: one norm, one verdict, the same on every rank
-            from ..distributed.fsdp import clip_grad_norm
-
             norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg, spread=self.experts)
             grads_ok = math.isfinite(norm)
         else:
@@ -505,8 +501,6 @@ class Trainer(Evaluation):
         out = [p for p in params if not self._spread(p[1] if isinstance(p, tuple) else p)]
         if not self.sharded:
             return out
-        from ..distributed.fsdp import is_sharded
-
         return [p for p in out if not is_sharded(p[1] if isinstance(p, tuple) else p)]
 
     def _spread(self, p: torch.Tensor) -> bool:
@@ -525,8 +519,6 @@ class Trainer(Evaluation):
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
         if self.sharded or self.experts is not None:
-            from ..distributed.fsdp import full_tensors, local_optimizer_state
-
             return save_sharded_checkpoint(
                 self.out / "checkpoints",
                 self.step,
@@ -556,8 +548,6 @@ class Trainer(Evaluation):
 
         def load():
             if name is not None and (self.sharded or self.experts is not None):
-                from ..distributed.fsdp import load_full_tensors
-
                 return load_sharded_checkpoint(
                     root / name,
                     self.ranks,
@@ -616,9 +606,6 @@ class Trainer(Evaluation):
     def _unsharded_copy(self):
         """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
         with sharded layers or spread experts; memory: a second copy of the model on rank 0, at the end)."""
-        from ..distributed.fsdp import load_full_tensors
-        from .checkpoint import LazyTensors
-
         name = latest_name(self.out / "checkpoints")
         ckpt = self.out / "checkpoints" / name
         if read_trainer_state(ckpt)["step"] != self.step:
@@ -645,8 +632,6 @@ class Trainer(Evaluation):
         holds the same values; rank 0 alone writes files)."""
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.load_checkpoint()
-        import yaml
-
         if self.ranks.main:
             tmp = self.out / ".config.yaml.tmp"
             tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))

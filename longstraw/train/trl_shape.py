@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from ..tasks import Example
 from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
@@ -327,8 +329,6 @@ class GRPOTrainer(Trainer):
         folder, obj = self._model(model, args)
         tok = processing_class
         if tok is None and folder not in TINY_CONFIGS:
-            from transformers import AutoTokenizer
-
             tok = AutoTokenizer.from_pretrained(folder)
         rows = dataset_rows(train_dataset, tok, "train_dataset")
         held = None if eval_dataset is None else dataset_rows(eval_dataset, tok, "eval_dataset")

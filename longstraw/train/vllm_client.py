@@ -19,6 +19,7 @@ trainer's own old log-probs come from the first replay of the update (`longstraw
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from ..sampler import Samples
 
@@ -213,10 +215,6 @@ def save_untied(model, folder: str | Path, tokenizer=None, state_dict: dict | No
     head is read as the embedding, so its packed copy stays the old one (measured on SmolLM2: log-probs 0.23 off
     after a change of the embeddings, every other layer's change within 1.4e-5). Served untied, the head is a
     layer of its own, read and repacked."""
-    import copy
-
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()

@@ -23,6 +23,7 @@ the wait times out. `stop()` ends the server's whole process group (its engine c
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -199,8 +200,6 @@ def start(
 
 def _max_positions(model: str | Path) -> int | None:
     """The model folder's `max_position_embeddings` (its text config's), or None."""
-    import json
-
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):

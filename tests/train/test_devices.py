@@ -54,9 +54,7 @@ def test_trainable_fp16_weights_are_refused_bf16_ones_accepted():
 
 def test_trainable_fp16_weights_from_auto_are_refused(tmp_path, monkeypatch):
     """`dtype: auto` resolves to fp16 on a GPU without bf16: the trainer refuses trainable fp16 weights then too."""
-    import longstraw.train.devices
-
-    monkeypatch.setattr(longstraw.train.devices, "resolve_dtype", lambda name, device: torch.float16)
+    monkeypatch.setattr("longstraw.train.build.resolve_dtype", lambda name, device: torch.float16)
     with pytest.raises(ValueError, match="loss scaling"):
         Trainer(TrainConfig(model="llama", output_dir=str(tmp_path / "run"), lora=False, progress=False))
 
