@@ -6,21 +6,25 @@
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
 Context-parallel capture, replay (detached and exact) and sampling (`context_parallel/`, DSA's sparse selection in
-`sparse.py`), FSDP2 for the weights (`fsdp.py`), named and checked collectives (`collectives.py`), the trainer on N
-processes (`ranks.py`). What each rank holds and does, the costs and the failure modes: docs/distributed.md, "How it
-works, rank by rank".
+`sparse.py`), FSDP2 for the weights (`fsdp.py`), expert parallelism (`expert_parallel.py`), named and checked
+collectives (`collectives.py`), the trainer on N processes (`ranks.py`), spread once when a run starts
+(`parallelize.py`). What each rank holds and does, the costs and the failure modes: docs/distributed.md, "How it works,
+rank by rank".
 """
 
 from .collectives import CollectiveError, Group, MismatchError
 from .context_parallel import ContextParallelState, slice_bounds
 from .fsdp import gradient_sync, replicated_parameters, shard, sharded_layers
+from .parallelize import Parallel, parallelize
 
 __all__ = [
     "CollectiveError",
     "ContextParallelState",
     "Group",
     "MismatchError",
+    "Parallel",
     "gradient_sync",
+    "parallelize",
     "replicated_parameters",
     "shard",
     "sharded_layers",

@@ -15,20 +15,16 @@ from (seed, step), so a resumed run repeats exactly what an uninterrupted one do
 step, with memory and time per stage (`longstraw.train.memory.MemoryMeter`), go to `metrics.jsonl` (and to
 TensorBoard with `report_to: tensorboard`).
 
-On N processes (torchrun, `longstraw train --nproc N`; `longstraw.distributed.ranks`): the stages take `self.ranks`, the
-gradients are summed over the ranks before the one optimizer step, and rank 0 alone writes files. With
-`context_parallel: C` the ranks form N / C groups of C (`ContextGroups`): the GRPO rollout and update run in the group
-(its collectives), each group taking every (N / C)-th context of the step; the groups then exchange their sampled rows
-(every rank holds the step's rewards and advantages), and the gradient sum runs over all N.
-
-With `fsdp: true` on N processes the decoder layers are sharded over the ranks (FSDP2,
-`longstraw.distributed.shard`): each rank holds 1/N of their weights, gradients and AdamW moments. Their gradients
-accumulate unreduced over the step's backwards and are reduce-scattered once, in the step's last backward; the
-replicated parameters (embeddings, final norm, LM head) are all-reduced; the clipping norm and the finite check
-come from the shards and the replicated gradients together (`clip_grad_norm`), the same on every rank.
-Full fine-tuning of a bf16 model keeps the layers' shards in float32 (the masters) and gathers them in bf16.
-Checkpoints hold the whole trainable weights and one optimizer file per rank (`save_sharded_checkpoint`); rank 0
-exports the final model from the last checkpoint into a model of its own.
+On N processes (torchrun, `longstraw train --nproc N`; `longstraw.distributed.ranks`) the run is spread once, when
+the trainer starts (`self.parallel`, `longstraw.distributed.parallelize`): rank 0's weights on every rank, the
+context-parallel groups (`context_parallel: C`: N / C groups of C ranks, each taking every (N / C)-th context of a
+step, their sampled rows exchanged so that every rank holds the step's rewards and advantages), the experts spread
+(`expert_parallel`), the decoder layers sharded (`fsdp`: FSDP2, 1/N of their weights, gradients and AdamW moments per
+rank, their gradients reduce-scattered in the step's last backward, bf16 layers kept as float32 shards). The stages
+take the group's ranks (`parallel.context`); a step's gradients are summed over all N ranks (`reduce_gradients`), one
+clipping norm covers shards, spread experts and replicated weights, and rank 0 alone writes files. Checkpoints of
+partitioned weights hold them whole with one optimizer file per rank (`save_sharded_checkpoint`); rank 0 exports the
+final model from the last checkpoint into a model of its own.
 """
 
 from __future__ import annotations
@@ -37,24 +33,19 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import yaml
 
 from ..agent.rollout import AgentSettings, EnvironmentRollout
-from ..distributed.expert_parallel import spread_experts
 from ..distributed.fsdp import (
-    clip_grad_norm,
     full_tensors,
-    gradient_sync,
-    is_sharded,
     load_full_tensors,
     local_optimizer_state,
-    shard,
 )
-from ..distributed.ranks import ContextGroups, Ranks, setup_ranks
-from ..hf.parts import base_model, decoder_of
+from ..distributed.parallelize import parallelize
+from ..distributed.ranks import setup_ranks
 from ..losses import make_loss
 from ..model.positions import position_limit
 from ..paths import cache_dir
@@ -86,9 +77,6 @@ from .rollout import Policy, RolloutStage, SamplingSettings
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 from .vllm_client import VLLMClient
-
-if TYPE_CHECKING:
-    from ..distributed.expert_parallel import ExpertShards
 
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
 
@@ -130,44 +118,21 @@ class Trainer(Evaluation):
         elif self.ranks.size > 1 and resolve_device(cfg.device).type == "cpu":
             torch.set_num_threads(1)
         self.model, self.tok = build_model_and_tokenizer(cfg, model, tokenizer, peft_config)
-        # every rank starts from rank 0's trainable weights (randomly initialised adapters may differ)
-        self.ranks.broadcast_params(
-            [(n, p) for n, p in self.model.named_parameters() if p.requires_grad],
-            "Trainer: initial weights from rank 0",
+        #: how the run is spread over its processes (`longstraw.distributed.parallelize`): rank 0's weights on every
+        #: rank, context-parallel groups, spread experts, sharded layers
+        self.parallel = parallelize(
+            self.model,
+            self.ranks,
+            context_parallel=cfg.context_parallel,
+            expert_parallel=cfg.expert_parallel,
+            fsdp=cfg.fsdp,
+            timeout_s=cfg.dist_timeout,
         )
-        #: `context_parallel`: the groups of ranks that capture, sample and replay a prompt together (this rank's:
-        #: `groups.context`), which take the step's prompts in turn
-        self.groups = ContextGroups(self.ranks, cfg.context_parallel, cfg.dist_timeout)
-        if self.groups.count > 1 and (cfg.fsdp or cfg.rollout_backend == "vllm"):
+        if self.parallel.groups.count > 1 and cfg.rollout_backend == "vllm":
             raise ValueError(
-                f"context_parallel: {cfg.context_parallel} of {self.ranks.size} processes with "
-                f"{'fsdp: true' if cfg.fsdp else 'rollout_backend: vllm'}: "
-                + (
-                    "layers sharded over every rank need every forward run by all of them, and the groups run "
-                    "different prompts; "
-                    if cfg.fsdp
-                    else "the server's rows are not handed to several groups yet; "
-                )
-                + "use context_parallel: 0 (one group of all ranks)"
-            )
-        #: `expert_parallel`: this rank's share of the experts (`ExpertShards`), and the ranks holding the same share in
-        #: the other expert groups (None: one group)
-        self.experts: ExpertShards | None = None
-        self.expert_replicas: Ranks | None = None
-        if cfg.expert_parallel > 1:
-            group, replicas = spread_experts(self.model, cfg.expert_parallel, cfg.dist_timeout)
-            self.experts, self.expert_replicas = group, None if replicas is None else Ranks(replicas)
-        self.sharded = cfg.fsdp and self.ranks.size > 1
-        if cfg.fsdp and not self.sharded:
-            print("longstraw: fsdp: true on one process: nothing to shard, the weights stay whole", file=sys.stderr)
-        if self.sharded:
-            layers = cast(torch.nn.ModuleList, decoder_of(base_model(self.model)).layers)  # the decoder's blocks
-            in_layers = [p for p in layers.parameters() if p.requires_grad]
-            spread = {p for p in self.model.parameters() if self._spread(p)}  # each rank's own: FSDP leaves them
-            shard(
-                self.model,
-                float32_masters=any(p.dtype in (torch.bfloat16, torch.float16) for p in in_layers),
-                ignored=spread or None,
+                f"context_parallel: {cfg.context_parallel} of {self.ranks.size} processes with rollout_backend: vllm: "
+                "the server's rows are not handed to several groups yet; use context_parallel: 0 (one group of all "
+                "ranks)"
             )
         self.data = build_data(cfg, self.tok, rows, eval_rows)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
@@ -196,7 +161,7 @@ class Trainer(Evaluation):
             )
         # what the optimizer steps on: the float32 parameters themselves, float32 masters of the bf16 ones
         self.masters = MasterWeights(self.params)
-        if self.experts is not None and any(self.experts.is_spread(p) for p, _ in self.masters.pairs):
+        if any(self.parallel.is_spread(p) for p, _ in self.masters.pairs):
             raise ValueError(
                 "expert_parallel with trainable bf16 experts (full fine-tuning in bf16): their float32 master copies "
                 "are not checkpointed per rank yet; use dtype fp32, or a LoRA adapter"
@@ -239,8 +204,8 @@ class Trainer(Evaluation):
             beta=cfg.beta,
             scale_rewards=cfg.scale_rewards,
             rollout_func=rollout_func,
-            ranks=self.groups.context,
-            groups=self.groups if self.groups.count > 1 else None,
+            ranks=self.parallel.context,
+            groups=self.parallel.groups if self.parallel.groups.count > 1 else None,
             share_prefixes=cfg.share_prefixes,
             min_shared_prefix=cfg.min_shared_prefix,
             max_row_suffix=cfg.max_row_suffix,
@@ -331,7 +296,7 @@ class Trainer(Evaluation):
         if client is not None:  # vLLM samples with the policy as it is now (rank 0 syncs it)
             with self.meter.stage("sync"):
                 state = None
-                if self.sharded:  # every rank: the sharded layers gathered whole, rank 0 keeps them
+                if self.parallel.sharded:  # every rank: the sharded layers gathered whole, rank 0 keeps them
                     named = self._named_trainable() if self.cfg.lora else list(self.model.state_dict().items())
                     state = full_tensors(named, keep=self.ranks.main)
                 if self.ranks.main:
@@ -349,17 +314,11 @@ class Trainer(Evaluation):
             self.loss_fn,
             self.update_settings,
             self.meter,
-            ranks=self.groups.context,
-            before_last_backward=self._before_last_backward(),
+            ranks=self.parallel.context,
+            before_last_backward=self.parallel.before_last_backward(self.model),
             store=self.store,
             world=self.ranks,
         )
-
-    def _before_last_backward(self):
-        """With sharded layers: what turns their gradient reduction on for the step's last backward."""
-        if not self.sharded:
-            return None
-        return lambda: gradient_sync(self.model, True)
 
     def grpo_step(self, step: int) -> dict:
         store = self.store
@@ -434,7 +393,7 @@ class Trainer(Evaluation):
             self.cfg.sft_full_sequence,
             self.meter,
             ranks=self.ranks,
-            before_last_backward=self._before_last_backward(),
+            before_last_backward=self.parallel.before_last_backward(self.model),
         )
         return dict(phase="sft", **m)
 
@@ -442,20 +401,15 @@ class Trainer(Evaluation):
         """One optimizer step (supervised during warm-up); a non-finite loss or gradient skips the update."""
         self.meter.start_step()
         self.opt.zero_grad(set_to_none=True)
-        if self.sharded:  # the layers' gradients accumulate unreduced until the step's last backward
-            gradient_sync(self.model, False)
+        self.parallel.begin_step(self.model)
         m = self.sft_step(step) if step < self.cfg.sft_warmup_steps else self.grpo_step(step)
         if self.ranks.size > 1:
             with self.meter.stage("all_reduce"):  # the gradients of every rank's replays, summed: once per step
                 # (where the gradients are: the float32 parameters, float32 masters of bf16 ones)
-                self.ranks.all_reduce_grads(self._replicated(self.masters.params), "trainer: gradient all-reduce")
-                if self.expert_replicas is not None:  # the same experts held in the other expert groups
-                    self.expert_replicas.all_reduce_grads(
-                        [p for p in self.masters.params if self._spread(p)], "trainer: expert gradient all-reduce"
-                    )
+                self.parallel.reduce_gradients(self.masters.params)
             m["world_size"] = self.ranks.size
-        if self.experts is not None:
-            m.update(self.experts.load_metrics())
+        if self.parallel.experts is not None:
+            m.update(self.parallel.experts.load_metrics())
         with self.meter.stage("optimizer"):
             self._optimizer_step(m)
         m.update(self.meter.results())
@@ -469,10 +423,9 @@ class Trainer(Evaluation):
 
     def _optimizer_step(self, m: dict) -> None:
         params = self.masters.params  # where the gradients are (float32)
-        norm = None
-        if self.sharded or self.experts is not None:
-            # shards, each rank's experts and replicated gradients: one norm, one verdict, the same on every rank
-            norm = clip_grad_norm(params, self.cfg.max_grad_norm, self.ranks.pg, spread=self.experts)
+        # partitioned weights: one norm over every rank's shards, experts and replicated gradients, one verdict
+        norm = self.parallel.clip_grad_norm(params, self.cfg.max_grad_norm)
+        if norm is not None:
             grads_ok = math.isfinite(norm)
         else:
             grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in params)
@@ -495,35 +448,23 @@ class Trainer(Evaluation):
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def _replicated(self, params):
-        """`params` that every rank holds whole and alike: all but sharded ones (with sharded layers) and spread
-        experts (`expert_parallel`)."""
-        out = [p for p in params if not self._spread(p[1] if isinstance(p, tuple) else p)]
-        if not self.sharded:
-            return out
-        return [p for p in out if not is_sharded(p[1] if isinstance(p, tuple) else p)]
-
-    def _spread(self, p: torch.Tensor) -> bool:
-        """Whether `p` is a slice of spread experts' weights or adapters (`expert_parallel`)."""
-        return self.experts is not None and self.experts.is_spread(p)
-
     def _sharding(self) -> dict:
         """What a checkpoint of this run records about how its weights were spread (resumed only alike)."""
-        return {"fsdp": self.sharded, "expert_parallel": self.cfg.expert_parallel}
+        return {"fsdp": self.parallel.sharded, "expert_parallel": self.cfg.expert_parallel}
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
         self.ranks.check_same(
-            self._replicated(self._named_trainable()), "checkpoint: weights compared", f"at step {self.step}"
+            self.parallel.replicated(self._named_trainable()), "checkpoint: weights compared", f"at step {self.step}"
         )
         extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
         state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
-        if self.sharded or self.experts is not None:
+        if self.parallel.partitioned:
             return save_sharded_checkpoint(
                 self.out / "checkpoints",
                 self.step,
                 self.ranks,
-                full_tensors(self._named_trainable(), keep=self.ranks.main, spread=self.experts),
+                self.parallel.whole(self._named_trainable(), keep=self.ranks.main),
                 local_optimizer_state(self.opt.state_dict()),
                 self.sched,
                 state,
@@ -547,13 +488,11 @@ class Trainer(Evaluation):
         name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
 
         def load():
-            if name is not None and (self.sharded or self.experts is not None):
+            if name is not None and self.parallel.partitioned:
                 return load_sharded_checkpoint(
                     root / name,
                     self.ranks,
-                    lambda values: load_full_tensors(
-                        self._named_trainable(), values, f"checkpoint {name}", spread=self.experts
-                    ),
+                    lambda values: self.parallel.load_whole(self._named_trainable(), values, f"checkpoint {name}"),
                     self.opt,
                     self.sched,
                     masters=self.masters,
@@ -565,7 +504,7 @@ class Trainer(Evaluation):
         if state is None:
             return False
         self.ranks.check_same(
-            self._replicated(self._named_trainable()), "resume: weights compared", f"after loading {name}"
+            self.parallel.replicated(self._named_trainable()), "resume: weights compared", f"after loading {name}"
         )
         saved = state.get("world_size", 1)
         if saved != self.ranks.size and self.ranks.main:  # the steps do not depend on N beyond rounding
@@ -584,7 +523,7 @@ class Trainer(Evaluation):
                 base_model = tiny_base(self.cfg, self.tok)
             else:
                 base_path = str(Path(self.cfg.model).resolve())
-        model = self._unsharded_copy() if self.sharded or self.experts is not None else self.model
+        model = self._unsharded_copy() if self.parallel.partitioned else self.model
         # save_pretrained writes `dtype` and `architectures` into the live config; on N ranks rank 0 alone exports,
         # and the ranks' configs must stay equal (a context-parallel capture compares them): put them back
         config = model.config

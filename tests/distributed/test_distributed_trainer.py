@@ -160,7 +160,7 @@ def _train(out: str, cfg: dict | None = None, force: dict | None = None, stop_af
     except _Stopped:
         rows = done
     return dict(rows=rows, rollouts=seen, weights=_weights(trainer), grads=grads, lrs=lrs, at=at, start=start,
-                groups=(trainer.groups.index, trainer.groups.count, trainer.groups.context.size),
+                groups=(trainer.parallel.groups.index, trainer.parallel.groups.count, trainer.parallel.context.size),
                 final=masters(), adam={k: trainer.opt.defaults[k] for k in ("betas", "eps", "weight_decay")})
 
 

@@ -53,7 +53,7 @@ def _whole(trainer, name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Te
     (collectives)."""
     from longstraw.distributed.fsdp import is_sharded
 
-    experts = trainer.experts
+    experts = trainer.parallel.experts
     if experts is not None and experts.is_spread(p):
         return experts.whole(p, name, value).clone()
     value = value.detach()
@@ -97,8 +97,8 @@ def _run(out: str, cfg: dict, force: dict | None = None, stop_after: int | None 
     from longstraw.distributed.fsdp import is_sharded
 
     final = {n: _whole(trainer, n, p, p) for n, p in named}
-    return dict(rows=rows, grads=grads, at=at, final=final, experts=trainer.experts is not None,
-                groups=(trainer.groups.index, trainer.groups.count, trainer.groups.context.size),
+    return dict(rows=rows, grads=grads, at=at, final=final, experts=trainer.parallel.experts is not None,
+                groups=(trainer.parallel.groups.index, trainer.parallel.groups.count, trainer.parallel.context.size),
                 shapes={n: tuple(p.to_local().shape if is_sharded(p) else p.shape) for n, p in named},
                 fsdp_shards=sum(is_sharded(p) for _, p in named))
 
