@@ -411,14 +411,10 @@ def sft_update(
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
     parallel = ranks is not None and ranks.size > 1
     lockstep = before_last_backward is not None or spreads_experts(policy.model)
-    if full_sequence:
-        if parallel and not lockstep:  # data parallel: whole prompts per rank
-            mine = ranks.share(len(pairs))
-            loss = _sft_full_sequence(policy.model, [pairs[b] for b in mine], [examples[b] for b in mine], n_tok, meter)
-        else:
-            loss = _sft_full_sequence(
-                policy.model, pairs, examples, n_tok, meter, ranks if parallel else None, before_last_backward
-            )
+    if full_sequence:  # data parallel: whole prompts per rank (in lockstep when every rank must run every forward)
+        loss = _sft_full_sequence(
+            policy.model, pairs, examples, n_tok, meter, ranks if parallel else None, lockstep, before_last_backward
+        )
         durable = 0
     else:
         loss, durable = _sft_replayed(
@@ -460,20 +456,22 @@ def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None 
 
 
 def _sft_full_sequence(
-    model, pairs, examples, n_tok: int, meter: MemoryMeter, lockstep=None, before_last_backward=None
+    model, pairs, examples, n_tok: int, meter: MemoryMeter, ranks=None, lockstep=False, before_last_backward=None
 ) -> float:
-    """One forward per shape of the prompts `pairs`. `lockstep` (the `Ranks` of a sharded model, whose ranks must run
-    the same forwards): every rank runs one forward per shape of all the step's prompts, its rows that shape's
-    prompts r, r + N, ..., padded with weight-0 copies of its first to ⌈n / N⌉ rows. `before_last_backward`: called
-    before the last backward."""
-    size, rank = (1, 0) if lockstep is None else (lockstep.size, lockstep.rank)
+    """One forward per shape of the prompts `pairs`; on N `ranks`, rank r's rows of a shape are that shape's prompts
+    r, r + N, ... With `lockstep` (a sharded model, spread experts: the ranks must run the same forwards) every rank
+    runs one forward per shape, its rows padded with weight-0 copies of the shape's first to ⌈n / N⌉; otherwise a
+    rank skips a shape it has no prompt of. `before_last_backward`: called before the last backward."""
+    size, rank = (1, 0) if ranks is None else (ranks.size, ranks.rank)
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for b, ((p, a), ex) in enumerate(zip(pairs, examples)):
         by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append(b)
     total = 0.0
     for g, idx in enumerate(by_shape.values()):
         mine = idx[rank::size]
-        rows = -(-len(idx) // size)
+        rows = -(-len(idx) // size) if lockstep else len(mine)
+        if not rows:
+            continue
         weights = [1.0] * len(mine) + [0.0] * (rows - len(mine)) if rows > len(mine) else None
         mine = mine + [idx[0]] * (rows - len(mine))
         with meter.stage("replay"):
