@@ -10,6 +10,7 @@ from .base import (
     layer_kind,
     register_layer_kind,
     registered_layer_types,
+    state_bytes,
 )
 from .compressed_attention import CompressedAttention, CompressedBranchLayer, CompressedKVState
 from .full_attention import AttentionBranchLayer, KVState
@@ -48,4 +49,5 @@ __all__ = [
     "layer_kind",
     "register_layer_kind",
     "registered_layer_types",
+    "state_bytes",
 ]

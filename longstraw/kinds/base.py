@@ -27,7 +27,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..hf.cache import Attends
 from ..ops.latent_attention import Selection
-from ..ops.quant import QuantizedTokens
+from ..ops.quant import QUANT_BLOCK, QuantizedTokens
 
 
 def repeat_rows(t: torch.Tensor | None, repeats: int) -> torch.Tensor | None:
@@ -210,6 +210,15 @@ class LayerState(ABC):
     reads_with_blockwise_kernel: bool = False
 
     @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """Bytes one decoder layer `layer_idx` of this kind keeps after `tokens` captured prompt tokens, from the config
+        alone (what `longstraw.tools.planner` predicts and the tests hold equal to a captured `PromptState.nbytes`);
+        `elem`: bytes per value of the model's dtype; `state_dtype`: an 8-bit dtype for the kinds that grow with P
+        (`longstraw.ops.quant`: 1 byte per value + a float32 scale per 64 tokens × head, the unfinished last block in
+        the model's dtype)."""
+        raise NotImplementedError(f"no durable-state formula for layer kind {cls.__name__}")
+
+    @classmethod
     def capture_activation_bytes(cls, config, elem: int) -> int:
         """Bytes per prompt token this kind's layer adds to one layer's live activations in a capture chunk (no
         autograd), beyond the residual, normed input, q / k / v and the MLP's gate / up every layer has; `elem`: bytes
@@ -302,6 +311,29 @@ def register_layer_kind(cls: type[LayerState]) -> type[LayerState]:
     for name in cls.layer_types:
         _KINDS[name] = cls
     return cls
+
+
+def layer_config(config, layer_idx: int):
+    """The config that sizes decoder layer `layer_idx` (Gemma 4: per-layer head sizes)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    return per_layer[layer_idx] if per_layer is not None else config
+
+
+def grown_bytes(tokens: int, heads: int, width: int, elem: int, state_dtype) -> int:
+    """Bytes of `tokens` × `heads` rows of `width` values, full precision or 8-bit with block scales."""
+    if state_dtype is None:
+        return tokens * heads * width * elem
+    full = tokens - tokens % QUANT_BLOCK
+    return heads * (full * width + full // QUANT_BLOCK * 4 + (tokens - full) * width * elem)
+
+
+def state_bytes(layer_type: str, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+    """Durable-state bytes of decoder layer `layer_idx` of `layer_type` after `tokens` prompt tokens
+    (`LayerState.durable_bytes` of the kind serving it); a layer type no kind serves raises `KeyError` naming it (the
+    planner then says it cannot predict that model)."""
+    if layer_type not in _KINDS:
+        raise KeyError(f"no durable-state formula for layer kind {layer_type!r}")
+    return int(_KINDS[layer_type].durable_bytes(config, layer_idx, tokens, elem, state_dtype))
 
 
 def registered_layer_types() -> frozenset[str]:

@@ -157,6 +157,21 @@ class CompressedKVState(SlidingKVState):
     window: int  # the sliding window (`SlidingKVState.__init__`)
 
     @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """Window keys (K = V, once) + per compressed stream (CSA: entries and indexer keys; HCA: entries) the entries
+        written so far, the raw tail's kv + gate, and CSA's overlap kv + gate of the last window."""
+        kind = CSA if layer_idx is not None and config.layer_types[layer_idx] == CSA else HCA
+        m, d = config.compress_rates[kind], config.head_dim
+        total = elem * d * min(tokens, config.sliding_window - 1)
+        sparse = kind == CSA
+        streams = [(d, 2 * d), (config.index_head_dim, 2 * config.index_head_dim)] if sparse else [(d, d)]
+        for dim, width in streams:
+            total += elem * (tokens // m * dim + 2 * (tokens % m) * width)
+            if sparse and tokens >= m:
+                total += elem * 2 * m * dim
+        return total
+
+    @classmethod
     def install(cls, block, family) -> None:
         install(block.self_attn, CompressedAttention)
 

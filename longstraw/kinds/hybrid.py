@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerState, register_layer_kind
+from .base import LayerState, grown_bytes, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
-from .linear_attention import RecurrentBranchLayer, RecurrentState
+from .linear_attention import RecurrentBranchLayer, RecurrentState, mamba2_bytes
 
 
 # the bases' `lazy_initialization` signatures differ: this is the attention side's; the SSM side calls its own by name
@@ -41,6 +41,13 @@ class HybridState(LayerState):
     """Prompt K/V of the attention part and conv + SSM state of the Mamba part of one layer."""
 
     layer_types = ("hybrid",)
+
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """The attention part's keys and values (full precision) and the Mamba part's conv + SSM state."""
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv = 2 * grown_bytes(tokens, heads, config.head_dim, elem, None)
+        return kv + (mamba2_bytes(config, elem) if tokens else 0)
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)

@@ -41,6 +41,7 @@ from .base import (
     LatentBranch,
     LayerState,
     PromptBranchLayer,
+    grown_bytes,
     register_layer_kind,
 )
 
@@ -311,6 +312,17 @@ class LatentState(LayerState):
     layer_types = ("latent_attention",)
     grows_with_prompt = True
     appends_own_kv = True  # its own latents
+
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """The latents `[c | k_rot]` of every prompt token, and DSA's indexer keys where the layer keeps its own
+        (model dtype: they are not quantized)."""
+        total = grown_bytes(tokens, 1, config.kv_lora_rank + config.qk_rope_head_dim, elem, state_dtype)
+        types = getattr(config, "indexer_types", None)
+        if getattr(config, "index_head_dim", None) and (types is None or types[layer_idx] != "shared"):
+            total += tokens * config.index_head_dim * elem
+        return total
+
     #: latent-width activations per head in a capture chunk (`capture_activation_bytes`); calibrated on
     #: bench/plan_accuracy.py's models
     capture_activation_factor = 5

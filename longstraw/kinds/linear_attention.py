@@ -99,6 +99,24 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
         raise NotImplementedError("longstraw branch layers are not croppable; start a new branch instead")
 
 
+def _first(config, *names):
+    return next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
+
+
+def mamba2_bytes(config, elem: int) -> int:
+    """Mamba-2: conv window of K inputs over [x | B | C] + SSM state heads × head_dim × state (field names per
+    family, transformers 5.24); Jamba's Mamba-1: conv window over d_inner + SSM state d_inner × d_state."""
+    if config.model_type == "jamba":
+        d_inner = config.mamba_expand * config.hidden_size
+        return elem * d_inner * (config.mamba_d_conv + config.mamba_d_state)
+    heads = _first(config, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads")
+    head_dim = _first(config, "mamba_head_dim", "mamba_d_head", "mamba_headdim")
+    state = _first(config, "ssm_state_size", "mamba_d_state")
+    groups = _first(config, "n_groups", "mamba_n_groups", "mamba_ngroups")
+    kernel = _first(config, "conv_kernel", "mamba_d_conv")
+    return elem * ((heads * head_dim + 2 * groups * state) * kernel + heads * head_dim * state)
+
+
 @register_layer_kind
 class RecurrentState(LayerState):
     """Conv window and recurrent state of a linear-attention layer after the captured prompt."""
@@ -106,6 +124,25 @@ class RecurrentState(LayerState):
     layer_types = ("linear_attention",)
     #: oldest conv inputs the window drops (`RecurrentBranchLayer.conv_trim`)
     conv_trim = 0
+
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """The conv window and the recurrent state (0 before the first token): gated DeltaNet, Kimi delta attention,
+        or Mamba-2 (`mamba2_bytes`)."""
+        if tokens == 0:
+            return 0
+        if not hasattr(config, "linear_num_key_heads") and config.model_type != "kimi_linear":
+            return mamba2_bytes(config, elem)
+        if config.model_type == "kimi_linear":  # Kimi delta attention: conv over q, k, v + a d × d state per head
+            d = config.linear_num_heads * config.linear_head_dim
+            return elem * (3 * d * config.linear_conv_kernel_dim + config.linear_num_heads * config.linear_head_dim**2)
+        # gated DeltaNet (Qwen3-Next, Qwen3.5): conv window over [q | k | v], recurrent state per value head
+        conv_dim = (
+            2 * config.linear_num_key_heads * config.linear_key_head_dim
+            + config.linear_num_value_heads * config.linear_value_head_dim
+        )
+        rec = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        return elem * (conv_dim * config.linear_conv_kernel_dim + rec)
 
     @classmethod
     def recurrence_bytes(cls, config) -> int:

@@ -36,6 +36,10 @@ class MixerlessState(LayerState):
 
     layer_types = ("moe", "mlp")
 
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        return 0
+
     def branch(self, batch: int = 1) -> MixerlessBranchLayer:
         return MixerlessBranchLayer()
 

@@ -20,5 +20,10 @@ class ShortConvState(RecurrentState):
     conv_trim = 1
 
     @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """The last K − 1 inputs (`conv_L_cache` = K)."""
+        return 0 if tokens == 0 else elem * config.hidden_size * (config.conv_L_cache - 1)
+
+    @classmethod
     def recurrence_bytes(cls, config) -> int:
         return 0  # a convolution window, no chunked recurrence

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import register_layer_kind
+from .base import layer_config, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
 
 
@@ -27,6 +27,12 @@ class SlidingKVState(KVState):
     # plain tensors only (no compression)
     keys: torch.Tensor | None
     values: torch.Tensor | None
+
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """The last W − 1 prompt tokens' keys and values (full precision)."""
+        c = layer_config(config, layer_idx)
+        return 2 * min(tokens, int(config.sliding_window) - 1) * c.num_key_value_heads * c.head_dim * elem
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
@@ -119,6 +125,12 @@ class ChunkedKVState(SlidingKVState):
     layer_types = ("chunked_attention",)
     window = None
     chunk: int  # set in __init__
+
+    @classmethod
+    def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
+        """Keys and values of the unfinished chunk: tokens mod C of them."""
+        c = layer_config(config, layer_idx)
+        return 2 * (tokens % int(config.attention_chunk_size)) * c.num_key_value_heads * c.head_dim * elem
 
     def __init__(self, config, layer_idx: int, capacity: int):
         KVState.__init__(self, config, layer_idx, capacity)

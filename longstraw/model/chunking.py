@@ -7,8 +7,7 @@ here): the capture reads them from the config alone, below the planner, so that 
 
 from __future__ import annotations
 
-from ..kinds import LayerState, layer_kind, registered_layer_types
-from ..kinds.sizes import state_bytes
+from ..kinds import LayerState, layer_kind, registered_layer_types, state_bytes
 from .capability import layer_plan
 
 #: bytes per element of each model dtype

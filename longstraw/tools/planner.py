@@ -6,7 +6,7 @@ per rank, in bytes:
 - `optimizer`: trainable parameters, their gradients and AdamW's two float32 moments (LoRA: float32
   adapters of rank r on every linear layer of the decoder; full fine-tuning: gradients in the model dtype,
   moments in float32; ÷ FSDP ranks);
-- `durable_state`: what capture keeps (`longstraw.kinds.sizes`, the same formulas the tests hold equal to
+- `durable_state`: what capture keeps (each kind's `LayerState.durable_bytes`, the same formulas the tests hold equal to
   `PromptState.nbytes`); states that grow with P are split over the context-parallel ranks;
 - `state_grad`: exact mode's gradient buffer the size of the state, plus the boundary states of
   linear-attention and sliding layers kept per chunk;
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
 
-from ..kinds.sizes import state_bytes
+from ..kinds import state_bytes
 from ..model.capability import layer_plan
 from ..model.chunking import (
     AUTO_CHUNK_BUDGET,  # noqa: F401 - the planner's before model/chunking.py: kept here for one release

@@ -5,7 +5,7 @@ import torch
 
 import longstraw
 import longstraw.testing.models
-from longstraw.kinds.sizes import state_bytes
+from longstraw.kinds import state_bytes
 from longstraw.tools.planner import PlanConfig, plan
 from longstraw.model.capability import layer_plan
 
@@ -112,12 +112,14 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
 
 
 def test_every_layer_kind_has_a_byte_formula():
-    """The planner predicts each layer kind's durable state from the config alone (`longstraw.kinds.sizes`): a kind
-    registered without a formula would be planned as nothing."""
-    from longstraw.kinds import registered_layer_types
-    from longstraw.kinds.sizes import kinds_with_formulas
+    """The planner predicts each layer kind's durable state from the config alone (`LayerState.durable_bytes`, beside
+    the kind's state): a kind registered without one is found, and a layer type no kind serves is a KeyError."""
+    from longstraw.kinds import LayerState, layer_kind, registered_layer_types
 
-    assert registered_layer_types() == kinds_with_formulas()
+    without = [t for t in registered_layer_types() if layer_kind(t).durable_bytes.__func__ is LayerState.durable_bytes.__func__]
+    assert not without, without
+    with pytest.raises(KeyError, match="no durable-state formula for layer kind 'unknown'"):
+        state_bytes("unknown", None, 0, 1, 4)
 
 
 def test_row_suffix_adds_one_branch_of_own_state():
