@@ -5,11 +5,11 @@
     (-(adv * out.logprobs).sum()).backward()    # collective too (the backward exchanges query gradients)
     torch.distributed.all_reduce(p.grad) ...    # parameter gradients: each rank holds those of its own branch
 
-Context-parallel capture, replay (detached and exact) and sampling (`context_parallel/`, DSA's sparse selection in
-`sparse.py`), FSDP2 for the weights (`fsdp.py`), expert parallelism (`expert_parallel.py`), named and checked
-collectives (`collectives.py`), the trainer on N processes (`ranks.py`), spread once when a run starts
-(`parallelize.py`). What each rank holds and does, the costs and the failure modes: docs/distributed.md, "How it works,
-rank by rank".
+Context-parallel capture, replay (detached and exact) and sampling (`context_parallel/`, one file per layer kind,
+DSA's sparse selection in `context_parallel/sparse_attention.py`), FSDP2 for the weights (`fsdp.py`), expert
+parallelism (`expert_parallel.py`), named and checked collectives (`collectives.py`), the trainer on N processes
+(`ranks.py`), spread once when a run starts (`parallelize.py`). What each rank holds and does, the costs and the
+failure modes: docs/distributed.md, "How it works, rank by rank".
 """
 
 from .collectives import CollectiveError, Group, MismatchError

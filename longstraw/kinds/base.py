@@ -125,8 +125,8 @@ class CollectiveAttention(BranchLayer, Attends, Protocol):
 @runtime_checkable
 class CollectiveSparseAttention(CollectiveAttention, Protocol):
     """A `CollectiveAttention` of a DSA layer: the indexer's top-k selection and the sparse attention over the selected
-    latents run across the ranks too (`longstraw.distributed.sparse`). Declares `is_collective_sparse = True`. Shapes
-    as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
+    latents run across the ranks too (`longstraw.distributed.context_parallel.sparse_attention`). Declares
+    `is_collective_sparse = True`. Shapes as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
 
     def select_sparse(
         self,

@@ -255,7 +255,8 @@ def _attend(
     read from `layer.prompt` or, context parallel, through the layer's collective (`CollectiveAttention`,
     `CollectiveSparseAttention`)."""
     if selection is not None and layer.is_collective_sparse:
-        # context parallel DSA: the selected keys live on several ranks (`longstraw.distributed.sparse`)
+        # context parallel DSA: the selected keys live on several ranks
+        # (`longstraw.distributed.context_parallel.sparse_attention`)
         return cast(CollectiveSparseAttention, layer).attend_sparse(
             query, own, selection, q_start=q_start, own_start=own_start, scale=scale, block=block
         )[..., :rank]

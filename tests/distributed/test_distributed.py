@@ -503,7 +503,7 @@ def test_group_needs_initialized_distributed():
 def test_sparse_selection_is_the_same_for_any_number_of_slices(n):
     """DSA selection over keys with exact ties (every key appears 3 times): each slice's local top-k merged in slice
     order gives the positions the whole key list sorted by (score descending, position ascending) gives, for any N."""
-    from longstraw.distributed.sparse import local_topk, merge_topk
+    from longstraw.distributed.context_parallel.sparse_attention import local_topk, merge_topk
     from longstraw.ops.latent_attention import index_scores
 
     g = torch.Generator().manual_seed(0)

@@ -13,8 +13,6 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 from ...hf.cache import BranchCache
 from ...hf.parts import ModelParts, base_model
 from ...kinds import LayerState, layer_kind
-from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
-from ...kinds.sliding_window import SlidingKVState
 from ...model.capability import layer_states
 from ...ops import quant
 from ...ops.attention import DEFAULT_BLOCK
@@ -22,11 +20,8 @@ from ...ops.quant import QUANT_BLOCK
 from ...prompt_state import first_trainable_layer, run_decoder
 from ..collectives import Group, digest
 from ..expert_parallel import spreads_experts
-from .full_attention import SliceKVState
-from .kinds import SERVED, SLICED, capture_branch
-from .linear_attention import RecurrentRelay
+from .kinds import KINDS, SERVED, CollectiveKind
 from .slices import slice_bounds
-from .sliding_window import SlidingCaptureBranchLayer, window_before
 from .state import ContextParallelState
 
 
@@ -108,27 +103,22 @@ def capture(
     if compressed is not None:
         quant.check_device(compressed, device)
     layers: list[LayerState] = []
+    kinds: list[CollectiveKind] = []
     branches: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = []
-    for i, layer in enumerate(layer_states(parts.config, captured, parts.plan)):
-        if type(layer) in SLICED:
-            layers.append(SLICED[type(layer)](parts.config, i, s, e))
-            layers[-1].state_dtype = compressed
-            branches.append(capture_branch(layers[-1], g, bounds, i, chunk_size))
-        elif type(layer) is SlidingKVState:
-            assert layer.window is not None  # a sliding window's: set in SlidingKVState.__init__
-            layers.append(layer)
-            branches.append(SlidingCaptureBranchLayer(g, bounds, i, layer.window))
-        else:  # RecurrentState: the first rank starts from nothing, the others from what the relay brings
-            layers.append(layer)
-            branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
+    for i, whole in enumerate(layer_states(parts.config, captured, parts.plan)):
+        kind = KINDS[type(whole)]  # served (`check_served`)
+        layer = kind.slice_state(whole, parts.config, i, s, e, compressed)
+        layers.append(layer)
+        kinds.append(kind)
+        branches.append(kind.capture_branch(layer, g, bounds, i, chunk_size))
     cache = BranchCache(branches, block=block_size)
-    # recurrent layers read nothing of the other ranks but the relayed state: they run chunk_size positions at a
-    # time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
+    # chunked layers (recurrent) read nothing of the other ranks but the relayed state: they run chunk_size positions
+    # at a time, so their intermediates are a chunk's, not the slice's (attention layers need the slice whole, but not
     # their feed-forward modules)
     # (the ignores: `BranchCache.__init__`, longstraw/hf/cache.py, sets both to None without an annotation)
     cache.layer_chunks = (
         chunk_size,  # type: ignore[assignment]
-        {i for i, layer in enumerate(layers) if isinstance(layer, RecurrentState)},
+        {i for i, kind in enumerate(kinds) if kind.chunked},
     )
     cache.ffn_chunk = chunk_size  # type: ignore[assignment]  # and every layer's feed-forward module (position-wise)
     if spreads_experts(parts.decoder):
@@ -136,9 +126,9 @@ def capture(
         # many as the longest slice needs, the shorter slices' last ones empty
         cache.ffn_calls = max(-(-(b - a) // chunk_size) for a, b in bounds)  # type: ignore[assignment]
     hooks = []
-    for i, layer in enumerate(layers):
-        if isinstance(layer, RecurrentState):
-            relay = RecurrentRelay(g, cache, i, layer, device)
+    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+        relay = kind.capture_relay(layer, g, cache, i, device)
+        if relay is not None:
             block = cast(torch.nn.ModuleList, parts.decoder.layers)[i]
             hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
     try:
@@ -148,20 +138,8 @@ def capture(
         for h in hooks:
             h.remove()
     with torch.no_grad():
-        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
-            if isinstance(layer, SliceKVState):
-                layer.commit(branch, e - s)
-            elif isinstance(layer, SlidingKVState):  # the prompt's final window, on every rank
-                assert isinstance(branch, SlidingCaptureBranchLayer) and layer.window is not None  # built above
-                k, v, _ = window_before(branch.tails, bounds, captured, layer.window - 1)
-                layer.keys, layer.values, layer.length = k.clone(), v.clone(), captured
-            else:  # the linear-attention state at the end of the prompt, from the last rank to every rank
-                # the served kinds' last (`check_served`); the relay's branch on ranks > 0
-                assert isinstance(layer, RecurrentState) and isinstance(branch, RecurrentBranchLayer)
-                mine = RecurrentRelay.pack(branch, layer.number_of_states)
-                final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
-                conv, rec = RecurrentRelay.unpack(final, layer.number_of_states)
-                layer.commit(RecurrentBranchLayer(conv, rec, layer.number_of_states, layer.conv_trim), captured)
+        for i, (layer, kind, branch) in enumerate(zip(layers, kinds, cache.layers)):
+            kind.finish_capture(layer, branch, g, bounds, captured, i)
     del cache
     key = digest(prompt, chunk_size, block_size, prompt_grad, g.size)
     state = ContextParallelState(

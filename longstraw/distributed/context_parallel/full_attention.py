@@ -442,3 +442,61 @@ class SampleBranchLayer(AttentionBranchLayer):
         lse_p = acc[1].reshape(h, b, r).transpose(0, 1)
         out, _ = fold_sinks(*_fold((out_p, lse_p), part_forward(q, k, v, own)), sinks)
         return out.to(q.dtype)
+
+
+class SlicedKind:
+    """The context parallelism of a kind whose state grows with P (full attention; MLA and DSA latents,
+    `longstraw.distributed.context_parallel.latent_attention`): each rank keeps its slice of the positions
+    (`slice_class`), which its capture, replay and sampling branch layers read across the ranks (`CollectiveKind`,
+    `longstraw.distributed.context_parallel.kinds`)."""
+
+    chunked = False
+    sliced = True
+
+    def __init__(self, slice_class: type[SliceKVState], capture: type, replay: type, sample: type):
+        self.slice_class, self.capture, self.replay, self.sample = slice_class, capture, replay, sample
+
+    def slice_state(self, layer: LayerState, config, i: int, s: int, e: int, compressed) -> SliceKVState:
+        state = self.slice_class(config, i, s, e)
+        state.state_dtype = compressed
+        return state
+
+    def capture_branch(self, state, g: Group, bounds, i: int, chunk: int):
+        return self.capture(g, bounds, i, chunk)
+
+    def capture_relay(self, state, g: Group, cache, i: int, device):
+        return None
+
+    def finish_capture(self, state, branch, g: Group, bounds, captured: int, i: int) -> None:
+        s, e = bounds[g.rank]
+        state.commit(branch, e - s)
+
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
+        replay = self.replay(ReplayInfo(g, lengths, state), start)
+        return replay if grown is None else replay.adopt(grown)
+
+    def sample_branch(self, state, g: Group, start: int, batch: int):
+        return self.sample(g, state, start)
+
+    def reverse_gradient(self, state, g: Group, i: int):
+        return None
+
+    def reverse_relay(self, state, g: Group, cache, i: int, device, gathered):
+        return None
+
+    def reverse_roots(self, state, branch, gathered, s: int, e: int, prompt_length: int) -> list:
+        """(output, gradient) pairs of the slice's recomputed K/V: the gradient every rank's replays accumulated on
+        the slice's leaves (MLA: one leaf, read as keys and values)."""
+        # committed at capture; exact mode refuses a quantized state
+        assert isinstance(state.keys, torch.Tensor) and isinstance(state.values, torch.Tensor)
+        pairs = (
+            ((branch.keys, state.keys),)
+            if state.values is state.keys
+            else ((branch.keys, state.keys), (branch.values, state.values))
+        )
+        roots = []
+        for own, leaf in pairs:
+            assert own is not None  # the slice ran through the layer
+            if own.requires_grad and leaf.grad is not None:
+                roots.append((own, leaf.grad.to(own.dtype)))
+        return roots

@@ -1,7 +1,7 @@
 """MLA and DSA layers over a process group: the slice's latents are read as one key head that is also the values
 (`SliceLatentState`), DSA's indexer keys beside them (`SliceIndexedLatentState`); the branch layers are full
 attention's with the latent's own-part reading, and DSA's selection and sparse attention run collectively
-(`longstraw.distributed.sparse`)."""
+(`longstraw.distributed.context_parallel.sparse_attention`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ from ...kinds import base
 from ...kinds.latent_attention import LatentOwn
 from ...ops.quant import QuantizedTokens
 from ..merge import fold as _fold
-from ..sparse import SparseCaptureAttention, SparseReplayAttention, as_selection, select, slice_partials, sparse_partial
 from .full_attention import CaptureBranchLayer, ReplayBranchLayer, SampleBranchLayer, SliceKVState
+from .sparse_attention import (
+    SparseCaptureAttention,
+    SparseReplayAttention,
+    as_selection,
+    select,
+    slice_partials,
+    sparse_partial,
+)
 
 
 class SliceLatentState(SliceKVState):
@@ -230,7 +237,8 @@ def _select_after_slices(
 ):
     """DSA's selection for rows after the whole prompt (a replay's or a sampler's; `what` names it): every slice's
     candidates (`layer`'s indexer keys, this rank's slice) and the rows' own keys from `own_start`, merged
-    (`longstraw.distributed.sparse.select`). `lengths`: each rank's rows; `replicated`: every rank has every row."""
+    (`longstraw.distributed.context_parallel.sparse_attention.select`). `lengths`: each rank's rows; `replicated`:
+    every rank has every row."""
     q_pos = torch.arange(q_start, q_start + q.shape[1], device=q.device)
     return select(
         g, f"{what} layer {layer.layer_idx}: sparse selection", q, weights, scale, own_keys, own_start, q_pos, topk,

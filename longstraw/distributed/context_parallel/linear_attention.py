@@ -9,6 +9,7 @@ import torch
 from ...hf.cache import BranchCache
 from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
 from ..collectives import Group
+from .slices import rank_sum
 
 
 def state_slots(branch: RecurrentBranchLayer, number: int) -> list[tuple[dict, int, bool]]:
@@ -145,3 +146,49 @@ class RecurrentRelayExact(RecurrentRelay):
         hidden = output[0] if isinstance(output, tuple) else output
         hidden = _RelayOut.apply(self, hidden, self.anchor, *ends)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+class RecurrentKind:
+    """The context parallelism of a linear-attention layer (`CollectiveKind`): its O(1) state is replicated; a slice
+    starts from the state at the end of the slice before it (`RecurrentRelay`), runs chunk by chunk (only the relayed
+    state crosses ranks), and the last rank's end state is every rank's; in the reverse pass the state gradients
+    travel back rank to rank (`RecurrentRelayExact`)."""
+
+    chunked = True
+    sliced = False
+
+    def slice_state(self, layer, config, i: int, s: int, e: int, compressed):
+        return layer
+
+    def capture_branch(self, state, g: Group, bounds, i: int, chunk: int):
+        # the first rank starts from nothing, the others from what the relay brings
+        return RecurrentBranchLayer({}, {}, state.number_of_states, state.conv_trim)
+
+    def capture_relay(self, state, g: Group, cache, i: int, device):
+        return RecurrentRelay(g, cache, i, state, device)
+
+    def finish_capture(self, state, branch, g: Group, bounds, captured: int, i: int) -> None:
+        """The state at the end of the prompt, from the last rank to every rank."""
+        mine = RecurrentRelay.pack(branch, state.number_of_states)
+        final = g.broadcast(f"capture layer {i}: final linear-attention state", mine, src=g.size - 1)
+        conv, rec = RecurrentRelay.unpack(final, state.number_of_states)
+        state.commit(RecurrentBranchLayer(conv, rec, state.number_of_states, state.conv_trim), captured)
+
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
+        return state.branch() if grown is None else grown
+
+    def sample_branch(self, state, g: Group, start: int, batch: int):
+        return state.branch(batch)
+
+    def reverse_gradient(self, state, g: Group, i: int):
+        """The final states' gradient: every rank's replays added theirs to its own copy; summed in rank order (a
+        collective)."""
+        final = present_states(state.branch(), state.number_of_states)
+        mine = [states[k].grad if states[k].grad is not None else torch.zeros_like(states[k]) for states, k in final]
+        return rank_sum(g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine))
+
+    def reverse_relay(self, state, g: Group, cache, i: int, device, gathered):
+        return RecurrentRelayExact(g, cache, i, state, device, gathered)
+
+    def reverse_roots(self, state, branch, gathered, s: int, e: int, prompt_length: int) -> list:
+        return []  # its gradient travels through the relay

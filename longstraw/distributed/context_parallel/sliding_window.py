@@ -12,7 +12,7 @@ from ..collectives import Group
 from ..merge import fold as _fold
 from ..merge import fold_sinks
 from ..merge import pad_rows as _pad_rows
-from .slices import make_part, prompt_part
+from .slices import make_part, prompt_part, rank_sum
 
 
 def window_before(tails, bounds, pos: int, keep: int):
@@ -129,3 +129,60 @@ class SlidingCaptureAttention(torch.autograd.Function):
                 dk[:, :, k.shape[-2] - m :] += dkr[:, :, :m]
                 dv[:, :, v.shape[-2] - m :] += dvr[:, :, :m]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class WindowKind:
+    """The context parallelism of a sliding-window layer (`CollectiveKind`): its state, the prompt's last W − 1 keys,
+    is replicated; during capture each rank's slice reads the windows it needs from the ranks before it
+    (`SlidingCaptureBranchLayer`), and the final window is put together from the slices' tails on every rank."""
+
+    chunked = False
+    sliced = False
+
+    def slice_state(self, layer, config, i: int, s: int, e: int, compressed):
+        return layer
+
+    def capture_branch(self, state, g: Group, bounds, i: int, chunk: int):
+        assert state.window is not None  # a sliding window's (chunked attention is not served)
+        return SlidingCaptureBranchLayer(g, bounds, i, state.window)
+
+    def capture_relay(self, state, g: Group, cache, i: int, device):
+        return None
+
+    def finish_capture(self, state, branch, g: Group, bounds, captured: int, i: int) -> None:
+        """The prompt's final window, on every rank."""
+        k, v, _ = window_before(branch.tails, bounds, captured, state.window - 1)
+        state.keys, state.values, state.length = k.clone(), v.clone(), captured
+
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
+        return state.branch() if grown is None else grown
+
+    def sample_branch(self, state, g: Group, start: int, batch: int):
+        return state.branch(batch)
+
+    def reverse_gradient(self, state, g: Group, i: int):
+        """The replays' gradient of the replicated final window, summed over the ranks (a collective); None when the
+        window is empty."""
+        if state.keys is None:
+            return None
+        assert state.values is not None  # stored with the keys
+        mine = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (state.keys, state.values)]
+        return rank_sum(g.all_gather(f"reverse pass layer {i}: final window gradient", mine))
+
+    def reverse_relay(self, state, g: Group, cache, i: int, device, gathered):
+        return None
+
+    def reverse_roots(self, state, branch, gathered, s: int, e: int, prompt_length: int) -> list:
+        """This slice's rows of the final window, with their share of its gradient."""
+        if gathered is None:
+            return []
+        assert branch.keys is not None and branch.values is not None  # the slice ran through the layer
+        dk_w, dv_w = gathered
+        w_start = prompt_length - 1 - state.keys.shape[-2]
+        a, b = max(s, w_start), e
+        if a >= b or not branch.keys.requires_grad:
+            return []
+        return [
+            (branch.keys[:, :, a - s : b - s], dk_w[:, :, a - w_start : b - w_start].to(branch.keys.dtype)),
+            (branch.values[:, :, a - s : b - s], dv_w[:, :, a - w_start : b - w_start].to(branch.values.dtype)),
+        ]

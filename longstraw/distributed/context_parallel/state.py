@@ -7,20 +7,13 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from ...branch import Branch
 from ...hf.cache import BranchCache
-from ...kinds.linear_attention import RecurrentBranchLayer, RecurrentState
-from ...kinds.sliding_window import SlidingKVState
 from ...prompt_state import PromptState, as_ids, check_length, run_decoder
 from ...sampler import Samples, TokenIds, sampling_fields
 from ..collectives import Group
-from .full_attention import CaptureBranchLayer, ReplayInfo, SliceKVState
-from .kinds import capture_branch, replay_branch, sample_branch
-from .linear_attention import RecurrentRelayExact, present_states
-from .slices import rank_sum
-from .sliding_window import SlidingCaptureBranchLayer
+from .kinds import kind_of
 
 
 class ContextParallelState(PromptState):
@@ -54,7 +47,7 @@ class ContextParallelState(PromptState):
     @property
     def sliced_nbytes(self) -> int:
         """Bytes of this rank's slice of the states that grow with P (full-attention K/V)."""
-        return sum(layer.nbytes for layer in self._live() if isinstance(layer, SliceKVState))
+        return sum(layer.nbytes for layer in self._live() if kind_of(layer).sliced)
 
     @property
     def replicated_nbytes(self) -> int:
@@ -125,11 +118,11 @@ class ContextParallelState(PromptState):
         grown = None if branch is None else branch.branch_cache(1).layers
         layers = []
         for i, layer in enumerate(self._live()):
-            if isinstance(layer, SliceKVState):
-                replay = replay_branch(layer, ReplayInfo(self.group, self._lengths, layer), start)
-                layers.append(replay if grown is None else replay.adopt(grown[i]))
-            else:
-                layers.append(layer.branch() if grown is None else grown[i])
+            layers.append(
+                kind_of(layer).replay_branch(
+                    layer, self.group, self._lengths, start, None if grown is None else grown[i]
+                )
+            )
         return BranchCache(layers, block=self.block)
 
     def backward(self) -> None:
@@ -150,36 +143,19 @@ class ContextParallelState(PromptState):
         s, e = self.slice
         g = self.group
         device = self.last_token.device
-        branches: list[CacheLayerMixin | LinearAttentionCacheLayerMixin] = []
-        hooks = []
-        for i, layer in enumerate(layers):
-            if isinstance(layer, RecurrentState):
-                branches.append(RecurrentBranchLayer({}, {}, layer.number_of_states, layer.conv_trim))
-            elif isinstance(layer, SlidingKVState):
-                assert layer.window is not None  # a sliding window (chunked attention is not served)
-                branches.append(SlidingCaptureBranchLayer(g, self.bounds, i, layer.window))
-            else:
-                branches.append(capture_branch(layer, g, self.bounds, i, self.chunk_size))
+        kinds = [kind_of(layer) for layer in layers]
+        branches = [
+            kind.capture_branch(layer, g, self.bounds, i, self.chunk_size)
+            for i, (layer, kind) in enumerate(zip(layers, kinds))
+        ]
         cache = BranchCache(branches, block=self.block)
-        # sliding windows: the replays' gradient of the replicated final window, summed over the ranks; each rank
-        # adds the rows of its own slice to the roots below
-        windows = {}
-        for i, layer in enumerate(layers):
-            if isinstance(layer, SlidingKVState) and layer.keys is not None:
-                assert layer.values is not None  # stored with the keys
-                mine = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (layer.keys, layer.values)]
-                got = g.all_gather(f"reverse pass layer {i}: final window gradient", mine)
-                windows[i] = rank_sum(got)
-        for i, layer in enumerate(layers):
-            if isinstance(layer, RecurrentState):
-                # the final states' gradient: every rank's replays added theirs to its own copy; summed in rank order
-                final = present_states(layer.branch(), layer.number_of_states)
-                mine = [
-                    states[i2].grad if states[i2].grad is not None else torch.zeros_like(states[i2])
-                    for states, i2 in final
-                ]
-                got = g.all_gather(f"reverse pass layer {i}: final linear-attention state gradient", mine)
-                relay = RecurrentRelayExact(g, cache, i, layer, device, rank_sum(got))
+        # the replays' gradients of replicated states (a final window, the final linear-attention states), summed over
+        # the ranks; each rank's slice continues them
+        gathered = [kind.reverse_gradient(layer, g, i) for i, (layer, kind) in enumerate(zip(layers, kinds))]
+        hooks = []
+        for i, (layer, kind) in enumerate(zip(layers, kinds)):
+            relay = kind.reverse_relay(layer, g, cache, i, device, gathered[i])
+            if relay is not None:
                 block = cast(torch.nn.ModuleList, self.parts.decoder.layers)[i]
                 hooks += [block.register_forward_pre_hook(relay.before), block.register_forward_hook(relay.after)]
         assert self._prompt is not None  # exact mode: the captured tokens (`capture`)
@@ -192,36 +168,10 @@ class ContextParallelState(PromptState):
         # the slice's output with a zero gradient: every layer's output then takes part in the backward, so hooks
         # on the layers' outputs run before their inner nodes (FSDP2 gathers a sharded layer's parameters there)
         outputs, grads = ([hidden], [torch.zeros_like(hidden)]) if hidden.requires_grad else ([], [])
-        for i, (layer, branch) in enumerate(zip(layers, cache.layers)):
-            if i in windows:  # this slice's rows of the prompt's final window
-                assert isinstance(layer, SlidingKVState) and layer.keys is not None  # (as `windows` was built)
-                assert isinstance(branch, SlidingCaptureBranchLayer)  # built above for each sliding layer
-                assert branch.keys is not None and branch.values is not None  # the slice ran through the layer
-                dk_w, dv_w = windows[i]
-                w_start = self.prompt_length - 1 - layer.keys.shape[-2]
-                a, b = max(s, w_start), e
-                if a < b and branch.keys.requires_grad:
-                    outputs += [branch.keys[:, :, a - s : b - s], branch.values[:, :, a - s : b - s]]
-                    grads += [
-                        dk_w[:, :, a - w_start : b - w_start].to(branch.keys.dtype),
-                        dv_w[:, :, a - w_start : b - w_start].to(branch.values.dtype),
-                    ]
-                continue
-            if not isinstance(layer, SliceKVState):  # linear attention: its gradient travels through the relay
-                continue
-            assert isinstance(branch, CaptureBranchLayer)  # built above by `capture_branch`
-            # committed at capture; exact mode refuses a quantized state
-            assert isinstance(layer.keys, torch.Tensor) and isinstance(layer.values, torch.Tensor)
-            pairs = (
-                ((branch.keys, layer.keys),)
-                if layer.values is layer.keys
-                else ((branch.keys, layer.keys), (branch.values, layer.values))
-            )  # MLA: one leaf, read as keys and values
-            for own, leaf in pairs:
-                assert own is not None  # the slice ran through the layer
-                if own.requires_grad and leaf.grad is not None:
-                    outputs.append(own)
-                    grads.append(leaf.grad.to(own.dtype))
+        for layer, kind, branch, got in zip(layers, kinds, cache.layers, gathered):
+            for output, grad in kind.reverse_roots(layer, branch, got, s, e, self.prompt_length):
+                outputs.append(output)
+                grads.append(grad)
         if outputs:
             torch.autograd.backward(outputs, grads)
         del cache, outputs, grads
@@ -266,9 +216,6 @@ class ContextParallelState(PromptState):
         """The cache of a decode (`longstraw.sampler`): sliced layers read collectively, the others locally."""
         start = self.prompt_length - 1
         return BranchCache(
-            [
-                sample_branch(layer, self.group, start) if isinstance(layer, SliceKVState) else layer.branch(batch)
-                for layer in self._live()
-            ],
+            [kind_of(layer).sample_branch(layer, self.group, start, batch) for layer in self._live()],
             block=self.block,
         )

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention import TILE_ELEMENTS
-from ..ops.latent_attention import Selection, index_scores
-from ..ops.quant import QuantizedTokens
-from .collectives import Group
-from .merge import fold, pad_rows
+from ...ops.attention import TILE_ELEMENTS
+from ...ops.latent_attention import Selection, index_scores
+from ...ops.quant import QuantizedTokens
+from ..collectives import Group
+from ..merge import fold, pad_rows
 
 NEG_INF = float("-inf")
 
