@@ -23,20 +23,20 @@ import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..ops.attention import DEFAULT_BLOCK, split_attention
-from ..ops.ragged_attention import ragged_attention
+from ..ops.attention import DEFAULT_BLOCK
 
 
 class Attends(Protocol):
-    """A branch layer that attends its prompt part itself (`is_collective`: context parallel, where the attention over
-    the prompt's slices is a collective; `longstraw.kinds.base.CollectiveAttention`)."""
+    """A branch layer that attends its prompt part (`longstraw.kinds.full_attention.AttentionBranchLayer` locally;
+    context parallel, the attention over the prompt's slices a collective, `longstraw.kinds.base.CollectiveAttention`).
+    """
 
     def attend(
         self,
@@ -61,20 +61,11 @@ class Attends(Protocol):
 
 class AttendedLayer(Attends, Protocol):
     """What `longstraw_attention` reads of the branch layer of an attention layer (`longstraw.kinds` sits above this
-    bridge, so its classes are described here, not imported: `AttentionBranchLayer`, and with `is_collective` the
-    context-parallel layers, which `attend` their prompt part themselves)."""
+    bridge, so its classes are described here, not imported: `AttentionBranchLayer`, which attends its local prompt
+    K/V, and the context-parallel layers, which attend across the ranks)."""
 
-    prompt_k: Any  # the prompt's keys `[1, Hkv, T, D]`: a tensor, 8-bit `QuantizedTokens` or host memory; or None
-    prompt_v: Any
     prompt_length: int
-    prompt_start: int
     window: int | None
-    chunk: int | None
-    row_layout: tuple[list[int], list[int]] | None
-    carried_k: torch.Tensor | None
-    carried_v: torch.Tensor | None
-    carried_start: int
-    is_collective: bool
 
     @property
     def own_length(self) -> int: ...
@@ -302,28 +293,12 @@ def longstraw_attention(
             f"layer {module.layer_idx}: the model uses a sliding window of {sliding_window} but the captured state "
             f"was built for {layer.window}; check config.layer_types"
         )
-    # what every path below reads of the layer and the call
-    common = dict(scale=scaling, window=layer.window, softcap=softcap, sinks=sinks, block=cache.block)
-    if layer.row_layout is not None:  # a ragged decode batch (`longstraw.ragged`): rows of different own lengths
-        pads, offsets = layer.row_layout
-        own_starts = [layer.prompt_length + o for o in offsets]
-        out = ragged_attention(
-            query, key, value, layer.prompt_k, layer.prompt_v, pads=pads, own_starts=own_starts,
-            prompt_start=layer.prompt_start, chunk=layer.chunk, **common,
-        )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
     # `key` is what the branch layer's update returned: the last key.shape[-2] of its own keys so far
     own_start = layer.prompt_length + layer.own_length - key.shape[-2]
     q_start = own_start + key.shape[-2] - query.shape[-2]
-    if layer.is_collective:  # context parallel (`longstraw.distributed`): the prompt part lives on several ranks
-        out = layer.attend(module, query, key, value, q_start=q_start, own_start=own_start, **common)
-        return out.transpose(1, 2).contiguous(), None
-    carried = None
-    if layer.carried_k is not None and layer.carried_v is not None:  # a segmented replay's earlier own K/V
-        carried = (layer.carried_k, layer.carried_v, layer.carried_start)
-    out = split_attention(
-        query, key, value, layer.prompt_k, layer.prompt_v, q_start=q_start, own_start=own_start,
-        prompt_start=layer.prompt_start, chunk=layer.chunk, carried=carried, **common,
+    out = layer.attend(
+        module, query, key, value, q_start=q_start, own_start=own_start, scale=scaling, window=layer.window,
+        softcap=softcap, sinks=sinks, block=cache.block,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 

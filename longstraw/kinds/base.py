@@ -11,9 +11,10 @@ under the transformers `layer_types` name it serves (`register_layer_kind`).
 
 What a branch layer offers is written down as protocols, so that readers call members instead of probing for them:
 `BranchLayer` (every branch layer), `LatentBranch` (what latent attention reads and appends), and the context-parallel
-capabilities `CollectiveAttention` / `CollectiveSparseAttention`, declared by a prompt branch layer's flags
-`is_collective` / `is_collective_sparse` (a flag, not an `isinstance` against the protocol: the attention reads it on
-every call of every layer, and `longstraw.hf` sits below this module).
+capabilities `CollectiveAttention` / `CollectiveSparseAttention`. A K/V attention layer's branch layer attends its
+prompt part itself (`attend`, locally or across the ranks); the flags `is_collective` / `is_collective_sparse` mark
+the context-parallel layers for latent attention and the ragged batch (a flag, not an `isinstance` against the
+protocol: it is read on every call, and `longstraw.hf` sits below this module).
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ class LatentBranch(BranchLayer, Protocol):
 class CollectiveAttention(BranchLayer, Attends, Protocol):
     """A branch layer that attends its prompt part itself: context parallel (`longstraw.distributed.context_parallel`),
     where each rank holds a slice of the prompt's K/V or latents and the attention over them is a collective. Such a
-    layer declares `is_collective = True`; the longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) and
-    `LatentAttention` (MLA: the latents as the one key head and as the values) then call `attend` instead of the
-    split attention over a local prompt part."""
+    layer declares `is_collective = True`; the longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) calls
+    its `attend` as it calls every attention branch layer's, and `LatentAttention` (MLA: the latents as the one key
+    head and as the values) calls it instead of the split attention over a local prompt part."""
 
 
 @runtime_checkable

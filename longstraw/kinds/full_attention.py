@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.attention import split_attention
 from ..ops.quant import QuantizedTokens, host_or_device
+from ..ops.ragged_attention import ragged_attention
 from . import base
 from .base import LayerState, PromptBranchLayer, grown_bytes, layer_config, register_layer_kind, repeat_rows
 
@@ -146,6 +148,43 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
+
+    def attend(
+        self,
+        module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_start: int,
+        own_start: int,
+        scale: float | None,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        block: int,
+    ) -> torch.Tensor:
+        """The attention of queries `q` `[B, H, R, D]` (positions from `q_start`) over [the prompt part | the branch's
+        own keys `k` `[B, Hkv, S, D]` and values `v` (positions from `own_start`)]: `[B, H, R, Dv]`
+        (`longstraw.hf.cache.Attends`; what the longstraw attention calls). The split attention over the local prompt
+        K/V, the earlier own K/V a segmented replay carries and these; in a ragged decode batch, per row
+        (`longstraw.ops.ragged_attention`). The context-parallel layers attend across the ranks instead."""
+        if self.row_layout is not None:  # a ragged decode batch (`longstraw.ragged`): rows of different own lengths
+            pads, offsets = self.row_layout
+            own_starts = [self.prompt_length + o for o in offsets]
+            return ragged_attention(
+                q, k, v, self.prompt_k, self.prompt_v, pads=pads, own_starts=own_starts,
+                prompt_start=self.prompt_start, chunk=self.chunk, scale=scale, window=window, softcap=softcap,
+                sinks=sinks, block=block,
+            )  # fmt: skip
+        carried = None
+        if self.carried_k is not None and self.carried_v is not None:  # a segmented replay's earlier own K/V
+            carried = (self.carried_k, self.carried_v, self.carried_start)
+        return split_attention(
+            q, k, v, self.prompt_k, self.prompt_v, q_start=q_start, own_start=own_start,
+            prompt_start=self.prompt_start, chunk=self.chunk, carried=carried, scale=scale, window=window,
+            softcap=softcap, sinks=sinks, block=block,
+        )  # fmt: skip
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = self._append(key_states, value_states)

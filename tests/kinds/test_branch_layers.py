@@ -96,8 +96,12 @@ def test_latent_branch_layers_offer_what_latent_attention_reads(name):
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CLASSES.items() if issubclass(c, PromptBranchLayer)))
 def test_the_collective_flags_say_what_the_layer_has(name):
+    """Every attention branch layer attends its prompt part itself (`attend`: locally, or across the ranks);
+    `is_collective` marks the context-parallel layers, and only them."""
     cls = CLASSES[name]
-    assert cls.is_collective == (missing(cls, CollectiveAttention) == []), "is_collective disagrees with `attend`"
+    if issubclass(cls, AttentionBranchLayer):
+        assert missing(cls, CollectiveAttention) == [], "an attention branch layer without `attend`"
+    assert cls.is_collective == cls.__module__.startswith("longstraw.distributed."), "is_collective misplaced"
     assert cls.is_collective_sparse == (missing(cls, CollectiveSparseAttention) == []), (
         "is_collective_sparse disagrees with `select_sparse` / `attend_sparse`"
     )
