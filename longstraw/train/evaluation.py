@@ -1,10 +1,10 @@
 """Held-out evaluation: the greedy completion of each held-out example and its reward, the accuracy per prompt
-length (`Evaluation.evaluate`), and the baselines a retrieval task's accuracy is read against. `Trainer` runs it
-(`Trainer.evaluate`, every `eval_every` steps and at the end of `longstraw train`)."""
+length (`Evaluation.evaluate`), and the baselines a retrieval task's accuracy is read against. `Trainer` holds one
+(`Trainer.evaluation`, `Trainer.evaluate`: every `eval_every` steps and at the end of `longstraw train`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .config import TrainConfig
     from .data import Data
     from .rewards import RewardSet
+    from .rollout import Policy
 
 EVAL_SEED_OFFSET = 1_000_000
 #: `evaluate()` key of the accuracy on held-out JSONL rows
@@ -25,23 +26,16 @@ HELD_OUT_KEY = "held-out rows"
 
 
 class Evaluation:
-    """The evaluation methods of `longstraw.train.trainer.Trainer` (a mixin: they read the trainer's model, tokenizer,
-    data, rewards and ranks)."""
+    """Held-out evaluation of a run's policy (`longstraw.train.trainer.Trainer.evaluate` calls it): greedy completions
+    of the current model, scored by the run's reward functions; on N ranks a collective (context-parallel captures),
+    every rank the same result."""
 
-    cfg: TrainConfig
-    model: Any
-    tok: Any
-    eos: Any
-    data: Data
-    rewards: RewardSet
-    ranks: Ranks
+    def __init__(self, cfg: TrainConfig, policy: Policy, data: Data, rewards: RewardSet, ranks: Ranks):
+        self.cfg, self.policy, self.data, self.rewards, self.ranks = cfg, policy, data, rewards, ranks
 
-    if TYPE_CHECKING:  # the trainer's
-
-        @property
-        def allowed(self) -> list[int] | None: ...
-
-        def encode(self, text: str) -> torch.Tensor: ...
+    @property
+    def model(self):
+        return self.policy.model
 
     @torch.no_grad()
     def greedy_completions(self, examples: list[Example], bar=None) -> list[list[int]]:
@@ -53,7 +47,7 @@ class Evaluation:
         for ex in examples:
             with capture(
                 self.model,
-                self.encode(ex.prompt),
+                self.policy.encode(ex.prompt),
                 chunk_size=self.cfg.chunk_size,
                 state_dtype=self.cfg.state_dtype,
                 group=self.ranks.pg,
@@ -62,8 +56,8 @@ class Evaluation:
                     1,
                     self.cfg.max_completion_length,
                     temperature=0,
-                    stop_token_ids=[self.eos],
-                    allowed_token_ids=self.allowed,
+                    stop_token_ids=[self.policy.eos_token_id],
+                    allowed_token_ids=self.policy.allowed_token_ids,
                     generator=unused,
                 )
             out.append(s.tokens[0].tolist())
@@ -76,7 +70,7 @@ class Evaluation:
         completion_ids, reward} per example (eval mode is the caller's)."""
         out = []
         for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
-            text = self.tok.decode(ids, skip_special_tokens=False)
+            text = self.policy.tokenizer.decode(ids, skip_special_tokens=False)
             score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
             out.append(dict(prompt=ex.prompt, completion=text, completion_ids=ids, reward=score))
         return out

@@ -81,7 +81,7 @@ from .vllm_client import VLLMClient
 __all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
 
 
-class Trainer(Evaluation):
+class Trainer:
     """Runs `TrainConfig`: `train()` for the whole run (resuming from the latest checkpoint).
 
     `reward_funcs`: callables `(prompts, completions, **kwargs) -> list[float]` (TRL's signature) to use
@@ -179,6 +179,8 @@ class Trainer(Evaluation):
             ids = self.tok.convert_tokens_to_ids(self.data.task.answer_words())
             allowed = sorted(set(ids) | {self.eos})
         self.policy = Policy(self.model, self.tok, self.eos, allowed, self._token_cache())
+        #: held-out evaluation of the policy (`evaluate`)
+        self.evaluation = Evaluation(cfg, self.policy, self.data, self.rewards, self.ranks)
         device = next(self.model.parameters()).device
         if cfg.recapture_every > 1 and self.ranks.size > 1:
             raise ValueError(
@@ -268,6 +270,19 @@ class Trainer(Evaluation):
 
     def encode(self, text: str) -> torch.Tensor:
         return self.policy.encode(text)
+
+    def evaluate(self, lengths=None, n: int | None = None, samples: list | None = None) -> dict:
+        """Greedy accuracy on held-out examples per prompt length (`Evaluation.evaluate`; on N ranks a collective)."""
+        return self.evaluation.evaluate(lengths, n, samples)
+
+    def score_examples(self, examples: list[Example], bar=None) -> list[dict]:
+        """The current model's greedy completion of each example and its weighted reward
+        (`Evaluation.score_examples`)."""
+        return self.evaluation.score_examples(examples, bar)
+
+    def baselines(self) -> dict:
+        """Accuracies without real retrieval, where they apply (`Evaluation.baselines`)."""
+        return self.evaluation.baselines()
 
     def examples(self, step: int, sft: bool = False) -> list[Example]:
         length = self.cfg.stage_length(step)

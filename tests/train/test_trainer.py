@@ -190,8 +190,8 @@ def test_jsonl_evaluation_uses_held_out_rows(tmp_path):
     again = Trainer(_cfg(tmp_path, "again", dataset=str(tmp_path / "data.jsonl"), eval_fraction=0.2, num_steps=1))
     assert [ex.prompt for ex in again.data.eval_rows] == held
     seen = []
-    encode = trainer.encode
-    trainer.encode = lambda text: seen.append(text) or encode(text)
+    encode = trainer.policy.encode
+    trainer.policy.encode = lambda text: seen.append(text) or encode(text)
     result = trainer.evaluate()
     assert seen == held and list(result) == ["held-out rows"] and 0.0 <= result["held-out rows"] <= 1.0
 
