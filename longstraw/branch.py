@@ -47,14 +47,12 @@ from .model.positions import check_positions, positions_left
 from .sampler import (
     Replay,
     Samples,
+    SamplingOptions,
     TokenIds,
     as_ids,
-    banned_tokens,
     check_generator,
-    check_sampling,
     decode,
     replay_tokens,
-    sampling_fields,
 )
 
 
@@ -238,7 +236,8 @@ class Branch:
         cache = self._live()
         vocab = self.parts.config.vocab_size
         max_new_tokens = positions_left(self.parts.config, self.length, max_new_tokens)
-        check_sampling(1, max_new_tokens, temperature, top_p, top_k, vocab)
+        options = SamplingOptions(temperature, top_p, top_k, stop_token_ids, allowed_token_ids)
+        options.check(1, max_new_tokens, vocab)
         device = self.last_token.device
         check_generator(generator, device)
         if self.group is not None:
@@ -246,9 +245,7 @@ class Branch:
                 "Branch.sample",
                 {
                     "length": self.length,
-                    **sampling_fields(
-                        max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator
-                    ),
+                    **options.fields(max_new_tokens, generator),
                 },
             )
         out = decode(
@@ -257,12 +254,8 @@ class Branch:
             self.last_token[None],
             self.length - 1,
             max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
+            options,
             generator=generator,
-            banned=banned_tokens(allowed_token_ids, vocab, device),
         )
         turn = out.tokens[0]
         if self.group is not None:

@@ -36,7 +36,7 @@ from .hf.cache import BranchCache, snapshot
 from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
 from .kinds.full_attention import Room, room_for
 from .model.positions import positions_left
-from .sampler import Decodable, Samples, banned_tokens, check_generator, check_sampling, decode, sample
+from .sampler import Decodable, Samples, SamplingOptions, check_generator, decode, sample
 
 
 class Growing(Decodable, Protocol):
@@ -255,6 +255,7 @@ def sample_branches(
     if n == 0:
         return []
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids)
+    options = SamplingOptions(temperature, top_p, top_k, stop_token_ids, allowed_token_ids)
     if not stackable(branches):  # one branch after another
         if keep:
             return [
@@ -273,7 +274,7 @@ def sample_branches(
             for i, (b, c) in enumerate(zip(branches, caps))
         ]
     for k, c in zip(counts, caps):
-        check_sampling(k, c, temperature, top_p, top_k, vocab)
+        options.check(k, c, vocab)
     device = branches[0].last_token.device
     for g in gens:
         check_generator(g, device)
@@ -320,11 +321,10 @@ def sample_branches(
         step_input,
         start,
         [caps[i] for i in row_of],
+        options,
         generator=[gens[i] for i in row_of],
-        banned=banned_tokens(allowed_token_ids, vocab, device),
         leave=leave if keep else None,
         after=after,
-        **kw,
     )
     results, r = [], 0
     for k in counts:

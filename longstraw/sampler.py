@@ -74,17 +74,57 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     return z
 
 
-def check_sampling(num, max_new_tokens, temperature, top_p, top_k, vocab) -> None:
-    if num < 1:
-        raise ValueError(f"num must be >= 1; got {num}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-    if top_k < 0 or top_k > vocab:
-        raise ValueError(f"top_k must be in [0, vocab size {vocab}]; got {top_k}")
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How a decode chooses its tokens: what every sampling call takes as keywords (`sample`, `PromptState.sample`,
+    `Branch.sample`, `longstraw.ragged.sample_branches`) and hands down as one object. `temperature` 0: greedy;
+    `top_k` 0 and `top_p` 1: no filtering (transformers' order: top-k, then top-p); `stop_token_ids`: tokens that end
+    a sequence (kept in it); `allowed_token_ids`: the tokens the choice is restricted to (None: all), the returned
+    log-probs staying those of the unrestricted distribution (the policy being trained)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: Sequence[int] = ()
+    allowed_token_ids: Sequence[int] | torch.Tensor | None = None
+
+    def check(self, num: int, max_new_tokens: int, vocab: int) -> None:
+        """Refuse options (and a count or length) a decode cannot run with, naming them."""
+        if num < 1:
+            raise ValueError(f"num must be >= 1; got {num}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0 or self.top_k > vocab:
+            raise ValueError(f"top_k must be in [0, vocab size {vocab}]; got {self.top_k}")
+
+    def banned(self, vocab: int, device) -> torch.Tensor | None:
+        """`[V]` bool, True for the tokens the decode may not choose (None: all allowed)."""
+        if self.allowed_token_ids is None:
+            return None
+        allowed = torch.as_tensor(list(self.allowed_token_ids), dtype=torch.long, device=device)
+        if allowed.numel() == 0 or int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
+            raise ValueError(f"allowed_token_ids must be non-empty token ids in [0, {vocab})")
+        banned = torch.ones(vocab, dtype=torch.bool, device=device)
+        banned[allowed] = False
+        return banned
+
+    def fields(self, max_new_tokens, generator: torch.Generator | None) -> dict:
+        """What every rank of a collective decode must agree on (`Group.agree` fields): the options, the length and
+        the generator's state (the global one when `generator` is None)."""
+        allowed = self.allowed_token_ids
+        return {
+            "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
+            "temperature": repr(self.temperature),
+            "top_p": repr(self.top_p),
+            "top_k": repr(self.top_k),
+            "stop_token_ids": repr(sorted(int(t) for t in self.stop_token_ids)),
+            "allowed_token_ids": repr(None if allowed is None else sorted(int(t) for t in allowed)),
+            "generator state": generator.get_state() if generator is not None else torch.get_rng_state(),
+        }
 
 
 @torch.no_grad()
@@ -176,9 +216,9 @@ def sample(
     every row's own state, then decoding continues after them; returned tokens exclude the prefix.
     """
     parts = state.parts
-    check_sampling(num, max_new_tokens, temperature, top_p, top_k, parts.config.vocab_size)
+    options = SamplingOptions(temperature, top_p, top_k, stop_token_ids, allowed_token_ids)
+    options.check(num, max_new_tokens, parts.config.vocab_size)
     device = state.last_token.device
-    banned = banned_tokens(allowed_token_ids, parts.config.vocab_size, device)
     check_generator(generator, device)
     cache = state.branch_cache(num)
     for layer in cache.layers:  # sliding-window layers keep only the own K/V later steps can read
@@ -192,31 +232,7 @@ def sample(
         run_decoder(parts, read.expand(num, -1), torch.arange(start, start + read.numel(), device=device), cache)
         step_input = prefix[-1:].expand(num)[:, None]
         start += prefix.numel()
-    return decode(
-        parts,
-        cache,
-        step_input,
-        start,
-        max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=stop_token_ids,
-        generator=generator,
-        banned=banned,
-    )
-
-
-def banned_tokens(allowed_token_ids, vocab: int, device) -> torch.Tensor | None:
-    """`[V]` bool, True for the tokens sampling may not choose (None: all allowed)."""
-    if allowed_token_ids is None:
-        return None
-    allowed = torch.as_tensor(list(allowed_token_ids), dtype=torch.long, device=device)
-    if allowed.numel() == 0 or int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
-        raise ValueError(f"allowed_token_ids must be non-empty token ids in [0, {vocab})")
-    banned = torch.ones(vocab, dtype=torch.bool, device=device)
-    banned[allowed] = False
-    return banned
+    return decode(parts, cache, step_input, start, max_new_tokens, options, generator=generator)
 
 
 def check_generator(generator: torch.Generator | None, device) -> None:
@@ -227,22 +243,6 @@ def check_generator(generator: torch.Generator | None, device) -> None:
         )
 
 
-def sampling_fields(
-    max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator: torch.Generator | None
-) -> dict:
-    """What every rank of a collective decode must agree on (`Group.agree` fields): the options and the generator's
-    state (the global one when `generator` is None)."""
-    return {
-        "max_new_tokens": max_new_tokens if isinstance(max_new_tokens, int) else repr(max_new_tokens),
-        "temperature": repr(temperature),
-        "top_p": repr(top_p),
-        "top_k": repr(top_k),
-        "stop_token_ids": repr(sorted(int(t) for t in stop_token_ids)),
-        "allowed_token_ids": repr(None if allowed_token_ids is None else sorted(int(t) for t in allowed_token_ids)),
-        "generator state": generator.get_state() if generator is not None else torch.get_rng_state(),
-    }
-
-
 @torch.no_grad()
 def decode(
     parts,
@@ -250,13 +250,9 @@ def decode(
     step_input: torch.Tensor,
     start: int | torch.Tensor,
     max_new_tokens: int | Sequence[int],
+    options: SamplingOptions,
     *,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_token_ids=(),
     generator: torch.Generator | None | Sequence[torch.Generator | None] = None,
-    banned: torch.Tensor | None = None,
     leave=None,
     after: int = 0,
 ) -> Samples:
@@ -270,7 +266,9 @@ def decode(
     K/V grow in place with room for the tokens still to come and `after` more (`BranchCache.reserve`)."""
     num = step_input.shape[0]
     device = step_input.device
-    stop = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=device)
+    stop = torch.tensor(sorted(set(int(t) for t in options.stop_token_ids)), dtype=torch.long, device=device)
+    banned = options.banned(parts.config.vocab_size, device)
+    temperature, top_p, top_k = options.temperature, options.top_p, options.top_k
     caps = None
     if not isinstance(max_new_tokens, int):
         caps = torch.as_tensor(list(max_new_tokens), dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ import torch
 from ...branch import Branch
 from ...hf.cache import BranchCache
 from ...prompt_state import PromptState, as_ids, check_length, run_decoder
-from ...sampler import Samples, TokenIds, sampling_fields
+from ...sampler import Samples, SamplingOptions, TokenIds
 from ..collectives import Group
 from .kinds import kind_of
 
@@ -199,8 +199,8 @@ class ContextParallelState(PromptState):
             {
                 "captured state": self._key,
                 "num": num if isinstance(num, int) else repr(num),
-                **sampling_fields(
-                    max_new_tokens, temperature, top_p, top_k, stop_token_ids, allowed_token_ids, generator
+                **SamplingOptions(temperature, top_p, top_k, stop_token_ids, allowed_token_ids).fields(
+                    max_new_tokens, generator
                 ),
             },
         )
