@@ -31,8 +31,8 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
 
 
-def main(argv=None) -> int:
-    _quiet()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-parser per command, the config's fields as flags of `train`, `demo` and `eval`."""
     ap = argparse.ArgumentParser(
         prog="longstraw",
         description="GRPO on very long prompts: capture once, replay branches.",
@@ -177,8 +177,13 @@ def main(argv=None) -> int:
     vs.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     vs.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=int, default=4, help="vLLM's CPU KV cache (GiB)")
     vs.add_argument("--setup", action="store_true", help="only create the vLLM environment, then exit")
+    return ap
+
+
+def main(argv=None) -> int:
+    _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.argv = argv
     try:
         return {
