@@ -266,8 +266,8 @@ class ContextGroups:
         self.world = world
         self.count = world.size // size  #: how many groups
         self.index = world.rank // size  #: this rank's group
-        self.context = world
-        if self.count > 1:
+        self.context = world if self.count == 1 else Ranks()  # groups of one rank: no collective inside
+        if self.count > 1 and size > 1:
             mine = None
             for first in range(0, world.size, size):  # torch.distributed: every rank creates every group, in order
                 g = torch.distributed.new_group(
@@ -275,7 +275,7 @@ class ContextGroups:
                 )
                 if first <= world.rank < first + size:
                     mine = g
-            self.context = Ranks(mine) if size > 1 else Ranks()
+            self.context = Ranks(mine)
 
     def __repr__(self) -> str:
         return f"ContextGroups(group {self.index} of {self.count}, {self.context})"
