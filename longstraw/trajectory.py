@@ -232,13 +232,6 @@ def _run_policy(
 # ----------------------------------------------------------------------------------------- the carry
 
 
-#: per branch-layer class, the own tensors that grow along the trajectory: (attribute, token dimension)
-_APPENDED = (
-    (LatentBranchLayer, (("keys", -2), ("index_keys", 1))),
-    (AttentionBranchLayer, (("keys", -2), ("values", -2))),
-)
-
-
 class _Carry:
     """What later segments read of one trajectory's own growth, as tensors that collect its gradient.
 
@@ -264,11 +257,9 @@ class _Carry:
     def __init__(self, cache, total: int):
         self.total = total
         self.appended: dict[int, tuple] = {}
-        for i, layer in enumerate(cache.layers):
-            for cls, attrs in _APPENDED:
-                if isinstance(layer, cls):
-                    self.appended[i] = attrs
-                    break
+        for i, layer in enumerate(cache.layers):  # what each layer's own state grows by (`grown_tensors`)
+            if isinstance(layer, PromptBranchLayer) and layer.grown_tensors:
+                self.appended[i] = layer.grown_tensors
         self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         #: what each appended tensor held before the trajectory (a branch's own tokens; None: nothing), its length
@@ -299,7 +290,7 @@ class _Carry:
     def enter(self, cache: BranchCache, j: int, start: int) -> None:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
         for i, attrs in self.appended.items():
-            layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`_APPENDED`)
+            layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`grown_tensors`)
             if i in self.carried:
                 attention = cast(AttentionBranchLayer, layer)
                 k = self.kept[(i, "keys")]

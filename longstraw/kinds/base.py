@@ -175,6 +175,9 @@ class PromptBranchLayer(CacheLayerMixin):
     is_collective: bool = False
     #: whether it also selects and attends DSA's sparse keys itself (`CollectiveSparseAttention`: context parallel)
     is_collective_sparse: bool = False
+    #: the branch's own tensors that grow along a trajectory, (attribute, token dimension): what a segmented replay
+    #: carries from segment to segment (`longstraw.trajectory`)
+    grown_tensors: tuple[tuple[str, int], ...] = ()
 
     @property
     def own_length(self) -> int:

@@ -100,6 +100,7 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     is_sliding = False
     is_croppable = False
+    grown_tensors = (("keys", -2), ("values", -2))
     #: sliding-window attention: keys after (query position − window) only; None: every earlier key
     window: int | None = None
     #: chunked local attention: the attention chunk size (keys of the query's own chunk only); None: none
