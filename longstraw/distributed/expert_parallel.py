@@ -38,6 +38,7 @@ import torch.distributed as dist
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from .collectives import Group
+from .ranks import consecutive_group
 
 IMPLEMENTATION = "longstraw_expert_parallel"
 #: each sharded experts module's `ExpertShards` and its index in it (read by `expert_parallel_forward`)
@@ -179,10 +180,7 @@ def spread_experts(model, n: int, timeout_s: float) -> tuple[ExpertShards, dist.
     group = replicas = None
     if world > n:  # torch.distributed: every rank creates every group, in the same order
         timeout = datetime.timedelta(seconds=timeout_s)
-        for first in range(0, world, n):
-            g = dist.new_group(list(range(first, first + n)), timeout=timeout)
-            if first <= rank < first + n:
-                group = g
+        group = consecutive_group(n, timeout_s)
         for i in range(n):
             g = dist.new_group(list(range(i, world, n)), timeout=timeout)
             if rank % n == i:

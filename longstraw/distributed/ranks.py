@@ -252,6 +252,18 @@ class Ranks:
             self.owned = False
 
 
+def consecutive_group(size: int, timeout_s: float):
+    """This rank's process group among the groups of `size` consecutive ranks of the default group (a collective:
+    torch.distributed has every rank create every group, in the same order)."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = None
+    for first in range(0, world, size):
+        g = torch.distributed.new_group(list(range(first, first + size)), timeout=datetime.timedelta(seconds=timeout_s))
+        if first <= rank < first + size:
+            mine = g
+    return mine
+
+
 class ContextGroups:
     """`context_parallel: C` on the run's W ranks: W / C groups of C consecutive ranks. A group captures, samples and
     replays a prompt together (`context`: the `Ranks` its collectives run in, each rank a slice of the prompt's
@@ -268,14 +280,7 @@ class ContextGroups:
         self.index = world.rank // size  #: this rank's group
         self.context = world if self.count == 1 else Ranks()  # groups of one rank: no collective inside
         if self.count > 1 and size > 1:
-            mine = None
-            for first in range(0, world.size, size):  # torch.distributed: every rank creates every group, in order
-                g = torch.distributed.new_group(
-                    list(range(first, first + size)), timeout=datetime.timedelta(seconds=timeout_s)
-                )
-                if first <= world.rank < first + size:
-                    mine = g
-            self.context = Ranks(mine)
+            self.context = Ranks(consecutive_group(size, timeout_s))
 
     def __repr__(self) -> str:
         return f"ContextGroups(group {self.index} of {self.count}, {self.context})"

@@ -392,9 +392,10 @@ class RolloutStage:
         total = combine_rewards(per_f, self.rewards.weights)
         adv = group_advantages(total, self.settings.num_generations, self.scale_rewards)
         tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in done)
-        rollout = Rollout(done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts))
-        rollout.own_contexts = None if self.groups is None or self.groups.count == 1 else own
-        return rollout
+        own_contexts = None if self.groups is None or self.groups.count == 1 else own
+        return Rollout(
+            done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts), own_contexts
+        )
 
     def _context(
         self,

@@ -198,16 +198,15 @@ def policy_update(
             rollout.groups[b].state = None
     world = ranks if world is None else world
     if world is not None and world.size > 1:
-        ranks = world
-        sums = ranks.sum_floats(
+        sums = world.sum_floats(
             "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
         )
         sampler = totals.sampler
         totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
         if settings.sampler_correction is not None:  # every rank, whether it replayed a sampled response or not
             keys = ("abs_diff", "kl", "weight", "changed", "tokens")
-            summed = ranks.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
-            worst = ranks.max_floats("policy_update: sampler max", [float(sampler.get("max_abs_diff", 0.0))])
+            summed = world.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
+            worst = world.max_floats("policy_update: sampler max", [float(sampler.get("max_abs_diff", 0.0))])
             if summed[-1] > 0:
                 totals.sampler = {**dict(zip(keys, summed)), "max_abs_diff": worst[0]}
     n = max(totals.tokens, 1)
