@@ -15,7 +15,7 @@ failure modes: docs/distributed.md, "How it works, rank by rank".
 from .collectives import CollectiveError, Group, MismatchError
 from .context_parallel import ContextParallelState, slice_bounds
 from .fsdp import gradient_sync, replicated_parameters, shard, sharded_layers
-from .parallelize import Parallel, parallelize
+from .parallelize import Parallel, StepShare, parallelize
 
 __all__ = [
     "CollectiveError",
@@ -23,6 +23,7 @@ __all__ = [
     "Group",
     "MismatchError",
     "Parallel",
+    "StepShare",
     "gradient_sync",
     "parallelize",
     "replicated_parameters",

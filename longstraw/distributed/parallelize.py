@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -28,7 +28,60 @@ from .expert_parallel import ExpertShards, spread_experts
 from .fsdp import clip_grad_norm, full_tensors, gradient_sync, is_sharded, load_full_tensors, shard
 from .ranks import ContextGroups, Ranks
 
-__all__ = ["Parallel", "parallelize"]
+__all__ = ["Parallel", "StepShare", "parallelize"]
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """One rank's part of a training step's work, as the update stage sees it (`Parallel.step_share`): the ranks its
+    captures and replays are collectives of (`context`), which items it takes and how it pads them, where the loss
+    metrics are summed (`world`), and what runs just before the step's last backward. `StepShare()`: one process —
+    every item its own, no padding, no collective.
+
+    A replay on several ranks is a collective, so every rank of `context` runs as many as the others: `replays(n)`
+    pads this rank's share with None (a replay of weight 0). Forwards that are not collectives (a full-sequence
+    batch) skip what a rank has none of, unless `lockstep` (sharded layers, spread experts: every forward is one)."""
+
+    context: Ranks = field(default_factory=Ranks)
+    #: the ranks the loss metrics are summed over (None: `context`)
+    world: Ranks | None = None
+    #: called just before the step's last backward (sharded layers reduce their gradients there); None: nothing
+    before_last_backward: Callable[[], None] | None = None
+    #: every rank runs every forward (sharded layers, spread experts)
+    lockstep: bool = False
+
+    @property
+    def group(self):
+        """What `longstraw.capture(..., group=)` takes: the context's process group (None: one process)."""
+        return self.context.pg
+
+    @property
+    def collective(self) -> bool:
+        """Whether captures and replays are collectives of several ranks."""
+        return self.context.size > 1
+
+    def replays(self, n: int) -> list[int | None]:
+        """This rank's replays of n items: [r, r + N, ...] padded with None to ⌈n / N⌉ (`Ranks.padded_share`)."""
+        return self.context.padded_share(n)
+
+    def owns(self, k: int) -> bool:
+        """Whether item k is this rank's (round robin over the context's ranks)."""
+        return k % self.context.size == self.context.rank
+
+    def forwards(self, items: list[int]) -> list[int | None]:
+        """This rank's `items` (round robin); with `lockstep` padded with None to ⌈n / N⌉ entries."""
+        mine: list[int | None] = list(items[self.context.rank :: self.context.size])
+        if self.lockstep:
+            mine += [None] * (-(-len(items) // self.context.size) - len(mine))
+        return mine
+
+    def sum_floats(self, name: str, values: list[float]) -> list[float]:
+        """`values` summed over `world` (unchanged on one process)."""
+        return (self.world or self.context).sum_floats(name, values)
+
+    def max_floats(self, name: str, values: list[float]) -> list[float]:
+        """The largest of `values` over `world`, value by value."""
+        return (self.world or self.context).max_floats(name, values)
 
 
 @dataclass
@@ -79,6 +132,16 @@ class Parallel:
         if not self.sharded:
             return None
         return lambda: gradient_sync(model, True)
+
+    def step_share(self, model: torch.nn.Module, context: Ranks | None = None) -> StepShare:
+        """This rank's part of a step on `model` (`StepShare`): collectives among `context` (default: this rank's
+        context-parallel group), metrics summed over every rank."""
+        return StepShare(
+            self.context if context is None else context,
+            self.ranks,
+            self.before_last_backward(model),
+            lockstep=self.partitioned,
+        )
 
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the step's gradients of `params` over the ranks: the replicated ones over all, spread experts' over the

@@ -329,10 +329,8 @@ class Trainer:
             self.loss_fn,
             self.update_settings,
             self.meter,
-            ranks=self.parallel.context,
-            before_last_backward=self.parallel.before_last_backward(self.model),
+            self.parallel.step_share(self.model),
             store=self.store,
-            world=self.ranks,
         )
 
     def grpo_step(self, step: int) -> dict:
@@ -407,8 +405,7 @@ class Trainer:
             self.update_settings,
             self.cfg.sft_full_sequence,
             self.meter,
-            ranks=self.ranks,
-            before_last_backward=self.parallel.before_last_backward(self.model),
+            self.parallel.step_share(self.model, context=self.ranks),
         )
         return dict(phase="sft", **m)
 

@@ -15,11 +15,12 @@ Supervised warm-up (`sft_update`): − mean log-prob of the answer tokens (and t
 
 Memory: the state of one context plus one row suffix and one response's graph at a time.
 
-On N processes (`ranks`, `longstraw.distributed.ranks`): each prompt is captured context parallel and rank r replays
-responses r, r + N, ... of its group (every rank ⌈G / N⌉ collective replays, padded with weight-0 replays); the
-normalizer and advantages are the whole step's on every rank; the loss metrics are summed over the ranks, the
-gradients by the trainer. Supervised steps split their prompts over the ranks (full sequence) or replay each
-prompt's answer on its owner rank (replayed, context parallel).
+On N processes the stage is handed its rank's part of the step (`share`, a
+`longstraw.distributed.parallelize.StepShare`): each prompt is captured context parallel among `share.context`,
+this rank replays the responses `share.replays(G)` of each group (padded with weight-0 replays: a replay is a
+collective); the normalizer and advantages are the whole step's on every rank; the loss metrics are summed by the
+share, the gradients by the trainer. Supervised steps split their prompts over the ranks (full sequence) or replay
+each prompt's answer on its owner rank (replayed, context parallel).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from ..api import capture
 from ..branch import Branch
-from ..distributed.expert_parallel import spreads_experts
+from ..distributed.parallelize import StepShare
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
@@ -109,23 +110,19 @@ def policy_update(
     loss_fn: GRPOLoss,
     settings: UpdateSettings,
     meter: MemoryMeter,
-    ranks=None,
-    before_last_backward=None,
+    share: StepShare | None = None,
     store: StateStore | None = None,
-    world=None,
 ) -> dict:
     """Accumulate the gradient of the step's GRPO loss into the parameters; returns the step's loss metrics.
-    `ranks` (`longstraw.distributed.ranks.Ranks`, N processes): this rank's share of the replays (see the module doc).
-    `world`: the ranks the loss metrics are summed over when `ranks` is one of several context-parallel groups (each
-    replays the contexts `rollout.own_contexts`); default `ranks`.
-    `before_last_backward`: called once, just before the step's last backward (FSDP2 turns gradient reduction on
-    there: `longstraw.distributed.gradient_sync`); the same point on every rank. `store`: the prompt states kept across
-    steps (`recapture_every`, `longstraw.train.staleness`), which the update reads and leaves to the store."""
+    `share`: this rank's part of the step on N processes (see the module doc; None: one process); its
+    `before_last_backward` runs once, just before the step's last backward, at the same point on every rank. With
+    several context-parallel groups each replays the contexts `rollout.own_contexts`. `store`: the prompt states kept
+    across steps (`recapture_every`, `longstraw.train.staleness`), which the update reads and leaves to the store."""
+    share = StepShare() if share is None else share
     masks = [loss_mask(r, settings) for r in rollout.responses]
     lengths = [int(m.sum()) for m in masks]
     norm = loss_fn.normalizer(lengths, rollout.group_ids, settings.max_completion_length)
     entropy_scale = settings.entropy_coef / max(sum(lengths), 1)
-    parallel = ranks is not None and ranks.size > 1
     totals = _Totals()
     offsets = [0]  # where each group's responses start in the step's
     for group in rollout.groups:
@@ -146,7 +143,7 @@ def policy_update(
                         chunk_size=settings.chunk_size,
                         prompt_grad=settings.prompt_grad,
                         state_dtype=settings.state_dtype,
-                        group=ranks.pg if parallel else None,
+                        group=share.group,
                     )
 
                 # a later iteration of the batch (`num_iterations`): a kept state, if it is still young enough
@@ -164,13 +161,13 @@ def policy_update(
                     with torch.no_grad():
                         branch.extend(suffix)
                     row_state, suffix = branch, None
-                turns = list(ranks.padded_share(len(group.responses)) if parallel else range(len(group.responses)))
+                turns = share.replays(len(group.responses))
                 for t, k in enumerate(turns):
                     # the step's last backward: the last replay of the last context, or its state's reverse pass
                     at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
-                    last = before_last_backward if at_end and not exact else None
+                    last = share.before_last_backward if at_end and not exact else None
                     if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                        _padding_backward(row_state, group.responses[0], settings, last, suffix, parallel)
+                        _padding_backward(row_state, group.responses[0], settings, last, suffix, share.collective)
                         continue
                     i = offsets[b] + k
                     _response_backward(
@@ -185,30 +182,28 @@ def policy_update(
                         totals,
                         last,
                         suffix,
-                        parallel,
+                        share.collective,
                     )
                 if branch is not None:
                     branch.release()
-            if exact and c == last_context and before_last_backward is not None:
-                before_last_backward()
+            if exact and c == last_context and share.before_last_backward is not None:
+                share.before_last_backward()
             state.backward()  # exact mode: the shared prompt's gradient, summed over its rows (nothing when detached)
             if store is None or not store.owns(state):
                 state.release()
         for b in ctx.rows:
             rollout.groups[b].state = None
-    world = ranks if world is None else world
-    if world is not None and world.size > 1:
-        sums = world.sum_floats(
-            "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
-        )
-        sampler = totals.sampler
-        totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
-        if settings.sampler_correction is not None:  # every rank, whether it replayed a sampled response or not
-            keys = ("abs_diff", "kl", "weight", "changed", "tokens")
-            summed = world.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
-            worst = world.max_floats("policy_update: sampler max", [float(sampler.get("max_abs_diff", 0.0))])
-            if summed[-1] > 0:
-                totals.sampler = {**dict(zip(keys, summed)), "max_abs_diff": worst[0]}
+    sums = share.sum_floats(
+        "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
+    )
+    sampler = totals.sampler
+    totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
+    if settings.sampler_correction is not None:  # every rank, whether it replayed a sampled response or not
+        keys = ("abs_diff", "kl", "weight", "changed", "tokens")
+        summed = share.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
+        worst = share.max_floats("policy_update: sampler max", [float(sampler.get("max_abs_diff", 0.0))])
+        if summed[-1] > 0:
+            totals.sampler = {**dict(zip(keys, summed)), "max_abs_diff": worst[0]}
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
     if totals.sampler:  # TRL's sampling/* metrics of an external sampler
@@ -386,8 +381,7 @@ def sft_update(
     settings: UpdateSettings,
     full_sequence: bool,
     meter: MemoryMeter,
-    ranks=None,
-    before_last_backward=None,
+    share: StepShare | None = None,
 ) -> dict:
     """Supervised: − mean log-prob of the answer tokens (and the stop token) over the step's prompts.
 
@@ -395,11 +389,11 @@ def sft_update(
     (what retrieval needs from a random start); examples of equal length go in one batch. Otherwise each
     prompt is captured and its answer replayed (detached, like GRPO).
 
-    `before_last_backward` (FSDP2, see `policy_update`) given, or a model whose experts are spread over the ranks
-    (`longstraw.distributed.expert_parallel`: every MoE call an all-to-all): every rank runs one full-sequence
-    forward per shape of the step's prompts (the same shapes on every rank), its round-robin share of them padded with
-    weight-0 rows to ⌈n / N⌉, since every rank must then run the same forwards and backwards.
+    `share` (N processes, see `policy_update`) in `lockstep` (sharded layers, spread experts: every forward a
+    collective): every rank runs one full-sequence forward per shape of the step's prompts (the same shapes on every
+    rank), its round-robin share of them padded with weight-0 rows to ⌈n / N⌉.
     """
+    share = StepShare() if share is None else share
     eos = torch.tensor([policy.eos_token_id])
     for ex in examples:
         if ex.answer is None:
@@ -408,19 +402,12 @@ def sft_update(
     pairs = [(policy.encode(ex.prompt), torch.cat([policy.encode(cast(str, ex.answer)), eos])) for ex in examples]
     n_tok = sum(a.numel() + len(ex.supervised) for (_, a), ex in zip(pairs, examples))
     tokens = sum(p.numel() + a.numel() for p, a in pairs)
-    parallel = ranks is not None and ranks.size > 1
-    lockstep = before_last_backward is not None or spreads_experts(policy.model)
     if full_sequence:  # data parallel: whole prompts per rank (in lockstep when every rank must run every forward)
-        loss = _sft_full_sequence(
-            policy.model, pairs, examples, n_tok, meter, ranks if parallel else None, lockstep, before_last_backward
-        )
+        loss = _sft_full_sequence(policy.model, pairs, examples, n_tok, meter, share)
         durable = 0
     else:
-        loss, durable = _sft_replayed(
-            policy.model, pairs, n_tok, settings.chunk_size, meter, ranks if parallel else None, before_last_backward
-        )
-    if parallel:
-        loss = ranks.sum_floats("sft_update: loss", [loss])[0]
+        loss, durable = _sft_replayed(policy.model, pairs, n_tok, settings.chunk_size, meter, share)
+    loss = share.sum_floats("sft_update: loss", [loss])[0]
     return dict(loss=loss, durable_bytes=durable, tokens=tokens, **prompt_length_metrics([p.numel() for p, _ in pairs]))
 
 
@@ -454,51 +441,44 @@ def _sft_batch_loss(model, group: list, n_tok: int, weights: list[float] | None 
     return -lp.sum() / n_tok
 
 
-def _sft_full_sequence(
-    model, pairs, examples, n_tok: int, meter: MemoryMeter, ranks=None, lockstep=False, before_last_backward=None
-) -> float:
-    """One forward per shape of the prompts `pairs`; on N `ranks`, rank r's rows of a shape are that shape's prompts
-    r, r + N, ... With `lockstep` (a sharded model, spread experts: the ranks must run the same forwards) every rank
-    runs one forward per shape, its rows padded with weight-0 copies of the shape's first to ⌈n / N⌉; otherwise a
-    rank skips a shape it has no prompt of. `before_last_backward`: called before the last backward."""
-    size, rank = (1, 0) if ranks is None else (ranks.size, ranks.rank)
+def _sft_full_sequence(model, pairs, examples, n_tok: int, meter: MemoryMeter, share: StepShare) -> float:
+    """One forward per shape of the prompts `pairs`; on N ranks, this rank's rows of a shape are `share.forwards` of
+    that shape's prompts: in `lockstep` (the ranks must run the same forwards) every rank runs one forward per shape,
+    its rows padded with weight-0 copies of the shape's first; otherwise a rank skips a shape it has no prompt of."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for b, ((p, a), ex) in enumerate(zip(pairs, examples)):
         by_shape.setdefault((p.numel(), a.numel(), len(ex.supervised)), []).append(b)
     total = 0.0
     for g, idx in enumerate(by_shape.values()):
-        mine = idx[rank::size]
-        rows = -(-len(idx) // size) if lockstep else len(mine)
+        rows = share.forwards(idx)
         if not rows:
             continue
-        weights = [1.0] * len(mine) + [0.0] * (rows - len(mine)) if rows > len(mine) else None
-        mine = mine + [idx[0]] * (rows - len(mine))
+        weights = None if None not in rows else [0.0 if b is None else 1.0 for b in rows]
+        mine = [idx[0] if b is None else b for b in rows]
         with meter.stage("replay"):
             loss = _sft_batch_loss(
                 model, [(pairs[b][0], pairs[b][1], examples[b].supervised) for b in mine], n_tok, weights
             )
-            if before_last_backward is not None and g == len(by_shape) - 1:
-                before_last_backward()
+            if share.before_last_backward is not None and g == len(by_shape) - 1:
+                share.before_last_backward()
             loss.backward()
         total += loss.item()
     return total
 
 
-def _sft_replayed(
-    model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, ranks=None, before_last_backward=None
-) -> tuple[float, int]:
+def _sft_replayed(model, pairs, n_tok: int, chunk_size: int, meter: MemoryMeter, share: StepShare) -> tuple[float, int]:
     """Each prompt captured (context parallel on N ranks) and its answer replayed; on N ranks prompt b's owner
-    (b mod N) replays it with weight 1, the others with weight 0 (a replay is a collective)."""
+    (`share.owns(b)`) replays it with weight 1, the others with weight 0 (a replay is a collective)."""
     total, durable = 0.0, 0
     for b, (prompt, ans) in enumerate(pairs):
         with meter.stage("capture"):
-            state = capture(model, prompt, chunk_size=chunk_size, group=None if ranks is None else ranks.pg)
+            state = capture(model, prompt, chunk_size=chunk_size, group=share.group)
         durable = max(durable, state.nbytes)
         with meter.stage("replay"), state:
-            weight = 1.0 if ranks is None or b % ranks.size == ranks.rank else 0.0
+            weight = 1.0 if share.owns(b) else 0.0
             loss = -state.replay(ans).logprobs.sum() / n_tok * weight
-            if before_last_backward is not None and b == len(pairs) - 1:
-                before_last_backward()
+            if share.before_last_backward is not None and b == len(pairs) - 1:
+                share.before_last_backward()
             loss.backward()
         total += loss.item()
     return total, durable
