@@ -57,6 +57,7 @@ def main() -> None:
     import longstraw
     from longstraw.ops.kernels import blockwise
     from longstraw.tools.real_models import model_path
+    from longstraw.model.capability import model_parts
     from longstraw.prompt_state import default_chunk_size
 
     torch.set_num_threads(args.threads)
@@ -67,7 +68,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for P in CASES[name]:
             ids = _prompt(tok, P)
-            auto = default_chunk_size(model, P)
+            auto = default_chunk_size(model_parts(model), P)
             variants = [(f"chunk {c}", c, True) for c in args.chunks]
             variants.append((f"auto ({auto})", auto, True))
             if "gemma" in name:

@@ -88,7 +88,7 @@ def capture(
             validated=validated,
         )
     if chunk_size is None:
-        chunk_size = default_chunk_size(model, prompt.numel())
+        chunk_size = default_chunk_size(parts, prompt.numel())
     state = cp.capture(g, parts, prompt, compressed, chunk_size, prompt_grad, block_size)
     if progress is not None:
         progress(prompt.numel() - 1, prompt.numel() - 1)

@@ -273,7 +273,7 @@ def capture_local(
     device = prompt.device
     prepare(model)
     if chunk_size is None:  # after the support check and self-check, which name what is wrong with a model first
-        chunk_size = default_chunk_size(model, prompt.numel())
+        chunk_size = default_chunk_size(parts, prompt.numel())
     captured = prompt.numel() - 1
     layers = layer_states(parts.config, captured, parts.plan)
     if compressed is not None:
@@ -324,10 +324,9 @@ def capture_local(
     return state
 
 
-def default_chunk_size(model, prompt_length: int) -> int:
+def default_chunk_size(parts: ModelParts, prompt_length: int) -> int:
     """`capture`'s chunk when none is given: `longstraw.model.chunking.auto_chunk_size` for the model's config and
-    dtype."""
-    parts = model_parts(model)
+    dtype (`parts`: `longstraw.model.capability.model_parts` of the model, derived once per capture)."""
     dtype = {torch.float32: "fp32", torch.float16: "fp16"}.get(next(parts.model.parameters()).dtype, "bf16")
     return auto_chunk_size(parts.config, prompt_length, dtype)
 

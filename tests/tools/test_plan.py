@@ -87,6 +87,7 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
     from transformers import AutoConfig
 
     from longstraw.model.chunking import AUTO_CHUNK_BUDGET, AUTO_CHUNKS, auto_chunk_size
+    from longstraw.model.capability import model_parts
     from longstraw.prompt_state import default_chunk_size
 
     small = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -103,7 +104,7 @@ def test_auto_chunk_size_is_the_largest_whose_capture_transient_fits():
         assert fits == want_fit, (c, p.capture_transient)
     assert plan(PlanConfig(big, 100_000, dtype="bf16")).config["chunk_size"] == chunk
     model = make_model("llama")
-    assert default_chunk_size(model, 300) == 299
+    assert default_chunk_size(model_parts(model), 300) == 299
     prompt = tokens(300, 1)
     with torch.no_grad():
         a = longstraw.capture(model, prompt).replay(tokens(5, 2)).logprobs
