@@ -58,7 +58,7 @@ def _growing(b: Decodable) -> Growing:
 
 
 def _attention_ok(layer) -> bool:
-    return not layer.is_collective and layer.carried_k is None
+    return layer.carried_k is None
 
 
 def layer_stackable(layer) -> bool:

@@ -12,9 +12,8 @@ under the transformers `layer_types` name it serves (`register_layer_kind`).
 What a branch layer offers is written down as protocols, so that readers call members instead of probing for them:
 `BranchLayer` (every branch layer), `LatentBranch` (what latent attention reads and appends), and the context-parallel
 capabilities `CollectiveAttention` / `CollectiveSparseAttention`. A K/V attention layer's branch layer attends its
-prompt part itself (`attend`, locally or across the ranks); the flags `is_collective` / `is_collective_sparse` mark
-the context-parallel layers for latent attention and the ragged batch (a flag, not an `isinstance` against the
-protocol: it is read on every call, and `longstraw.hf` sits below this module).
+prompt part itself (`attend`), a latent one selects and attends its own (`select_keys`, `attend_latent`): locally, or
+across the ranks in the context-parallel layers, which override them (no flags, no `isinstance` on the hot path).
 """
 
 from __future__ import annotations
@@ -101,10 +100,6 @@ class LatentBranch(BranchLayer, Protocol):
     prompt_index: torch.Tensor | None
     #: (W_k, W_v): the absorbed up-projections, read once per branch when running without grad; None until then
     absorbed: tuple[torch.Tensor, torch.Tensor] | None
-    #: whether the prompt part is read through `CollectiveAttention.attend` (context parallel)
-    is_collective: bool
-    #: whether DSA's selection and sparse attention go through `CollectiveSparseAttention` (context parallel)
-    is_collective_sparse: bool
 
     def append(self, latent: torch.Tensor) -> torch.Tensor:
         """Append the forward's latents `[B, 1, S, r + dr]` to the branch's own; return all own latents
@@ -113,21 +108,52 @@ class LatentBranch(BranchLayer, Protocol):
     def append_index(self, keys: torch.Tensor) -> torch.Tensor:
         """Append the forward's DSA indexer keys `[B, S, Di]` to the branch's own; return all of them `[B, T, Di]`."""
 
+    def select_keys(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        own_keys: torch.Tensor,
+        topk: int,
+        *,
+        q_start: int,
+        own_start: int,
+        block: int,
+    ) -> Selection:
+        """DSA's selection: each query's `topk` keys over [the prompt | the own indexer keys `own_keys` `[B, T, Di]`],
+        from the indexer queries `q` `[B, S, Hi, Di]` and head weights `weights` `[B, S, Hi]`."""
+
+    def attend_latent(
+        self,
+        module,
+        query: torch.Tensor,
+        own: torch.Tensor,
+        selection: Selection | None,
+        rank: int,
+        *,
+        q_start: int,
+        own_start: int,
+        scale: float,
+        block: int,
+    ) -> torch.Tensor:
+        """Latent attention `[B, H, S, r]` (r = `rank`) of the absorbed queries `query` `[B, H, S, r + dr]` over [the
+        prompt | the own latents `own` `[B, 1, T, r + dr]`]: dense (`selection` None) or over DSA's `selection`."""
+
 
 @runtime_checkable
 class CollectiveAttention(BranchLayer, Attends, Protocol):
     """A branch layer that attends its prompt part itself: context parallel (`longstraw.distributed.context_parallel`),
-    where each rank holds a slice of the prompt's K/V or latents and the attention over them is a collective. Such a
-    layer declares `is_collective = True`; the longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) calls
-    its `attend` as it calls every attention branch layer's, and `LatentAttention` (MLA: the latents as the one key
-    head and as the values) calls it instead of the split attention over a local prompt part."""
+    where each rank holds a slice of the prompt's K/V or latents and the attention over them is a collective. The
+    longstraw attention (`longstraw.hf.cache.longstraw_attention`, K/V) calls
+    its `attend` as it calls every attention branch layer's; a context-parallel latent layer's `attend_latent` calls it
+    with the latents as the one key head and as the values."""
 
 
 @runtime_checkable
 class CollectiveSparseAttention(CollectiveAttention, Protocol):
     """A `CollectiveAttention` of a DSA layer: the indexer's top-k selection and the sparse attention over the selected
-    latents run across the ranks too (`longstraw.distributed.context_parallel.sparse_attention`). Declares
-    `is_collective_sparse = True`. Shapes as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
+    latents run across the ranks too (`longstraw.distributed.context_parallel.sparse_attention`): its `select_keys` and
+    `attend_latent` call these. Shapes as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
 
     def select_sparse(
         self,
@@ -171,10 +197,6 @@ class PromptBranchLayer(CacheLayerMixin):
     is_sliding: bool = False
     #: whether `values` names the own keys too (one tensor read as keys and as values: context-parallel latents)
     values_alias: bool = False
-    #: whether the layer attends its prompt part itself (`CollectiveAttention`: context parallel)
-    is_collective: bool = False
-    #: whether it also selects and attends DSA's sparse keys itself (`CollectiveSparseAttention`: context parallel)
-    is_collective_sparse: bool = False
     #: the branch's own tensors that grow along a trajectory, (attribute, token dimension): what a segmented replay
     #: carries from segment to segment (`longstraw.trajectory`)
     grown_tensors: tuple[tuple[str, int], ...] = ()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import cast
 
 import torch
 
@@ -36,8 +35,6 @@ from ..ops.latent_attention import (
 from ..ops.quant import QuantizedTokens
 from . import base
 from .base import (
-    CollectiveAttention,
-    CollectiveSparseAttention,
     LatentBranch,
     LayerState,
     PromptBranchLayer,
@@ -88,6 +85,36 @@ class LatentOwn:
         self.keys, self.index_keys = base.repeat_rows(self.keys, repeats), base.repeat_rows(self.index_keys, repeats)
         if self.values_alias:
             self.values = self.keys
+
+    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block) -> Selection:
+        """DSA's selection: each query's `topk` keys over [the prompt's indexer keys `prompt_index` | the own ones
+        `own_keys` `[B, T, Di]`] (`longstraw.ops.latent_attention.select_topk`), from the indexer queries `q`
+        `[B, S, Hi, Di]` and head weights `weights` `[B, S, Hi]`. Context-parallel layers select across the ranks."""
+        return select_topk(
+            q,
+            weights,
+            scale,
+            self.prompt_index,
+            own_keys,
+            topk,
+            q_start=q_start,
+            own_start=own_start,
+            block=block,
+        )
+
+    def attend_latent(
+        self, module, query, own, selection: Selection | None, rank: int, *, q_start, own_start, scale, block
+    ) -> torch.Tensor:
+        """Latent attention `[B, H, S, r]` (r = `rank`) of the absorbed queries `query` `[B, H, S, r + dr]` over [the
+        prompt's latents `prompt` | the own latents `own` `[B, 1, T, r + dr]`]: dense (`selection` None) or over the
+        keys DSA's `selection` chose. Context-parallel layers read the prompt's slices across the ranks."""
+        if selection is None:
+            return latent_attention(
+                query, own, self.prompt, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+            )
+        return sparse_latent_attention(
+            query, own, self.prompt, selection, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+        )
 
 
 class LatentBranchLayer(LatentOwn, PromptBranchLayer):
@@ -192,8 +219,8 @@ class LatentAttention:
             )
         elif getattr(m, "skip_topk", False) and selection is None:
             raise ValueError("shared DSA layers need the selection of an earlier indexer layer")
-        out = _attend(
-            layer, m, query, own, selection, r, q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block
+        out = layer.attend_latent(
+            m, query, own, selection, r, q_start=q_start, own_start=own_start, scale=m.scaling, block=cache.block
         )
         out = m.o_proj(expand_output(out, w_v))
         return (out, None, selection) if _returns_selection(self.longstraw_base) else (out, None)
@@ -214,78 +241,16 @@ class LatentAttention:
         """DSA selection with the indexer's own projections (transformers runs the indexer without grad)."""
         q, k, weights = indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary)
         own_keys = layer.append_index(k)
-        if layer.is_collective_sparse:  # context parallel: the prompt's indexer keys live on several ranks
-            return cast(CollectiveSparseAttention, layer).select_sparse(
-                q,
-                weights,
-                indexer.softmax_scale,
-                own_keys,
-                indexer.index_topk,
-                q_start=q_start,
-                own_start=own_start,
-                block=block,
-            )
-        return select_topk(
+        return layer.select_keys(
             q,
             weights,
             indexer.softmax_scale,
-            layer.prompt_index,
             own_keys,
             indexer.index_topk,
             q_start=q_start,
             own_start=own_start,
             block=block,
         )
-
-
-def _attend(
-    layer: LatentBranch,
-    module,
-    query: torch.Tensor,
-    own: torch.Tensor,
-    selection: Selection | None,
-    rank: int,
-    *,
-    q_start: int,
-    own_start: int,
-    scale: float,
-    block: int,
-) -> torch.Tensor:
-    """Latent attention `[B, H, S, r]` (r = `rank`) of the absorbed queries `query` `[B, H, S, r + dr]` over [the
-    prompt | the own latents `own` `[B, 1, T, r + dr]`]: dense (`selection` None) or over DSA's `selection`, the prompt
-    read from `layer.prompt` or, context parallel, through the layer's collective (`CollectiveAttention`,
-    `CollectiveSparseAttention`)."""
-    if selection is not None and layer.is_collective_sparse:
-        # context parallel DSA: the selected keys live on several ranks
-        # (`longstraw.distributed.context_parallel.sparse_attention`)
-        return cast(CollectiveSparseAttention, layer).attend_sparse(
-            query, own, selection, q_start=q_start, own_start=own_start, scale=scale, block=block
-        )[..., :rank]
-    if selection is not None and layer.is_collective:
-        raise NotImplementedError(f"{type(layer).__name__} serves dense latent attention only, not DSA")
-    if selection is None and layer.is_collective:
-        # context parallel (`longstraw.distributed`): the prompt's latents live on several ranks; multi-query
-        # attention with the latents as the one key head and as the values, as `latent_attention` runs it
-        return cast(CollectiveAttention, layer).attend(
-            module,
-            query,
-            own,
-            own,
-            q_start=q_start,
-            own_start=own_start,
-            scale=scale,
-            window=None,
-            softcap=None,
-            sinks=None,
-            block=block,
-        )[..., :rank]
-    if selection is None:
-        return latent_attention(
-            query, own, layer.prompt, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
-        )
-    return sparse_latent_attention(
-        query, own, layer.prompt, selection, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
-    )
 
 
 def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings, rotary):

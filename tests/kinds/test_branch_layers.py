@@ -1,7 +1,7 @@
 """Branch layers against their protocols (`longstraw/kinds/base.py`): every branch-layer class is a `BranchLayer`, the
-latent ones a `LatentBranch`, and a layer's context-parallel flags (`is_collective`, `is_collective_sparse`) say
-exactly whether it has the methods of `CollectiveAttention` / `CollectiveSparseAttention`, which the attention calls
-on the flag's word. Classes are checked by their class attributes (the protocols' data members have class-level
+latent ones a `LatentBranch`, every attention layer attends its prompt itself, and a latent layer's `attend_latent` /
+`select_keys` read the prompt where it lives (locally, or across the ranks with `CollectiveAttention` /
+`CollectiveSparseAttention`). Classes are checked by their class attributes (the protocols' data members have class-level
 defaults), and the branch of every registered layer kind as an instance."""
 
 import importlib
@@ -14,6 +14,7 @@ from typing_extensions import get_protocol_members, is_protocol  # in `typing` f
 
 import longstraw.distributed.context_parallel
 import longstraw.kinds
+from longstraw.distributed.context_parallel.full_attention import ReplayBranchLayer
 from longstraw.kinds import AttentionBranchLayer, MixerlessBranchLayer
 from longstraw.kinds.base import (
     BranchLayer,
@@ -94,17 +95,28 @@ def test_latent_branch_layers_offer_what_latent_attention_reads(name):
     assert missing(CLASSES[name], LatentBranch) == []
 
 
+def prompt_reading_faults(cls: type) -> list[str]:
+    """What is wrong with how `cls` reads its prompt part: an attention branch layer without `attend`; a
+    context-parallel latent layer (no local prompt) that keeps `LatentOwn`'s local attention, or a DSA one (with
+    `select_sparse` / `attend_sparse`) its local selection; a local latent layer that does not."""
+    faults = []
+    if issubclass(cls, AttentionBranchLayer) and missing(cls, CollectiveAttention):
+        faults.append("an attention branch layer without `attend`")
+    if issubclass(cls, LatentOwn):
+        distributed = cls.__module__.startswith("longstraw.distributed.")
+        if (cls.attend_latent is LatentOwn.attend_latent) == distributed:
+            faults.append("attend_latent " + ("local in a context-parallel layer" if distributed else "overridden"))
+        sparse = missing(cls, CollectiveSparseAttention) == []
+        if (cls.select_keys is LatentOwn.select_keys) == (distributed and sparse):
+            faults.append("select_keys disagrees with `select_sparse`")
+    return faults
+
+
 @pytest.mark.parametrize("name", sorted(n for n, c in CLASSES.items() if issubclass(c, PromptBranchLayer)))
-def test_the_collective_flags_say_what_the_layer_has(name):
-    """Every attention branch layer attends its prompt part itself (`attend`: locally, or across the ranks);
-    `is_collective` marks the context-parallel layers, and only them."""
-    cls = CLASSES[name]
-    if issubclass(cls, AttentionBranchLayer):
-        assert missing(cls, CollectiveAttention) == [], "an attention branch layer without `attend`"
-    assert cls.is_collective == cls.__module__.startswith("longstraw.distributed."), "is_collective misplaced"
-    assert cls.is_collective_sparse == (missing(cls, CollectiveSparseAttention) == []), (
-        "is_collective_sparse disagrees with `select_sparse` / `attend_sparse`"
-    )
+def test_each_layer_reads_its_prompt_where_it_lives(name):
+    """Every attention branch layer attends its prompt part itself (`attend`: locally, or across the ranks); a latent
+    layer's `attend_latent` / `select_keys` are the local ones exactly in the layers that hold the prompt locally."""
+    assert prompt_reading_faults(CLASSES[name]) == []
 
 
 @pytest.mark.parametrize("layer_type", sorted(registered_layer_types()))
@@ -119,8 +131,9 @@ def test_every_kind_branches_into_a_branch_layer(layer_type):
         assert type(layer) in CLASSES.values()
 
 
-def test_the_checks_catch_a_missing_member_and_a_wrong_flag():
-    """The checks above on planted classes: one without `get_max_length`, one with `attend` but no flag."""
+def test_the_checks_catch_a_missing_member_and_a_local_read():
+    """The checks above on planted classes: one without `get_max_length`; a context-parallel latent layer that forgot
+    to read its prompt across the ranks (it would attend an absent local prompt)."""
     members = {k: v for k, v in vars(MixerlessBranchLayer).items() if not k.startswith("__")}
     assert missing(type("Complete", (), members), BranchLayer) == []
     del members["get_max_length"]
@@ -128,8 +141,7 @@ def test_the_checks_catch_a_missing_member_and_a_wrong_flag():
     assert missing(stripped, BranchLayer) == ["get_max_length"]
     assert not isinstance(stripped(), BranchLayer)
 
-    class Unflagged(AttentionBranchLayer):
-        def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-            return q
-
-    assert missing(Unflagged, CollectiveAttention) == [] and not Unflagged.is_collective
+    real = CLASSES["longstraw.distributed.context_parallel.latent_attention.DsaReplayBranchLayer"]
+    assert prompt_reading_faults(real) == []
+    forgot = type("Forgot", (LatentOwn, ReplayBranchLayer), {"__module__": real.__module__})
+    assert prompt_reading_faults(forgot) == ["attend_latent local in a context-parallel layer"]

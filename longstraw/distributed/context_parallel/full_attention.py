@@ -110,7 +110,6 @@ class CaptureBranchLayer(AttentionBranchLayer):
     Rank r then does r/2 + (N − 1 − r)/2 = (N − 1)/2 cross blocks of n² plus its causal n²/2: N/2 · n² each, the
     single process's (N·n)²/2 split evenly."""
 
-    is_collective = True  # `CollectiveAttention`: `attend`
     #: positions per exchange step (not chunked local attention: `attend` replaces the split attention)
     chunk: int
 
@@ -390,8 +389,6 @@ class ReplayAttention(torch.autograd.Function):
 class ReplayBranchLayer(AttentionBranchLayer):
     """Branch layer of a context-parallel replay: own K/V kept here, the prompt part read collectively."""
 
-    is_collective = True  # `CollectiveAttention`: `attend`
-
     def __init__(self, info: ReplayInfo, prompt_length: int):
         super().__init__(None, None, prompt_length=prompt_length)
         self.info = info
@@ -418,8 +415,6 @@ class SampleBranchLayer(AttentionBranchLayer):
     of all the rows against its slice, one all-gather brings every slice's partials to every rank, and each folds
     them in slice order (bitwise the same on every rank) and merges its own part. The attention against the prompt,
     what grows with P, is split N ways; the rest of a decode step is repeated on every rank."""
-
-    is_collective = True  # `CollectiveAttention`: `attend`
 
     def __init__(self, group: Group, layer: SliceKVState, prompt_length: int):
         super().__init__(None, None, prompt_length=prompt_length)

@@ -83,17 +83,53 @@ class _LatentOwn(LatentOwn):
 
     values_alias = True
 
+    def attend_latent(self, module, query, own, selection, rank, *, q_start, own_start, scale, block):
+        """`LatentOwn.attend_latent` over the prompt's slices on the ranks: multi-query attention with the latents as
+        the one key head and as the values (`CollectiveAttention.attend`), as `latent_attention` runs it locally."""
+        if selection is not None:
+            raise NotImplementedError(f"{type(self).__name__} serves dense latent attention only, not DSA")
+        return self.attend(  # type: ignore[attr-defined]  # the attention branch layer this is mixed into
+            module,
+            query,
+            own,
+            own,
+            q_start=q_start,
+            own_start=own_start,
+            scale=scale,
+            window=None,
+            softcap=None,
+            sinks=None,
+            block=block,
+        )[..., :rank]
+
+
+class _SparseOwn(_LatentOwn):
+    """`_LatentOwn` of a DSA layer (`CollectiveSparseAttention`): the selection and the sparse attention go through the
+    layer's `select_sparse` / `attend_sparse` (capture, replay and sampling each have their own)."""
+
+    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+        return self.select_sparse(  # type: ignore[attr-defined]  # each DSA branch layer below has its own
+            q, weights, scale, own_keys, topk, q_start=q_start, own_start=own_start, block=block
+        )
+
+    def attend_latent(self, module, query, own, selection, rank, *, q_start, own_start, scale, block):
+        if selection is None:
+            return super().attend_latent(
+                module, query, own, None, rank, q_start=q_start, own_start=own_start, scale=scale, block=block
+            )
+        return self.attend_sparse(  # type: ignore[attr-defined]  # each DSA branch layer below has its own
+            query, own, selection, q_start=q_start, own_start=own_start, scale=scale, block=block
+        )[..., :rank]
+
 
 class LatentCaptureBranchLayer(_LatentOwn, CaptureBranchLayer):
     """`CaptureBranchLayer` of an MLA layer: the latents are the slice's keys and values."""
 
 
-class DsaCaptureBranchLayer(LatentCaptureBranchLayer):
+class DsaCaptureBranchLayer(_SparseOwn, LatentCaptureBranchLayer):
     """`LatentCaptureBranchLayer` of a DSA layer: the selection and the sparse attention of this rank's slice, its
     rows `chunk` at a time (every rank steps alike), against the earlier slices collectively (`longstraw.distributed.
     sparse`) and its own keys locally. No gradient: detached capture only."""
-
-    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def steps(self):
         lengths = [e - s for s, e in self.bounds]
@@ -171,11 +207,9 @@ class LatentSampleBranchLayer(_LatentOwn, SampleBranchLayer):
     """`SampleBranchLayer` of an MLA layer."""
 
 
-class DsaReplayBranchLayer(LatentReplayBranchLayer):
+class DsaReplayBranchLayer(_SparseOwn, LatentReplayBranchLayer):
     """`LatentReplayBranchLayer` of a DSA layer: the branch's selection over every slice (merged on its owner) and
     the sparse attention as a collective autograd function (`SparseReplayAttention`)."""
-
-    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         info = self.info
@@ -189,11 +223,9 @@ class DsaReplayBranchLayer(LatentReplayBranchLayer):
         return SparseReplayAttention.apply(query, own, self.info.layer.keys, selection, scale, self.info)
 
 
-class DsaSampleBranchLayer(LatentSampleBranchLayer):
+class DsaSampleBranchLayer(_SparseOwn, LatentSampleBranchLayer):
     """`LatentSampleBranchLayer` of a DSA layer: every rank has all the rows, so the slices' candidates and partials
     are all-gathered and merged alike on every rank."""
-
-    is_collective_sparse = True  # `CollectiveSparseAttention`: `select_sparse`, `attend_sparse`
 
     def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         g = self.group

@@ -40,8 +40,6 @@ class SlidingCaptureBranchLayer(AttentionBranchLayer):
     before its slice, and every rank keeps all tails to assemble the prompt's final window (the durable state, the
     same on every rank) without a further exchange."""
 
-    is_collective = True  # `CollectiveAttention`: `attend`
-
     def __init__(self, group: Group, bounds, layer_idx: int, window: int):
         super().__init__(None, None, prompt_length=bounds[group.rank][0], window=window)
         self.group, self.bounds, self.layer_idx = group, bounds, layer_idx
