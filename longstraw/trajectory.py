@@ -33,16 +33,9 @@ from typing import cast
 import torch
 
 from .branch import Branch, detach_own
-from .hf.cache import BranchCache, snapshot
+from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
-from .kinds import (
-    AttentionBranchLayer,
-    CompressedBranchLayer,
-    LatentBranchLayer,
-    MixerlessBranchLayer,
-    PromptBranchLayer,
-    RecurrentBranchLayer,
-)
+from .kinds import BranchLayer, PromptBranchLayer
 from .ops.logprobs import chunked_logprobs
 from .prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
 
@@ -247,40 +240,31 @@ class _Carry:
 
     @staticmethod
     def serves(cache) -> bool:
-        """Whether every layer of `cache` is a kind the carry holds (attention, latent, recurrent, mixer-less)."""
-        return all(
-            isinstance(layer, (AttentionBranchLayer, LatentBranchLayer, RecurrentBranchLayer, MixerlessBranchLayer))
-            and not isinstance(layer, CompressedBranchLayer)
-            for layer in cache.layers
-        )
+        """Whether every layer of `cache` is one the carry holds (`BranchLayer.carries_segments`)."""
+        return all(layer.carries_segments for layer in _layers(cache))
 
     def __init__(self, cache, total: int):
         self.total = total
-        self.appended: dict[int, tuple] = {}
-        for i, layer in enumerate(cache.layers):  # what each layer's own state grows by (`grown_tensors`)
-            if isinstance(layer, PromptBranchLayer) and layer.grown_tensors:
-                self.appended[i] = layer.grown_tensors
-        self.recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentBranchLayer)]
+        #: what each layer's own state grows by (`grown_tensors`), and the layers with recurrent states
+        self.appended = {i: layer.grown_tensors for i, layer in enumerate(_layers(cache)) if layer.grown_tensors}
+        self.recurrent = [i for i, layer in enumerate(_layers(cache)) if layer.boundary_states() is not None]
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         #: what each appended tensor held before the trajectory (a branch's own tokens; None: nothing), its length
-        #: along the token dimension, and the attention layers' trimmed positions before it
+        #: along the token dimension, and each layer's own positions before it (`segment_offset`)
         self.base: dict[tuple[int, str], torch.Tensor | None] = {}
         self.kept: dict[tuple[int, str], int] = {}
         self.offset: dict[int, int] = {}
-        #: attention layers whose earlier own K/V are read in place as a part of their own (`carried_k`): a segment's
-        #: forward then appends only its own keys, no copy of the trajectory's (latent layers concatenate)
-        self.carried = {
-            i for i, layer in enumerate(cache.layers) if type(layer) is AttentionBranchLayer and i in self.appended
-        }
+        #: layers that read their earlier own tensors in place as a part of their own (`reads_carried_in_place`): a
+        #: segment's forward then appends only its own, no copy of the trajectory's
+        self.carried = {i for i in self.appended if _grown(cache, i).reads_carried_in_place}
         for i, attrs in self.appended.items():
-            layer = cache.layers[i]
-            if isinstance(layer, AttentionBranchLayer):
-                self.offset[i] = layer.own_offset
+            layer = _grown(cache, i)
+            self.offset[i] = layer.segment_offset()
             for name, dim in attrs:
                 t = getattr(layer, name)
                 self.base[(i, name)] = t
                 self.kept[(i, name)] = 0 if t is None else t.shape[dim]
-        self.initial = {i: snapshot(cache.layers[i]) for i in self.recurrent}
+        self.initial = {i: dict(_layers(cache)[i].boundary_states() or {}) for i in self.recurrent}
         self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
 
     @staticmethod
@@ -290,43 +274,20 @@ class _Carry:
     def enter(self, cache: BranchCache, j: int, start: int) -> None:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
         for i, attrs in self.appended.items():
-            layer = cast(PromptBranchLayer, cache.layers[i])  # an attention or latent branch layer (`grown_tensors`)
-            if i in self.carried:
-                attention = cast(AttentionBranchLayer, layer)
-                k = self.kept[(i, "keys")]
-                buf_k, buf_v = self.buffers.get((i, "keys")), self.buffers.get((i, "values"))
-                if start == 0 or buf_k is None or buf_v is None:
-                    attention.carried_k, attention.carried_v = self.base[(i, "keys")], self.base[(i, "values")]
-                else:
-                    attention.carried_k = self._slice(buf_k, -2, 0, k + start)
-                    attention.carried_v = self._slice(buf_v, -2, 0, k + start)
-                attention.carried_start = attention.prompt_length + self.offset[i]
-                attention.trim, attention.keys, attention.values = False, None, None
-                attention.own_offset = self.offset[i] + k + start
-                continue
-            if isinstance(layer, AttentionBranchLayer):
-                layer.trim, layer.own_offset = False, self.offset[i]
+            before = {}
             for name, dim in attrs:
                 key = (i, name)
                 buf = self.buffers.get(key)
-                before = (
+                before[name] = (
                     self.base[key] if start == 0 or buf is None else self._slice(buf, dim, 0, self.kept[key] + start)
                 )
-                setattr(layer, name, before)
-            if layer.values_alias:
-                layer.values = layer.keys
+            _grown(cache, i).enter_segment(before, self.offset[i])
         for i in self.recurrent:
-            layer_r = cast(RecurrentBranchLayer, cache.layers[i])
-            if j == 0:
-                fresh = snapshot(self.initial[i])
-                layer_r.conv_states = dict(fresh.conv_states)
-                layer_r.recurrent_states = dict(fresh.recurrent_states)
-                layer_r.has_previous_state = dict(fresh.has_previous_state)
-                continue
-            for (li, which, idx), leaf in self.boundaries[j].items():
-                if li == i:
-                    _states(layer_r, which)[idx] = leaf
-                    layer_r.has_previous_state[idx] = True
+            if j == 0:  # the states the trajectory started from
+                _layers(cache)[i].load_boundary(self.initial[i], reset=True)
+            else:
+                states = {(which, idx): leaf for (li, which, idx), leaf in self.boundaries[j].items() if li == i}
+                _layers(cache)[i].load_boundary(states)
 
     def leave(
         self, cache: BranchCache, j: int, start: int, end: int, first_pass: bool
@@ -367,23 +328,25 @@ class _Carry:
         if first_pass:
             nxt = {}
             for i in self.recurrent:
-                layer_r = cast(RecurrentBranchLayer, cache.layers[i])
-                for which in ("conv", "recurrent"):
-                    for idx, t in _states(layer_r, which).items():
-                        if t is not None:
-                            nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
+                for (which, idx), t in (_layers(cache)[i].boundary_states() or {}).items():
+                    nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
             self.boundaries.append(nxt)
         else:
             for (i, which, idx), leaf in self.boundaries[j + 1].items():
-                produced = _states(cast(RecurrentBranchLayer, cache.layers[i]), which)[idx]
+                produced = (_layers(cache)[i].boundary_states() or {}).get((which, idx))
                 if leaf.grad is not None and produced is not None and produced.requires_grad:
                     out.append((produced, leaf.grad))
         return out
 
 
-def _states(layer: RecurrentBranchLayer, which: str) -> dict[int, torch.Tensor | None]:
-    """The conv (`which` "conv") or recurrent ("recurrent") states of `layer`, by state index."""
-    return layer.conv_states if which == "conv" else layer.recurrent_states
+def _layers(cache: BranchCache) -> list[BranchLayer]:
+    """The branch layers of `cache` (each a `BranchLayer`: `LayerState.branch()`)."""
+    return cast(list[BranchLayer], cache.layers)
+
+
+def _grown(cache: BranchCache, i: int) -> PromptBranchLayer:
+    """Layer i of `cache`, one whose own tensors grow (`grown_tensors`: an attention or latent branch layer)."""
+    return cast(PromptBranchLayer, cache.layers[i])
 
 
 @dataclass(frozen=True)

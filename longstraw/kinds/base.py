@@ -68,6 +68,26 @@ class BranchLayer(Protocol):
     is_sliding: bool
 
     @property
+    def carries_segments(self) -> bool:
+        """Whether a segmented replay (`longstraw.trajectory`) carries this layer from one segment to the next: through
+        its `grown_tensors`, its `boundary_states` and `enter_segment`; False: a trajectory through it is replayed
+        whole."""
+
+    @property
+    def grown_tensors(self) -> tuple[tuple[str, int], ...]:
+        """The branch's own tensors that grow along a trajectory, (attribute, token dimension): what a segmented
+        replay carries from segment to segment in one buffer each (`PromptBranchLayer.enter_segment` sets them); ()
+        for a layer whose own state does not grow."""
+
+    def boundary_states(self) -> dict[tuple[str, int], torch.Tensor] | None:
+        """The layer's recurrent states now, by ("conv" | "recurrent", state index) (a segmented replay keeps them at
+        each segment boundary); None: a layer without recurrent states."""
+
+    def load_boundary(self, states: dict[tuple[str, int], torch.Tensor], *, reset: bool = False) -> None:
+        """Continue from recurrent `states` (as `boundary_states` gave them): the start of a later segment; `reset`:
+        the states not in `states` unset (the start of the trajectory)."""
+
+    @property
     def is_compileable(self) -> bool:
         """transformers' `Cache.is_compileable`: False for a branch layer (its tensors are rebound as it grows)."""
 
@@ -197,9 +217,32 @@ class PromptBranchLayer(CacheLayerMixin):
     is_sliding: bool = False
     #: whether `values` names the own keys too (one tensor read as keys and as values: context-parallel latents)
     values_alias: bool = False
-    #: the branch's own tensors that grow along a trajectory, (attribute, token dimension): what a segmented replay
-    #: carries from segment to segment (`longstraw.trajectory`)
+    #: `BranchLayer.carries_segments`, `grown_tensors`: what a segmented replay carries (`longstraw.trajectory`)
+    carries_segments: bool = False
     grown_tensors: tuple[tuple[str, int], ...] = ()
+    #: whether a segmented replay's earlier own tensors are read in place as a part before the own
+    #: (`AttentionBranchLayer.carried_k`) rather than set as the own tensors
+    reads_carried_in_place: bool = False
+
+    def boundary_states(self) -> dict[tuple[str, int], torch.Tensor] | None:
+        return None
+
+    def load_boundary(self, states: dict[tuple[str, int], torch.Tensor], *, reset: bool = False) -> None:
+        pass
+
+    def segment_offset(self) -> int:
+        """Own positions before the first of the own tensors a segmented replay carries (trimmed ones), when it
+        starts carrying them."""
+        return 0
+
+    def enter_segment(self, before: dict[str, torch.Tensor | None], offset: int) -> None:
+        """Set the layer up to run a segment of a trajectory whose earlier own tensors are `before` (each of
+        `grown_tensors` → the carried positions so far, None: none), `offset` (`segment_offset`) own positions before
+        them."""
+        for name, t in before.items():
+            setattr(self, name, t)
+        if self.values_alias:
+            self.values = self.keys
 
     @property
     def own_length(self) -> int:

@@ -130,7 +130,10 @@ class Stream:
 
 class CompressedBranchLayer(AttentionBranchLayer):
     """Branch cache layer of a CSA / HCA layer: the sliding part of `AttentionBranchLayer` (K = V) plus the
-    compressed `streams` (name → `Stream`: "compressor", and "indexer" for CSA)."""
+    compressed `streams` (name → `Stream`: "compressor", and "indexer" for CSA). A segmented replay does not carry
+    the streams: a trajectory through it is replayed whole."""
+
+    carries_segments = False
 
     def __init__(self, prompt_k, prompt_length: int, prompt_start: int, window: int, streams: dict):
         super().__init__(prompt_k, prompt_k, prompt_length, prompt_start, window)

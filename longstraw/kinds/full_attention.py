@@ -100,6 +100,7 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     is_sliding = False
     is_croppable = False
+    carries_segments = True
     grown_tensors = (("keys", -2), ("values", -2))
     #: sliding-window attention: keys after (query position − window) only; None: every earlier key
     window: int | None = None
@@ -149,6 +150,26 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
+
+    @property
+    def reads_carried_in_place(self) -> bool:  # type: ignore[override]  # a class attribute on the base
+        """This class reads a segmented replay's earlier own K/V in place (`carried_k`); its subclasses (hybrid,
+        compressed, context parallel) hold them as their own `keys` / `values`."""
+        return type(self) is AttentionBranchLayer
+
+    def segment_offset(self) -> int:
+        return self.own_offset
+
+    def enter_segment(self, before: dict[str, torch.Tensor | None], offset: int) -> None:
+        self.trim = False
+        if not self.reads_carried_in_place:
+            self.own_offset = offset
+            return super().enter_segment(before, offset)
+        # the earlier own K/V read in place, from position `carried_start`: this segment's forward appends its own only
+        self.carried_k, self.carried_v = before["keys"], before["values"]
+        self.carried_start = self.prompt_length + offset
+        self.keys = self.values = None
+        self.own_offset = offset + (0 if self.carried_k is None else self.carried_k.shape[-2])
 
     def attend(
         self,

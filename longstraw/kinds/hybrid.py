@@ -24,6 +24,10 @@ class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):  # type: ig
         vars(self).update(vars(recurrent))
         vars(self).update(vars(attention))
 
+    # the SSM side's recurrent states at a segmented replay's boundaries (the attention side's own K/V grow)
+    boundary_states = RecurrentBranchLayer.boundary_states
+    load_boundary = RecurrentBranchLayer.load_boundary
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         AttentionBranchLayer.batch_select_indices(self, indices)
         RecurrentBranchLayer.batch_select_indices(self, indices)

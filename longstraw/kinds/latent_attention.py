@@ -127,6 +127,7 @@ class LatentBranchLayer(LatentOwn, PromptBranchLayer):
     is_sliding = False
     is_croppable = False
     window = None
+    carries_segments = True
     grown_tensors = (("keys", -2), ("index_keys", 1))  # own latents `[B, 1, T, r + dr]`, indexer keys `[B, T, Di]`
 
     def __init__(self, prompt, prompt_index, prompt_length: int):

@@ -24,6 +24,9 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
     """transformers linear-attention cache layer of one branch, starting from captured states (a `BranchLayer`)."""
 
     is_sliding = False
+    #: a segmented replay carries the states at each segment boundary (`boundary_states`); nothing grows
+    carries_segments = True
+    grown_tensors: tuple[tuple[str, int], ...] = ()
 
     def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int, conv_trim: int = 0):
         LinearAttentionCacheLayerMixin.__init__(self, number_of_states=number_of_states)
@@ -74,6 +77,26 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
         self.recurrent_states[state_idx] = recurrent_states
         self.has_previous_state[state_idx] = True
         return recurrent_states
+
+    def boundary_states(self) -> dict[tuple[str, int], torch.Tensor]:
+        """The conv and recurrent states now, by ("conv" | "recurrent", state index) (those set only)."""
+        out = {}
+        for which, states in (("conv", self.conv_states), ("recurrent", self.recurrent_states)):
+            for idx, t in states.items():
+                if t is not None:
+                    out[(which, idx)] = t
+        return out
+
+    def load_boundary(self, states: dict[tuple[str, int], torch.Tensor], *, reset: bool = False) -> None:
+        """Continue from `states` (as `boundary_states` gave them, e.g. leaves of a segmented replay's boundary);
+        `reset`: the states not in `states` are unset (the layer as it was when `boundary_states` gave them)."""
+        if reset:
+            for idx in self.has_previous_state:
+                self.conv_states[idx] = self.recurrent_states[idx] = None
+                self.has_previous_state[idx] = False
+        for (which, idx), t in states.items():
+            (self.conv_states if which == "conv" else self.recurrent_states)[idx] = t
+            self.has_previous_state[idx] = True
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices`; states still of batch 1 (shared, expanded) stay as they are."""

@@ -16,6 +16,14 @@ class MixerlessBranchLayer:
 
     is_compileable = False
     is_sliding = False
+    carries_segments = True  # nothing to carry
+    grown_tensors = ()
+
+    def boundary_states(self) -> None:
+        return None
+
+    def load_boundary(self, states, *, reset: bool = False) -> None:
+        pass
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         pass
