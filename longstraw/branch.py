@@ -41,8 +41,7 @@ import torch
 from .hf.cache import BranchCache, snapshot
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts
-from .kinds import AttentionBranchLayer
-from .kinds.base import BranchLayer
+from .kinds.base import BranchLayer, branch_layers
 from .model.positions import check_positions, positions_left
 from .sampler import (
     Replay,
@@ -93,9 +92,8 @@ class Branch:
         self.parts = state.parts
         self.chunk_size = chunk_size or state.chunk_size
         self._own: BranchCache | None = state.branch_cache(1)
-        for layer in self._own.layers:  # sliding-window layers keep only the own K/V later tokens can read
-            if isinstance(layer, AttentionBranchLayer):
-                layer.trim = True
+        for layer in branch_layers(self._own):  # sliding-window layers keep only the own K/V later tokens can read
+            layer.start_decoding()
         self.last_token = state.last_token.clone()
         self.length = state.prompt_length
         self.added = 0

@@ -5,7 +5,7 @@ Branches of one captured prompt grow apart: the rows of a step that share a docu
 (`longstraw.agent`). Decoding them one branch after another reads the model's weights and the prompt's K/V once per
 branch and token; `sample_branches` decodes them in one batch, reading both once per token for all of them.
 
-The branches' caches are stacked layer by layer (`stack_layers`): attention layers hold the rows' own K/V
+The branches' caches are stacked layer by layer (each layer's `stack_rows`): attention layers hold the rows' own K/V
 right-aligned with per-row padding (`AttentionBranchLayer.row_pad`) and attend through
 `longstraw.ops.ragged_attention` (the prompt part read once for the batch); recurrent layers (linear attention, SSMs,
 short convolutions) stack their per-row states; layers without a mixer have nothing to stack. Every row keeps its own
@@ -14,7 +14,7 @@ branches and a model whose attention reads its positions from the cache (Llama 4
 stacked: `stackable` says so, and `sample_branches` then decodes the branches one after another.
 
 `keep=True` (one sequence per branch, an agent's turn): each row's state is taken back out of the batch when it
-leaves it (`take_row`), so the sampled turn becomes part of its branch exactly as `Branch.sample` leaves it.
+leaves it (`BranchLayer.take_row`), so the sampled turn becomes part of its branch exactly as `Branch.sample` leaves it.
 
 Memory: the branches' own states stacked in one buffer (padded to the longest) with room for the turn, where each
 sampled token is written in place; the prompt state is read, never copied. With `keep=True` the branches hand their
@@ -32,9 +32,8 @@ from typing import Protocol
 
 import torch
 
-from .hf.cache import BranchCache, snapshot
-from .kinds import AttentionBranchLayer, HybridBranchLayer, MixerlessBranchLayer, RecurrentBranchLayer
-from .kinds.full_attention import Room, room_for
+from .hf.cache import BranchCache
+from .kinds import branch_layers
 from .model.positions import positions_left
 from .sampler import Decodable, Samples, SamplingOptions, check_generator, decode, sample
 
@@ -57,18 +56,6 @@ def _growing(b: Decodable) -> Growing:
     return b  # type: ignore[return-value]  # checked above
 
 
-def _attention_ok(layer) -> bool:
-    return layer.carried_k is None
-
-
-def layer_stackable(layer) -> bool:
-    """Whether `stack_layers` can batch this branch layer with others of its kind."""
-    kind = type(layer)
-    if kind in (AttentionBranchLayer, HybridBranchLayer):
-        return _attention_ok(layer)
-    return kind in (RecurrentBranchLayer, MixerlessBranchLayer)
-
-
 def stackable(branches: Sequence[Decodable]) -> bool:
     """Whether `sample_branches` decodes `branches` in one batch: one prompt state, on one process, and every layer of
     a kind `stack_layers` serves."""
@@ -80,7 +67,7 @@ def stackable(branches: Sequence[Decodable]) -> bool:
     if _reads_position_from_cache(state.parts.decoder):
         return False
     probe = branches[0].branch_cache(1)
-    return all(layer_stackable(layer) for layer in probe.layers)
+    return all(layer.stackable() for layer in branch_layers(probe))
 
 
 #: per decoder, whether it reads positions from the cache (a module walk once per model, not per decode)
@@ -104,119 +91,11 @@ def _prompt(b: Decodable) -> Decodable:
     return getattr(b, "state", b)  # a Branch's prompt state, or the prompt state itself
 
 
-def _cat_states(states: list[dict], name: str) -> dict:
-    """Per state index, the rows' states concatenated along the batch (None where every row has none)."""
-    out: dict[int, torch.Tensor | None] = {}
-    for i in states[0]:
-        parts = [s[i] for s in states]
-        if all(p is None for p in parts):
-            out[i] = None
-        elif any(p is None for p in parts):
-            raise ValueError(f"the branches' {name} {i} is set in some rows and not in others")
-        else:
-            out[i] = torch.cat(parts)
-    return out
-
-
-def stack_layers(layers: list, rows: Sequence[int], room: int = 0) -> object:
+def stack_layers(layers: list, rows: Sequence[int], room: int = 0):
     """One branch layer over the rows of `layers` (the same decoder layer of several branch caches, `rows[i]` rows
-    each): own K/V right-aligned and padded (`row_pad`, `row_offset`) in one buffer with `room` more columns (at most
-    `room_for`) that the batch's decoding writes in place (`longstraw.kinds.full_attention.Room`), recurrent states
-    concatenated."""
-    first = layers[0]
-    if isinstance(first, MixerlessBranchLayer):
-        return first
-    new = snapshot(first)
-    if isinstance(first, RecurrentBranchLayer):  # a hybrid layer is both
-        for name in ("conv_states", "recurrent_states"):
-            setattr(new, name, _cat_states([getattr(layer, name) for layer in layers], name))
-        new.has_previous_state = dict(first.has_previous_state)
-    if isinstance(first, AttentionBranchLayer):
-        if any(not _same_part(layer.prompt_k, first.prompt_k) for layer in layers):
-            raise ValueError("stack_layers: the branches read different prompt states")
-        width = max(_own_width(layer) for layer in layers)
-        like = next((layer for layer in layers if layer.keys is not None), None)
-        pads, offsets = [], []
-        for layer, n in zip(layers, rows):
-            pads += [width - _own_width(layer)] * n
-            offsets += [layer.own_offset] * n
-        new.keys = new.values = new.room = None
-        if like is not None:
-            buffer = Room.allocate(like.keys, like.values, sum(rows), width + room_for(width, room), width, new)
-            keys, values = buffer.keys, buffer.values
-            r = 0
-            for layer, n in zip(layers, rows):  # each branch's own K/V copied once, into its rows
-                own = _own_width(layer)
-                keys[r : r + n, :, : width - own].zero_()  # padding: masked, but finite
-                values[r : r + n, :, : width - own].zero_()
-                if own:
-                    keys[r : r + n, :, width - own : width].copy_(layer.keys)  # batch 1 or n rows
-                    values[r : r + n, :, width - own : width].copy_(layer.values)
-                r += n
-            new.keys, new.values = keys[:, :, :width], values[:, :, :width]
-            new.room = buffer
-        new.row_pad, new.row_offset, new.row_layout = pads, offsets, None
-    return new
-
-
-def _same_part(a, b) -> bool:
-    """Whether two prompt parts are the same keys (views of one state's buffer are made per branch)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-    return a is b
-
-
-def _own_width(layer) -> int:
-    return 0 if layer.keys is None else layer.keys.shape[-2]
-
-
-def take_row(layer, j: int, room: int | None = None):
-    """Row `j` of a stacked branch layer as a branch layer of its own (batch 1): the inverse of `stack_layers`. Its own
-    K/V are views of the batch's (`room` None) or a copy with `room` columns to grow into in place."""
-    if isinstance(layer, MixerlessBranchLayer):
-        return layer
-    new = snapshot(layer)
-    if isinstance(layer, RecurrentBranchLayer):
-        for name in ("conv_states", "recurrent_states"):
-            states = getattr(layer, name)
-            setattr(new, name, {i: None if t is None else t[j : j + 1] for i, t in states.items()})
-        new.has_previous_state = dict(layer.has_previous_state)
-    if isinstance(layer, AttentionBranchLayer):
-        new.room = None
-        if layer.row_pad is not None and layer.row_offset is not None:
-            p = layer.row_pad[j]
-            if layer.keys is not None and layer.values is not None:
-                new.keys, new.values = layer.keys[j : j + 1, :, p:], layer.values[j : j + 1, :, p:]
-                if new.keys.shape[-2] == 0:
-                    new.keys = new.values = None
-            new.own_offset = layer.row_offset[j]
-        elif layer.keys is not None and layer.values is not None:
-            new.keys, new.values = layer.keys[j : j + 1], layer.values[j : j + 1]
-        new.row_pad = new.row_offset = new.row_layout = None
-        if room is not None and new.keys is not None and new.values is not None:
-            n = new.keys.shape[-2]
-            own = Room.allocate(new.keys, new.values, 1, n + room, n, new)
-            own.keys[:, :, :n].copy_(new.keys)
-            own.values[:, :, :n].copy_(new.values)
-            new.keys, new.values, new.room = own.keys[:, :, :n], own.values[:, :, :n], own
-    return new
-
-
-def split_rows(layer, rows: Sequence[int]) -> list:
-    """Rows `rows` of a stacked branch layer as branch layers of their own (`take_row`), views of the batch's buffer,
-    each the only writer of its row's room after its keys (`Room`): when the batch is done (every row leaves at
-    once), each branch grows on in place in its row. The stacked layer stops writing its room."""
-    out = [take_row(layer, j) for j in rows]
-    room = getattr(layer, "room", None)
-    if not isinstance(layer, AttentionBranchLayer) or room is None or layer.keys is None or layer.values is None:
-        return out
-    if room.start(layer, layer.keys, layer.values) is None:
-        return out
-    layer.room = None
-    for j, row in zip(rows, out):
-        if row.keys is not None:
-            row.room = Room(room.keys[j : j + 1], room.values[j : j + 1], room.used, weakref.ref(row))
-    return out
+    each), with `room` more columns where it grows: the layer's own `stack_rows` (attention: own K/V right-aligned and
+    padded in one buffer; recurrent: states concatenated)."""
+    return layers[0].stack_rows(layers, rows, room)
 
 
 @torch.no_grad()
@@ -292,8 +171,7 @@ def sample_branches(
         for own in per_branch:  # the batch holds this layer now: the branch's copy goes before the next is stacked
             own[i] = None
     for layer in layers:  # sliding-window layers keep only the own K/V later steps can read
-        if isinstance(layer, AttentionBranchLayer):
-            layer.trim = True
+        layer.start_decoding()
     cache = BranchCache(layers, block=block)
     row_of = [i for i, k in enumerate(counts) for _ in range(k)]
     step_input = torch.cat([b.last_token.expand(k) for b, k in zip(branches, counts)])[:, None]
@@ -304,15 +182,15 @@ def sample_branches(
 
     def leave(rows: torch.Tensor, local: torch.Tensor) -> None:
         """Rows leaving the batch take their state out of it: the last ones keep their rows of the batch's buffer
-        (`split_rows`), earlier ones a copy of theirs (the batch moves its remaining rows over theirs)."""
+        (`BranchLayer.split_rows`), earlier ones a copy of theirs (the batch moves its remaining rows over theirs)."""
         js = local.tolist()
         if len(js) == decoding[0]:
-            parts = [split_rows(layer, js) for layer in cache.layers]
+            parts = [layer.split_rows(js) for layer in branch_layers(cache)]
             for n, r in enumerate(rows.tolist()):
                 taken[r] = [part[n] for part in parts]
         else:
             for r, j in zip(rows.tolist(), js):
-                taken[r] = [take_row(layer, j, room=after) for layer in cache.layers]
+                taken[r] = [layer.take_row(j, room=after) for layer in branch_layers(cache)]
         decoding[0] -= len(js)
 
     out = decode(

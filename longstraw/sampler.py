@@ -24,7 +24,7 @@ import torch
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
 from .hf.parts import ModelParts
-from .kinds import AttentionBranchLayer
+from .kinds import branch_layers
 from .model.positions import check_positions
 from .ops.logprobs import chunked_logprobs
 
@@ -221,9 +221,8 @@ def sample(
     device = state.last_token.device
     check_generator(generator, device)
     cache = state.branch_cache(num)
-    for layer in cache.layers:  # sliding-window layers keep only the own K/V later steps can read
-        if isinstance(layer, AttentionBranchLayer):
-            layer.trim = True
+    for layer in branch_layers(cache):  # sliding-window layers keep only the own K/V later steps can read
+        layer.start_decoding()
     step_input = state.last_token.expand(num)[:, None]
     start = state.prompt_length - 1
     if prefix_ids is not None and len(prefix_ids) > 0:

@@ -35,7 +35,7 @@ import torch
 from .branch import Branch, detach_own
 from .hf.cache import BranchCache
 from .hf.decoder import run_decoder
-from .kinds import BranchLayer, PromptBranchLayer
+from .kinds import PromptBranchLayer, branch_layers
 from .ops.logprobs import chunked_logprobs
 from .prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
 
@@ -241,13 +241,13 @@ class _Carry:
     @staticmethod
     def serves(cache) -> bool:
         """Whether every layer of `cache` is one the carry holds (`BranchLayer.carries_segments`)."""
-        return all(layer.carries_segments for layer in _layers(cache))
+        return all(layer.carries_segments for layer in branch_layers(cache))
 
     def __init__(self, cache, total: int):
         self.total = total
         #: what each layer's own state grows by (`grown_tensors`), and the layers with recurrent states
-        self.appended = {i: layer.grown_tensors for i, layer in enumerate(_layers(cache)) if layer.grown_tensors}
-        self.recurrent = [i for i, layer in enumerate(_layers(cache)) if layer.boundary_states() is not None]
+        self.appended = {i: layer.grown_tensors for i, layer in enumerate(branch_layers(cache)) if layer.grown_tensors}
+        self.recurrent = [i for i, layer in enumerate(branch_layers(cache)) if layer.boundary_states() is not None]
         self.buffers: dict[tuple[int, str], torch.Tensor] = {}
         #: what each appended tensor held before the trajectory (a branch's own tokens; None: nothing), its length
         #: along the token dimension, and each layer's own positions before it (`segment_offset`)
@@ -264,7 +264,7 @@ class _Carry:
                 t = getattr(layer, name)
                 self.base[(i, name)] = t
                 self.kept[(i, name)] = 0 if t is None else t.shape[dim]
-        self.initial = {i: dict(_layers(cache)[i].boundary_states() or {}) for i in self.recurrent}
+        self.initial = {i: dict(branch_layers(cache)[i].boundary_states() or {}) for i in self.recurrent}
         self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
 
     @staticmethod
@@ -284,10 +284,10 @@ class _Carry:
             _grown(cache, i).enter_segment(before, self.offset[i])
         for i in self.recurrent:
             if j == 0:  # the states the trajectory started from
-                _layers(cache)[i].load_boundary(self.initial[i], reset=True)
+                branch_layers(cache)[i].load_boundary(self.initial[i], reset=True)
             else:
                 states = {(which, idx): leaf for (li, which, idx), leaf in self.boundaries[j].items() if li == i}
-                _layers(cache)[i].load_boundary(states)
+                branch_layers(cache)[i].load_boundary(states)
 
     def leave(
         self, cache: BranchCache, j: int, start: int, end: int, first_pass: bool
@@ -328,20 +328,15 @@ class _Carry:
         if first_pass:
             nxt = {}
             for i in self.recurrent:
-                for (which, idx), t in (_layers(cache)[i].boundary_states() or {}).items():
+                for (which, idx), t in (branch_layers(cache)[i].boundary_states() or {}).items():
                     nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
             self.boundaries.append(nxt)
         else:
             for (i, which, idx), leaf in self.boundaries[j + 1].items():
-                produced = (_layers(cache)[i].boundary_states() or {}).get((which, idx))
+                produced = (branch_layers(cache)[i].boundary_states() or {}).get((which, idx))
                 if leaf.grad is not None and produced is not None and produced.requires_grad:
                     out.append((produced, leaf.grad))
         return out
-
-
-def _layers(cache: BranchCache) -> list[BranchLayer]:
-    """The branch layers of `cache` (each a `BranchLayer`: `LayerState.branch()`)."""
-    return cast(list[BranchLayer], cache.layers)
 
 
 def _grown(cache: BranchCache, i: int) -> PromptBranchLayer:

@@ -19,7 +19,8 @@ across the ranks in the context-parallel layers, which override them (no flags, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from transformers import PreTrainedConfig
@@ -87,6 +88,25 @@ class BranchLayer(Protocol):
         """Continue from recurrent `states` (as `boundary_states` gave them): the start of a later segment; `reset`:
         the states not in `states` unset (the start of the trajectory)."""
 
+    def start_decoding(self) -> None:
+        """Decoding (sampling) from here on: a sliding-window layer keeps only the own K/V later tokens can read."""
+
+    def stackable(self) -> bool:
+        """Whether a ragged decode batch (`longstraw.ragged`) can stack this layer with the same layer of other
+        branches (`stack_rows`); False: those branches decode one after another."""
+
+    def stack_rows(self, layers: list, rows: Sequence[int], room: int = 0) -> BranchLayer:
+        """One branch layer over the rows of `layers` (this one first: the same decoder layer of several branch
+        caches, `rows[i]` rows each), with `room` more columns where it grows (a ragged decode batch)."""
+
+    def take_row(self, j: int, room: int | None = None) -> BranchLayer:
+        """Row `j` of a stacked layer as a branch layer of its own (batch 1): the inverse of `stack_rows`; `room`:
+        columns to grow into in place (None: views of the batch's tensors)."""
+
+    def split_rows(self, rows: Sequence[int]) -> list:
+        """Rows `rows` of a stacked layer as branch layers of their own, each growing on in its row of the batch's
+        buffers where the layer has any (`take_row` otherwise)."""
+
     @property
     def is_compileable(self) -> bool:
         """transformers' `Cache.is_compileable`: False for a branch layer (its tensors are rebound as it grows)."""
@@ -103,6 +123,12 @@ class BranchLayer(Protocol):
 
     def get_max_length(self) -> int:
         """-1: no maximum length (transformers' `CacheLayerMixin.get_max_length`)."""
+
+
+def branch_layers(cache) -> list[BranchLayer]:
+    """The layers of a `longstraw.hf.cache.BranchCache`, as what they are: `BranchLayer`s (`LayerState.branch()`;
+    transformers types them as its own cache layers)."""
+    return cast(list[BranchLayer], cache.layers)
 
 
 @runtime_checkable
@@ -229,6 +255,21 @@ class PromptBranchLayer(CacheLayerMixin):
 
     def load_boundary(self, states: dict[tuple[str, int], torch.Tensor], *, reset: bool = False) -> None:
         pass
+
+    def start_decoding(self) -> None:
+        pass
+
+    def stackable(self) -> bool:
+        return False
+
+    def stack_rows(self, layers: list, rows: Sequence[int], room: int = 0) -> BranchLayer:
+        raise NotImplementedError(f"{type(self).__name__} is not stacked in a ragged batch")
+
+    def take_row(self, j: int, room: int | None = None) -> BranchLayer:
+        raise NotImplementedError(f"{type(self).__name__} is not stacked in a ragged batch")
+
+    def split_rows(self, rows: Sequence[int]) -> list:
+        return [self.take_row(j) for j in rows]
 
     def segment_offset(self) -> int:
         """Own positions before the first of the own tensors a segmented replay carries (trimmed ones), when it

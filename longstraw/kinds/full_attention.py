@@ -13,10 +13,12 @@ each new token in place; with autograd (replay) or nothing reserved it concatena
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..hf.cache import snapshot
 from ..ops.attention import split_attention
 from ..ops.quant import QuantizedTokens, host_or_device
 from ..ops.ragged_attention import ragged_attention
@@ -41,7 +43,7 @@ class Room:
     room for more. Only `writer` (the layer that made it, held weakly) writes into it, and only while its keys are a
     view of it that ends at `used` (its first rows, from some column): copies of the layer (`snapshot`, a fork) and
     views handed out earlier never see columns written after them. A ragged batch's rows can each get a room of their
-    own over the batch's buffer (`longstraw.ragged.split_rows`: disjoint rows, one writer each)."""
+    own over the batch's buffer (`AttentionBranchLayer.split_rows`: disjoint rows, one writer each)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -75,6 +77,17 @@ class Room:
         return self.start(layer, keys, values)
 
 
+def _same_part(a, b) -> bool:
+    """Whether two prompt parts are the same keys (views of one state's buffer are made per branch)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return a is b
+
+
+def _own_width(layer) -> int:
+    return 0 if layer.keys is None else layer.keys.shape[-2]
+
+
 def _column(buffer: torch.Tensor, view: torch.Tensor) -> int | None:
     """Where `view` `[b ≤ B, H, c, D]` starts in `buffer` `[B, H, C, D]`, when it is `buffer[:b, :, s:s+c]`: s."""
     if view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
@@ -101,6 +114,9 @@ class AttentionBranchLayer(PromptBranchLayer):
     is_sliding = False
     is_croppable = False
     carries_segments = True
+    #: a ragged decode batch stacks this class and the subclasses that say so in their own body (`stackable`: the
+    #: hybrid layer); the others (compressed, context parallel) hold more than the own K/V it stacks
+    stacks_rows = True
     grown_tensors = (("keys", -2), ("values", -2))
     #: sliding-window attention: keys after (query position − window) only; None: every earlier key
     window: int | None = None
@@ -150,6 +166,89 @@ class AttentionBranchLayer(PromptBranchLayer):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
+
+    def start_decoding(self) -> None:
+        self.trim = True
+
+    def stackable(self) -> bool:
+        return bool(vars(type(self)).get("stacks_rows", False)) and self.carried_k is None
+
+    def stack_rows(self, layers: list, rows: Sequence[int], room: int = 0) -> AttentionBranchLayer:
+        """`BranchLayer.stack_rows`: the own K/V right-aligned and padded (`row_pad`, `row_offset`) in one buffer with
+        `room` more columns (at most `room_for`) that the batch's decoding writes in place (`Room`)."""
+        new = snapshot(self)
+        self.stack_kv(new, layers, rows, room)
+        return new
+
+    def stack_kv(self, new: AttentionBranchLayer, layers: list, rows: Sequence[int], room: int) -> None:
+        """Set `new` (a copy of this layer) to the stacked own K/V of `layers` (see `stack_rows`)."""
+        if any(not _same_part(layer.prompt_k, self.prompt_k) for layer in layers):
+            raise ValueError("stack_rows: the branches read different prompt states")
+        width = max(_own_width(layer) for layer in layers)
+        like = next((layer for layer in layers if layer.keys is not None), None)
+        pads, offsets = [], []
+        for layer, n in zip(layers, rows):
+            pads += [width - _own_width(layer)] * n
+            offsets += [layer.own_offset] * n
+        new.keys = new.values = new.room = None
+        if like is not None:
+            buffer = Room.allocate(like.keys, like.values, sum(rows), width + room_for(width, room), width, new)
+            keys, values = buffer.keys, buffer.values
+            r = 0
+            for layer, n in zip(layers, rows):  # each branch's own K/V copied once, into its rows
+                own = _own_width(layer)
+                keys[r : r + n, :, : width - own].zero_()  # padding: masked, but finite
+                values[r : r + n, :, : width - own].zero_()
+                if own:
+                    keys[r : r + n, :, width - own : width].copy_(layer.keys)  # batch 1 or n rows
+                    values[r : r + n, :, width - own : width].copy_(layer.values)
+                r += n
+            new.keys, new.values = keys[:, :, :width], values[:, :, :width]
+            new.room = buffer
+        new.row_pad, new.row_offset, new.row_layout = pads, offsets, None
+
+    def take_row(self, j: int, room: int | None = None) -> AttentionBranchLayer:
+        """`BranchLayer.take_row`: row j's own K/V, views of the batch's (`room` None) or a copy with `room` columns
+        to grow into in place."""
+        new = snapshot(self)
+        self.take_kv(new, j, room)
+        return new
+
+    def take_kv(self, new: AttentionBranchLayer, j: int, room: int | None) -> None:
+        """Set `new` (a copy of this stacked layer) to row j's own K/V (see `take_row`)."""
+        new.room = None
+        if self.row_pad is not None and self.row_offset is not None:
+            p = self.row_pad[j]
+            if self.keys is not None and self.values is not None:
+                new.keys, new.values = self.keys[j : j + 1, :, p:], self.values[j : j + 1, :, p:]
+                if new.keys.shape[-2] == 0:
+                    new.keys = new.values = None
+            new.own_offset = self.row_offset[j]
+        elif self.keys is not None and self.values is not None:
+            new.keys, new.values = self.keys[j : j + 1], self.values[j : j + 1]
+        new.row_pad = new.row_offset = new.row_layout = None
+        if room is not None and new.keys is not None and new.values is not None:
+            n = new.keys.shape[-2]
+            own = Room.allocate(new.keys, new.values, 1, n + room, n, new)
+            own.keys[:, :, :n].copy_(new.keys)
+            own.values[:, :, :n].copy_(new.values)
+            new.keys, new.values, new.room = own.keys[:, :, :n], own.values[:, :, :n], own
+
+    def split_rows(self, rows: Sequence[int]) -> list:
+        """`BranchLayer.split_rows`: views of the batch's buffer, each the only writer of its row's room after its keys
+        (`Room`): when the batch is done (every row leaves at once), each branch grows on in place in its row. This
+        layer stops writing its room."""
+        out = [self.take_row(j) for j in rows]
+        room = self.room
+        if room is None or self.keys is None or self.values is None:
+            return out
+        if room.start(self, self.keys, self.values) is None:
+            return out
+        self.room = None
+        for j, row in zip(rows, out):
+            if row.keys is not None:
+                row.room = Room(room.keys[j : j + 1], room.values[j : j + 1], room.used, weakref.ref(row))
+        return out
 
     @property
     def reads_carried_in_place(self) -> bool:  # type: ignore[override]  # a class attribute on the base
@@ -212,7 +311,7 @@ class AttentionBranchLayer(PromptBranchLayer):
         keys, values = self._append(key_states, value_states)
         self.keys, self.values = keys, values
         if self.row_pad is not None:
-            assert self.row_offset is not None  # set together (`longstraw.ragged.stack_layers`)
+            assert self.row_offset is not None  # set together (`stack_rows`)
             self.row_layout = (self.row_pad, self.row_offset)
         if self.trim and self.window is not None:
             # later queries see keys after (their position − window): the last window − 1 are all they read
@@ -259,7 +358,7 @@ class AttentionBranchLayer(PromptBranchLayer):
         """Keep the branch rows `indices` (sequences still decoding); the shared prompt part is untouched. A ragged
         batch also drops the padding columns no remaining row needs. A layer writing a room (`Room`) moves the rows
         it keeps to its first rows in place (no copy of the batch); rows that leave must be taken out before
-        (`longstraw.ragged.take_row`)."""
+        (`take_row`)."""
         if self.keys is not None:
             assert self.values is not None  # appended with the keys
             start = (

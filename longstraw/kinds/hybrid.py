@@ -9,8 +9,11 @@ per prompt token) plus the conv window and SSM state (O(1) in P).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from ..hf.cache import snapshot
 from .base import LayerState, grown_bytes, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
 from .linear_attention import RecurrentBranchLayer, RecurrentState, mamba2_bytes
@@ -27,6 +30,19 @@ class HybridBranchLayer(AttentionBranchLayer, RecurrentBranchLayer):  # type: ig
     # the SSM side's recurrent states at a segmented replay's boundaries (the attention side's own K/V grow)
     boundary_states = RecurrentBranchLayer.boundary_states
     load_boundary = RecurrentBranchLayer.load_boundary
+    stacks_rows = True  # both sides stacked in a ragged batch
+
+    def stack_rows(self, layers: list, rows: Sequence[int], room: int = 0) -> HybridBranchLayer:
+        new = snapshot(self)
+        self.stack_states(new, layers)
+        self.stack_kv(new, layers, rows, room)
+        return new
+
+    def take_row(self, j: int, room: int | None = None) -> HybridBranchLayer:
+        new = snapshot(self)
+        self.take_states(new, j)
+        self.take_kv(new, j, room)
+        return new
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         AttentionBranchLayer.batch_select_indices(self, indices)

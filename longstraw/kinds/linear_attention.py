@@ -13,10 +13,13 @@ conv path (`update_conv_state` + `causal_conv1d_fn`) instead of the in-place sin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from ..hf.cache import snapshot
 from .base import LayerState, register_layer_kind, repeat_rows
 
 
@@ -27,6 +30,8 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
     #: a segmented replay carries the states at each segment boundary (`boundary_states`); nothing grows
     carries_segments = True
     grown_tensors: tuple[tuple[str, int], ...] = ()
+    #: a ragged decode batch stacks this class's states (`stackable`: subclasses say so in their own body)
+    stacks_rows = True
 
     def __init__(self, conv_states: dict, recurrent_states: dict, number_of_states: int, conv_trim: int = 0):
         LinearAttentionCacheLayerMixin.__init__(self, number_of_states=number_of_states)
@@ -98,6 +103,40 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
             (self.conv_states if which == "conv" else self.recurrent_states)[idx] = t
             self.has_previous_state[idx] = True
 
+    def start_decoding(self) -> None:
+        pass
+
+    def stackable(self) -> bool:
+        return bool(vars(type(self)).get("stacks_rows", False))
+
+    def stack_rows(self, layers: list, rows: Sequence[int], room: int = 0) -> RecurrentBranchLayer:
+        """`BranchLayer.stack_rows`: the rows' states concatenated along the batch."""
+        new = snapshot(self)
+        self.stack_states(new, layers)
+        return new
+
+    def stack_states(self, new: RecurrentBranchLayer, layers: list) -> None:
+        """Set `new` (a copy of this layer) to the states of `layers` concatenated (see `stack_rows`)."""
+        for name in ("conv_states", "recurrent_states"):
+            setattr(new, name, _cat_states([getattr(layer, name) for layer in layers], name))
+        new.has_previous_state = dict(self.has_previous_state)
+
+    def take_row(self, j: int, room: int | None = None) -> RecurrentBranchLayer:
+        """`BranchLayer.take_row`: row j's states (views)."""
+        new = snapshot(self)
+        self.take_states(new, j)
+        return new
+
+    def take_states(self, new: RecurrentBranchLayer, j: int) -> None:
+        """Set `new` (a copy of this stacked layer) to row j's states."""
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(self, name)
+            setattr(new, name, {i: None if t is None else t[j : j + 1] for i, t in states.items()})
+        new.has_previous_state = dict(self.has_previous_state)
+
+    def split_rows(self, rows: Sequence[int]) -> list:
+        return [self.take_row(j) for j in rows]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the branch rows `indices`; states still of batch 1 (shared, expanded) stay as they are."""
         for states in (self.conv_states, self.recurrent_states):
@@ -120,6 +159,20 @@ class RecurrentBranchLayer(LinearAttentionCacheLayerMixin):
 
     def crop(self, tokens_to_remove: int):
         raise NotImplementedError("longstraw branch layers are not croppable; start a new branch instead")
+
+
+def _cat_states(states: list[dict], name: str) -> dict:
+    """Per state index, the rows' states concatenated along the batch (None where every row has none)."""
+    out: dict[int, torch.Tensor | None] = {}
+    for i in states[0]:
+        parts = [s[i] for s in states]
+        if all(p is None for p in parts):
+            out[i] = None
+        elif any(p is None for p in parts):
+            raise ValueError(f"the branches' {name} {i} is set in some rows and not in others")
+        else:
+            out[i] = torch.cat(parts)
+    return out
 
 
 def _first(config, *names):

@@ -25,6 +25,21 @@ class MixerlessBranchLayer:
     def load_boundary(self, states, *, reset: bool = False) -> None:
         pass
 
+    def start_decoding(self) -> None:
+        pass
+
+    def stackable(self) -> bool:
+        return True
+
+    def stack_rows(self, layers: list, rows, room: int = 0) -> MixerlessBranchLayer:
+        return self  # nothing per row
+
+    def take_row(self, j: int, room: int | None = None) -> MixerlessBranchLayer:
+        return self
+
+    def split_rows(self, rows) -> list:
+        return [self for _ in rows]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         pass
 
