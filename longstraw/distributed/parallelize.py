@@ -49,6 +49,9 @@ class StepShare:
     before_last_backward: Callable[[], None] | None = None
     #: every rank runs every forward (sharded layers, spread experts)
     lockstep: bool = False
+    #: the context-parallel groups when there are several (`context_parallel`): `context` is one of them, which takes
+    #: every `count`-th context of a step, and the groups exchange their sampled rows; None: one group takes them all
+    groups: ContextGroups | None = None
 
     @property
     def group(self):
@@ -74,6 +77,24 @@ class StepShare:
         if self.lockstep:
             mine += [None] * (-(-len(items) // self.context.size) - len(mine))
         return mine
+
+    @property
+    def several_groups(self) -> bool:
+        """Whether the step's contexts are shared out among several context-parallel groups."""
+        return self.groups is not None and self.groups.count > 1
+
+    def owns_context(self, k: int) -> bool:
+        """Whether this rank's group captures, samples and replays context k of the step."""
+        return self.groups is None or self.groups.owns(k)
+
+    def exchange(self, name: str, mine: dict) -> dict:
+        """Every group's `mine` (key → picklable value) merged on every rank (`ContextGroups.exchange`); `mine` with
+        one group."""
+        return mine if self.groups is None or self.groups.count == 1 else self.groups.exchange(name, mine)
+
+    def from_main(self, name: str, fn):
+        """`fn()` on the context's first rank, its result or exception on each of its ranks (`Ranks.from_main`)."""
+        return self.context.from_main(name, fn)
 
     def sum_floats(self, name: str, values: list[float]) -> list[float]:
         """`values` summed over `world` (unchanged on one process)."""
@@ -135,12 +156,13 @@ class Parallel:
 
     def step_share(self, model: torch.nn.Module, context: Ranks | None = None) -> StepShare:
         """This rank's part of a step on `model` (`StepShare`): collectives among `context` (default: this rank's
-        context-parallel group), metrics summed over every rank."""
+        context-parallel group, taking its share of the step's contexts), metrics summed over every rank."""
         return StepShare(
             self.context if context is None else context,
             self.ranks,
             self.before_last_backward(model),
             lockstep=self.partitioned,
+            groups=self.groups if context is None and self.groups.count > 1 else None,
         )
 
     def reduce_gradients(self, params: list[torch.Tensor]) -> None:

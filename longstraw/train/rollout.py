@@ -14,9 +14,11 @@ Then the advantages are computed per group (one row's G responses) over the weig
 Memory: one context's state at a time (+ one row's suffix per response, read on top of it), except that with one
 context per step it is kept for the update (no second capture).
 
-On N processes (`ranks`, `longstraw.distributed.ranks`): the capture is context parallel, sampling a collective giving
-every rank the same responses, the rewards scored on rank 0 and broadcast, and each rank computes the reference
-log-probs of the responses it will replay (r, r + N, ...).
+On N processes the stage is handed its rank's part of the step (`share`, a
+`longstraw.distributed.parallelize.StepShare`): the capture is context parallel among the group's ranks, sampling a
+collective giving every rank the same responses, the rewards scored on the group's first rank and handed to the others,
+each rank computes the reference log-probs of the responses it will replay (r, r + N, ...); with several groups each
+takes its share of the step's contexts and the groups exchange their rows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from ..api import capture
 from ..branch import Branch
+from ..distributed.parallelize import StepShare
 from ..losses import combine_rewards, group_advantages
 from ..model.positions import position_limit
 from ..prompt_state import PromptState
@@ -47,7 +50,7 @@ from .vllm_client import VLLMClient, VLLMSampler
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from ..distributed.ranks import ContextGroups, Ranks
+    from ..distributed.ranks import Ranks
 
 
 @dataclass
@@ -347,10 +350,9 @@ class RolloutStage:
     beta: float = 0.0
     scale_rewards: str = "group"
     rollout_func: Callable | None = None
-    ranks: Ranks | None = None  # `longstraw.distributed.ranks.Ranks` of a run on N processes (None: one process)
-    #: `context_parallel` groups (`longstraw.distributed.ranks.ContextGroups`): `ranks` is this rank's group, which
-    #: takes every `count`-th context of the step; None: one group (`ranks`) takes them all
-    groups: ContextGroups | None = None
+    #: this rank's part of a step on N processes (`longstraw.distributed.parallelize.StepShare`: its context-parallel
+    #: group's ranks, which of the step's contexts the group takes); the default: one process
+    share: StepShare = field(default_factory=StepShare)
     #: `shared_contexts`' options (`TrainConfig.share_prefixes`, `min_shared_prefix`, `max_row_suffix`)
     share_prefixes: bool = True
     min_shared_prefix: int = 256
@@ -372,7 +374,7 @@ class RolloutStage:
         prompts = [self.policy.encode(ex.prompt) for ex in examples]
         contexts = self.contexts(examples, prompts)
         # with several context-parallel groups, this rank's group takes every `count`-th context
-        own = [k for k in range(len(contexts)) if self.groups is None or self.groups.owns(k)]
+        own = [k for k in range(len(contexts)) if self.share.owns_context(k)]
         keep_state = len(own) == 1  # its state serves the update too (no second capture)
         groups: list[RowGroup | None] = [None] * len(examples)
         durable = 0
@@ -380,19 +382,19 @@ class RolloutStage:
             self._vllm_rows(examples, prompts, contexts, step, meter, groups)
         for k in own if self.vllm is None else ():
             durable = max(durable, self._context(contexts[k], examples, prompts, step, keep_state, meter, groups))
-        if self.groups is not None and self.groups.count > 1:  # the other groups' rows, sampled and scored there
+        if self.share.several_groups:  # the other groups' rows, sampled and scored there
             mine = {b: replace(g, state=None) for b, g in enumerate(groups) if g is not None}
-            for b, g in self.groups.exchange("rollout: the groups' sampled rows", mine).items():
+            for b, g in self.share.exchange("rollout: the groups' sampled rows", mine).items():
                 if groups[b] is None:
                     groups[b] = g
-            durable = int(self.groups.world.max_floats("rollout: durable bytes", [float(durable)])[0])
+            durable = int(self.share.max_floats("rollout: durable bytes", [float(durable)])[0])
         done = [g for g in groups if g is not None]
         assert len(done) == len(examples)  # every row is in one context
         per_f = torch.cat([g.rewards for g in done])
         total = combine_rewards(per_f, self.rewards.weights)
         adv = group_advantages(total, self.settings.num_generations, self.scale_rewards)
         tokens = sum(g.prompt_ids.numel() + sum(r.tokens.numel() for r in g.responses) for g in done)
-        own_contexts = None if self.groups is None or self.groups.count == 1 else own
+        own_contexts = own if self.share.several_groups else None
         return Rollout(
             done, total, adv, durable, tokens, per_f, contexts, shared_fraction(prompts, contexts), own_contexts
         )
@@ -421,7 +423,7 @@ class RolloutStage:
                     chunk_size=self.chunk_size,
                     prompt_grad=mode,
                     state_dtype=self.state_dtype,
-                    group=self.ranks.pg if self.ranks is not None else None,
+                    group=self.share.group,
                 )
 
             if self.store is not None:  # a state kept from an earlier step, or captured now and kept
@@ -437,7 +439,7 @@ class RolloutStage:
             with meter.stage("sample"):
                 if b in together:
                     responses = together[b]
-                elif suffix.numel() and (self.ranks is None or self.ranks.size == 1):
+                elif suffix.numel() and not self.share.collective:
                     # the row's own question read once, into its own branch; its G responses are sampled after it
                     with state.fork() as branch:
                         with torch.no_grad():
@@ -446,7 +448,7 @@ class RolloutStage:
                         responses = self._responses(sampler, ex)
                 else:  # context parallel: every sampling call reads the suffix first (a collective)
                     sampler = TurnSampler(
-                        state, self.policy, self.settings, self.generator(step, b), self.ranks, suffix
+                        state, self.policy, self.settings, self.generator(step, b), self.share.context, suffix
                     )
                     responses = self._responses(sampler, ex)
             with meter.stage("reward"):
@@ -465,7 +467,7 @@ class RolloutStage:
         own suffix read into a branch of its own, then all rows' samples decoded together, each row drawing from its
         own generator as it would alone. Only for single-turn sampling on one process (a rollout hook runs row by
         row); {} when the context has one row or its branches cannot be stacked."""
-        if len(ctx.rows) < 2 or self.rollout_func is not None or (self.ranks is not None and self.ranks.size > 1):
+        if len(ctx.rows) < 2 or self.rollout_func is not None or self.share.collective:
             return {}
         s = self.settings
         with meter.stage("sample"):
@@ -524,10 +526,7 @@ class RolloutStage:
 
         length = {b: ctx.length for ctx in contexts for b in ctx.rows}
         with meter.stage("sample"):  # on N processes rank 0 samples (environments included) and hands out the rows
-            if self.ranks is None or self.ranks.size == 1:
-                sampled = every_row()
-            else:
-                sampled = self.ranks.from_main("rollout: the rows vLLM sampled", every_row)
+            sampled = self.share.from_main("rollout: the rows vLLM sampled", every_row)
         for b, responses in enumerate(sampled):
             with meter.stage("reward"):
                 rewards = self._score(examples[b], responses)
@@ -547,7 +546,7 @@ class RolloutStage:
                 self.settings.temperature,
                 self.chunk_size,
                 self.state_dtype,
-                ranks=self.ranks,
+                ranks=self.share.context,
                 suffixes=[s for s, _ in rows],
             )
         for (_, r), ref in zip(rows, refs):
@@ -563,7 +562,7 @@ class RolloutStage:
             extra = {k: [r.extra.get(k) for r in responses] for k in keys}
             return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses], extra)
 
-        return score() if self.ranks is None else self.ranks.from_main("rollout: rewards from rank 0", score)
+        return self.share.from_main("rollout: rewards from rank 0", score)
 
     def _responses(self, sampler: TurnSampler, ex: Example) -> list[Response]:
         g = self.settings.num_generations
