@@ -198,24 +198,9 @@ class CollectiveAttention(BranchLayer, Attends, Protocol):
 @runtime_checkable
 class CollectiveSparseAttention(CollectiveAttention, Protocol):
     """A `CollectiveAttention` of a DSA layer: the indexer's top-k selection and the sparse attention over the selected
-    latents run across the ranks too (`longstraw.distributed.context_parallel.sparse_attention`): its `select_keys` and
-    `attend_latent` call these. Shapes as `LatentBranch`'s; Hi: indexer heads, H: attention heads, K: top-k."""
-
-    def select_sparse(
-        self,
-        q: torch.Tensor,
-        weights: torch.Tensor,
-        scale: float,
-        own_keys: torch.Tensor,
-        topk: int,
-        *,
-        q_start: int,
-        own_start: int,
-        block: int,
-    ) -> Selection:
-        """Each query's `topk` keys over [the prompt's slices | the own indexer keys `own_keys` `[B, T, Di]`], from the
-        indexer queries `q` `[B, S, Hi, Di]` and head weights `weights` `[B, S, Hi]`, as
-        `longstraw.ops.latent_attention.select_topk` chooses them: indices `[B, S, K]` into [prompt | own]."""
+    latents run across the ranks too (`longstraw.distributed.context_parallel.sparse_attention`): its `select_keys`
+    selects over the prompt's slices, its `attend_latent` calls `attend_sparse`. Shapes as `LatentBranch`'s; Hi:
+    indexer heads, H: attention heads, K: top-k."""
 
     def attend_sparse(
         self,

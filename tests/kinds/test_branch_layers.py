@@ -98,7 +98,7 @@ def test_latent_branch_layers_offer_what_latent_attention_reads(name):
 def prompt_reading_faults(cls: type) -> list[str]:
     """What is wrong with how `cls` reads its prompt part: an attention branch layer without `attend`; a
     context-parallel latent layer (no local prompt) that keeps `LatentOwn`'s local attention, or a DSA one (with
-    `select_sparse` / `attend_sparse`) its local selection; a local latent layer that does not."""
+    `attend_sparse`) its local selection; a local latent layer that does not."""
     faults = []
     if issubclass(cls, AttentionBranchLayer) and missing(cls, CollectiveAttention):
         faults.append("an attention branch layer without `attend`")
@@ -108,7 +108,7 @@ def prompt_reading_faults(cls: type) -> list[str]:
             faults.append("attend_latent " + ("local in a context-parallel layer" if distributed else "overridden"))
         sparse = missing(cls, CollectiveSparseAttention) == []
         if (cls.select_keys is LatentOwn.select_keys) == (distributed and sparse):
-            faults.append("select_keys disagrees with `select_sparse`")
+            faults.append("select_keys local in a context-parallel DSA layer" if distributed else "select_keys overridden")
     return faults
 
 

@@ -104,13 +104,8 @@ class _LatentOwn(LatentOwn):
 
 
 class _SparseOwn(_LatentOwn):
-    """`_LatentOwn` of a DSA layer (`CollectiveSparseAttention`): the selection and the sparse attention go through the
-    layer's `select_sparse` / `attend_sparse` (capture, replay and sampling each have their own)."""
-
-    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
-        return self.select_sparse(  # type: ignore[attr-defined]  # each DSA branch layer below has its own
-            q, weights, scale, own_keys, topk, q_start=q_start, own_start=own_start, block=block
-        )
+    """`_LatentOwn` of a DSA layer (`CollectiveSparseAttention`): the sparse attention goes through the layer's
+    `attend_sparse`; capture, replay and sampling each have their own, and their own `select_keys` across the ranks."""
 
     def attend_latent(self, module, query, own, selection, rank, *, q_start, own_start, scale, block):
         if selection is None:
@@ -138,7 +133,7 @@ class DsaCaptureBranchLayer(_SparseOwn, LatentCaptureBranchLayer):
             counts = [max(0, min(self.chunk, n - lo)) for n in lengths]
             yield step, lo, lo + counts[me], counts
 
-    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         limits = [s for s, _ in self.bounds]
         pos = []
         for step, lo, hi, counts in self.steps():
@@ -211,7 +206,7 @@ class DsaReplayBranchLayer(_SparseOwn, LatentReplayBranchLayer):
     """`LatentReplayBranchLayer` of a DSA layer: the branch's selection over every slice (merged on its owner) and
     the sparse attention as a collective autograd function (`SparseReplayAttention`)."""
 
-    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         info = self.info
         return _select_after_slices(
             "replay", info.group, info.layer, q, weights, scale, own_keys, topk, q_start, own_start, block, info.lengths
@@ -227,7 +222,7 @@ class DsaSampleBranchLayer(_SparseOwn, LatentSampleBranchLayer):
     """`LatentSampleBranchLayer` of a DSA layer: every rank has all the rows, so the slices' candidates and partials
     are all-gathered and merged alike on every rank."""
 
-    def select_sparse(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
+    def select_keys(self, q, weights, scale, own_keys, topk, *, q_start, own_start, block):
         g = self.group
         return _select_after_slices(
             "sample", g, self.layer, q, weights, scale, own_keys, topk, q_start, own_start, block,
