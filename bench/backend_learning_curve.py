@@ -153,15 +153,15 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig = Figure(figsize=(11, 4))
     ax, bx = fig.subplots(1, 2)
     by = {r["when"]: r for r in rows}
-    for backend, style in zip(BACKENDS, ("o-", "s--")):
+    for backend, style, color in zip(BACKENDS, ("o-", "s--"), ("tab:blue", "tab:red")):
         train = by.get(f"training-{backend}")
         if train is None:
             continue
         steps = [m["step"] for m in train["per_step"]]
         rewards = [m["reward"] for m in train["per_step"]]
         smooth = [_mean(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
-        ax.plot(steps, rewards, style, alpha=0.3, label=f"{backend}: per step")
-        ax.plot(steps, smooth, style[1:], label=f"{backend}: mean of the last 5")
+        ax.plot(steps, rewards, style, color=color, alpha=0.3, label=f"{backend}: per step")
+        ax.plot(steps, smooth, style[1:], color=color, label=f"{backend}: mean of the last 5")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("sampled reward (16 responses)")
     ax.set_ylim(0, 1)
