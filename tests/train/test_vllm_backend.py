@@ -170,13 +170,16 @@ def test_sampled_log_probs_are_the_truncated_distributions(served):
 
 @pytest.mark.vllm
 @pytest.mark.real
-def test_full_fine_tuning_reloads_the_weights_into_vllm(vllm_env, real_smollm2, tmp_path):
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_full_fine_tuning_reloads_the_weights_into_vllm(vllm_env, name, request, tmp_path):
     """Full fine-tuning (no LoRA): two GRPO steps whose rollouts vLLM samples, the weights reloaded into the server
-    before each (`sync_weights`: a safetensors folder, `reload_weights`, the prefix cache emptied). The second step's
-    sampler mismatch is rounding-sized although the first step moved the weights (a server still on the old weights
-    would be off by far more: measured below); then, synced, vLLM's greedy tokens equal the own sampler's on the
-    trained model, and differ from the base model's. Served from an untied copy (`save_untied`; the trained
-    embeddings included): seen failing with the tied checkpoint served, 0.12 mean |Δ log-prob| at the second step."""
+    before each (`sync_weights`: a safetensors folder, `reload_weights`, the prefix cache emptied), on SmolLM2-135M and
+    Gemma 3 270M (both tie their embeddings). The second step's sampler mismatch is rounding-sized although the first
+    step moved the weights (a server still on the old weights would be off by far more: measured below); then, synced,
+    vLLM's greedy tokens equal the own sampler's on the trained model, and differ from the base model's. Served from an
+    untied copy (`save_untied`; the trained embeddings included): seen failing with the tied checkpoint served, 0.12
+    mean |Δ log-prob| at the second step (SmolLM2)."""
+    real_model = request.getfixturevalue(f"real_{name}")
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,21 +189,21 @@ def test_full_fine_tuning_reloads_the_weights_into_vllm(vllm_env, real_smollm2, 
 
     from longstraw.train.vllm_client import save_untied
 
-    base_model = AutoModelForCausalLM.from_pretrained(real_smollm2, dtype=torch.float32)
-    save_untied(base_model, tmp_path / "untied", AutoTokenizer.from_pretrained(real_smollm2))  # SmolLM2 ties them
+    base_model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
+    save_untied(base_model, tmp_path / "untied", AutoTokenizer.from_pretrained(real_model))  # both tie them
     server = vllm_env.start(tmp_path / "untied", dtype="float32", lora_rank=0, log_path=tmp_path / "full.log")
     try:
         data = tmp_path / "rows.jsonl"
         rows = [{"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
                 for a, b in [(2, 3), (4, 4), (7, 1), (6, 2)]]
         data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        cfg = TrainConfig(model=str(real_smollm2), dataset=str(data), eval_fraction=0.0,
+        cfg = TrainConfig(model=str(real_model), dataset=str(data), eval_fraction=0.0,
                           reward_funcs=["tests.train.test_vllm_backend:length_reward"], lora=False,
                           num_generations=4, prompts_per_step=2, num_steps=2, max_completion_length=8, threads=2,
                           output_dir=str(tmp_path / "run"), learning_rate=5e-4, eval_at_start=False,
                           rollout_backend="vllm", vllm_url=server.url, save_every=100)
         trainer = Trainer(cfg)
-        tok = AutoTokenizer.from_pretrained(real_smollm2)
+        tok = AutoTokenizer.from_pretrained(real_model)
         prompt = _prompt(tok, "Name three colours of the rainbow, in order.")
         eos = tok.eos_token_id
         client = VLLMClient(server.url)
@@ -217,7 +220,7 @@ def test_full_fine_tuning_reloads_the_weights_into_vllm(vllm_env, real_smollm2, 
             moved = (longstraw.capture(stale, prompt, verify=False).replay(own).logprobs - own_lp).abs().max().item()
         seconds = client.sync_weights(model, tmp_path / "weights", step=99)
         synced = client.generate(prompt, 1, 24, temperature=0.0, stop_token_ids=[eos])
-        print(f"\nfull weights synced in {seconds:.2f} s (trainer: {[m['vllm/sync_s'] for m in metrics]}); "
+        print(f"\n{name}: full weights synced in {seconds:.2f} s (trainer: {[m['vllm/sync_s'] for m in metrics]}); "
               f"trained vs base log-probs of the greedy tokens {moved:.2e}; {tok.decode(own)!r}")
         assert moved > 100 * LOGPROB_TOL  # the steps moved the weights far beyond the engines' rounding
         assert synced.tokens[0].tolist() == own.tolist()
