@@ -72,11 +72,11 @@ class StepShare:
         return k % self.context.size == self.context.rank
 
     def forwards(self, items: list[int]) -> list[int | None]:
-        """This rank's `items` (round robin); with `lockstep` padded with None to ⌈n / N⌉ entries."""
-        mine: list[int | None] = list(items[self.context.rank :: self.context.size])
+        """This rank's `items` (round robin, `Ranks.share`); with `lockstep` padded with None to ⌈n / N⌉ entries
+        (`Ranks.padded_share`)."""
         if self.lockstep:
-            mine += [None] * (-(-len(items) // self.context.size) - len(mine))
-        return mine
+            return [None if k is None else items[k] for k in self.context.padded_share(len(items))]
+        return [items[k] for k in self.context.share(len(items))]
 
     @property
     def several_groups(self) -> bool:
