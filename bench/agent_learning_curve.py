@@ -4,6 +4,9 @@
     python bench/agent_learning_curve.py --steps 2 --eval-rows 4 --out /tmp/quick
     python bench/agent_learning_curve.py --in-prompt --sections 11 --section-tokens 500 --distractors 3 \
         --tag in-prompt-8k        # the 11-section document (~6.7K tokens) in the prompt too: ~8K of context
+    python bench/agent_learning_curve.py --in-prompt --sections 11 --section-tokens 500 --distractors 3 \
+        --max-completion 1400 --max-tool-tokens 768 --warmup-steps 30 --steps 10 --tag in-prompt-8k-warm \
+        --before-from bench/results/agent_learning_curve-in-prompt-8k.json    # a curriculum: 2K first, then 8K
 
 SmolLM2-135M-Instruct (`longstraw real smollm2`) with a LoRA adapter (r 16) on `longstraw.tasks.archive_tools`: a
 document of 8 sections (~400 tokens each, the standard library's docstrings) behind the tools `search <word>`,
@@ -15,6 +18,15 @@ and a rerun of the same command goes on where an interrupted one stopped (held-o
 bench/out/NAME).
 With `--in-prompt` the whole document is in the prompt as well (captured once per row, read by all G trajectories,
 each grown by its own tool replies): the long-context agent; `--distractors k` plants k other archives' codes.
+
+A curriculum (`--warmup-steps K`): K GRPO steps on the short task first (the default run's settings: 8 sections of
+~400 tokens behind tools, nothing in the prompt, no distractors, its own training rows), the adapter merged into the
+model (`merge_adapter`), then `--steps` on this task with a fresh adapter over the merged model. On the long task a
+model that has never used the tools is rarely rewarded (every reward of a group 0: no advantage, no gradient); the
+short task's rewards are denser. "before" is the base model either way, "after" the model after both stages;
+`--score-warm` also plays the held-out rows after the short stage alone, to tell the stages apart.
+`--before-from FILE` takes the base model's held-out pass from an earlier results file of the same held-out rows
+(checked: the same task settings and the same prompt lengths) instead of playing it again.
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ def main() -> None:
     ap.add_argument("--max-completion", type=int, default=3072, help="a trajectory's tokens after the prompt")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     ap.add_argument("--tag", default="", help="results go to bench/results/agent_learning_curve-<tag>.*")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="GRPO steps on the short task first (a curriculum)")
+    ap.add_argument("--score-warm", action="store_true", help="play the held-out rows after the warm-up as well")
+    ap.add_argument("--before-from", default=None, help="an earlier results JSON whose 'before' pass to reuse")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out is None:
@@ -73,15 +88,17 @@ def main() -> None:
     files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows, num_sections=args.sections,
                                section_tokens=args.section_tokens, document_in_prompt=args.in_prompt,
                                distractors=args.distractors)
-    cfg = TrainConfig(model=str(path), dataset=str(files["train"]), eval_fraction=0.0,
-                      environment="longstraw.tasks.archive_tools:ArchiveTools",
-                      tool_parser="longstraw.tasks.archive_tools:parse_commands", reward_funcs=["environment_reward"],
-                      lora=True, lora_r=16, lora_alpha=32, num_generations=args.G,
-                      prompts_per_step=args.prompts_per_step, num_steps=args.steps,
-                      max_completion_length=args.max_completion, max_turns=args.max_turns, max_turn_tokens=24,
-                      max_tool_tokens=args.max_tool_tokens, threads=args.threads,
-                      output_dir=str(work / "run"), learning_rate=1e-4, eval_at_start=False,
-                      num_completions_to_print=1)
+    def config(model: Path, data: Path, steps: int, run: Path, **task) -> TrainConfig:
+        return TrainConfig(model=str(model), dataset=str(data), eval_fraction=0.0,
+                           environment="longstraw.tasks.archive_tools:ArchiveTools",
+                           tool_parser="longstraw.tasks.archive_tools:parse_commands",
+                           reward_funcs=["environment_reward"], lora=True, lora_r=16, lora_alpha=32,
+                           num_generations=args.G, prompts_per_step=args.prompts_per_step, num_steps=steps,
+                           max_turns=args.max_turns, max_turn_tokens=24, threads=args.threads, output_dir=str(run),
+                           learning_rate=1e-4, eval_at_start=False, num_completions_to_print=1, **task)
+
+    cfg = config(path, files["train"], args.steps, work / "run", max_completion_length=args.max_completion,
+                 max_tool_tokens=args.max_tool_tokens)
     trainer = Trainer(cfg)
     held = load_jsonl(files["eval"], tok)
     agent = trainer.rollout_stage.rollout_func
@@ -116,23 +133,61 @@ def main() -> None:
                           per_row=got, turns=turns, tool_calls=calls), out)
         return got
 
+    def train(stage: Trainer, when: str) -> None:
+        t0 = time.perf_counter()
+        stage.train()  # resumes from its run folder's last checkpoint (one per step) when there is one
+        metrics = [json.loads(line) for line in (Path(stage.cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        metrics = [m for m in metrics if m.get("phase") == "grpo"]
+        record(rows, dict(when=when, steps=len(metrics), seconds=time.perf_counter() - t0,
+                          reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
+                          tool_calls=[m.get("agent/tool_calls") for m in metrics]), out)
+
     prompts = [trainer.encode(ex.prompt).shape[-1] for ex in held]
     where = "in the prompt and behind tools" if args.in_prompt else "behind tools"
-    record(rows, dict(when="setup", title=f"{args.model}, {args.sections} sections {where}", args=vars(args),
-                      mean_prompt_tokens=sum(prompts) / len(prompts), max_prompt_tokens=max(prompts)), out)
-    before = score("before")
-    t0 = time.perf_counter()
-    trainer.train()  # resumes from WORK/run's last checkpoint (one per step) when there is one
-    metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    metrics = [m for m in metrics if m.get("phase") == "grpo"]
-    record(rows, dict(when="training", steps=len(metrics), seconds=time.perf_counter() - t0,
-                      reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
-                      tool_calls=[m.get("agent/tool_calls") for m in metrics]), out)
+    setup = dict(when="setup", title=f"{args.model}, {args.sections} sections {where}"
+                 + (f", after {args.warmup_steps} steps on 8 sections behind tools" if args.warmup_steps else ""),
+                 args=vars(args), mean_prompt_tokens=sum(prompts) / len(prompts), max_prompt_tokens=max(prompts))
+    record(rows, setup, out)
+    if args.before_from:
+        before = reuse_before(Path(args.before_from), setup)
+        record(rows, before, out)
+        before = before["per_row"]
+    else:
+        before = score("before")
+    if args.warmup_steps:
+        warm = work / "warmup"
+        short = write_archive_task(tok, warm / "data", args.train_rows, 0)
+        final = warm / "run" / "model"
+        if not (final / "config.json").exists():
+            first = Trainer(config(path, short["train"], args.warmup_steps, warm / "run", merge_adapter=True,
+                                   max_completion_length=3072, max_tool_tokens=1024))  # the default run's
+            train(first, "warm-up")
+            del first
+        trainer = Trainer(config(final, files["train"], args.steps, work / "run",
+                                 max_completion_length=args.max_completion, max_tool_tokens=args.max_tool_tokens))
+        agent = trainer.rollout_stage.rollout_func
+        if args.score_warm:
+            score("warm")
+    train(trainer, "training")
     after = score("after")
     lo, hi = paired_bootstrap(before, after)
     record(rows, dict(when="gain", gain=sum(after) / len(after) - sum(before) / len(before), ci95=(lo, hi)), out)
     finish(rows, out, _plot, _table)
     (work / "done.json").write_text(json.dumps(rows))
+
+
+def reuse_before(path: Path, setup: dict) -> dict:
+    """The 'before' record of an earlier results file, refused unless it played the same held-out rows: the same task
+    settings and the same prompt lengths."""
+    earlier = json.loads(path.read_text())
+    then = next(r for r in earlier if r["when"] == "setup")
+    same = ("model", "eval_rows", "sections", "section_tokens", "in_prompt", "distractors", "max_turns",
+            "max_tool_tokens", "max_completion")
+    differ = [k for k in same if then["args"].get(k) != setup["args"].get(k)]
+    differ += [k for k in ("mean_prompt_tokens", "max_prompt_tokens") if then[k] != setup[k]]
+    if differ:
+        raise SystemExit(f"--before-from {path}: its held-out pass differs in {differ}")
+    return dict(next(r for r in earlier if r["when"] == "before"), source=str(path))
 
 
 def _table(rows: list[dict]) -> str:
@@ -146,6 +201,12 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"| {b['rows']} | {prompt} | {b['success']:.3f} | {a['success']:.3f} | {g['gain']:+.3f} "
                      f"({g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}) | {b['mean_turns']:.2f} → {a['mean_turns']:.2f} "
                      f"| {calls} |")
+    if "warm" in by:
+        w = by["warm"]
+        lines.append(f"\nAfter the warm-up alone: {w['success']:.3f} (Wilson {w['ci95'][0]:.3f}–{w['ci95'][1]:.3f}), "
+                     f"{w['mean_turns']:.2f} turns, {w['mean_tool_calls']:.2f} tool calls per trajectory.")
+    if "source" in by.get("before", {}):
+        lines.append(f"\n'before' is the base model's pass of the same held-out rows in {by['before']['source']}.")
     return "\n".join(lines)
 
 
@@ -155,10 +216,18 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    warm = next((r for r in rows if r["when"] == "warm-up"), None)
     train = next((r for r in rows if r["when"] == "training"), None)
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    first = 1
+    if warm:
+        ax.plot(range(1, len(warm["reward"]) + 1), warm["reward"], "s-", color="0.6",
+                label="sampled reward, warm-up (short task)")
+        first = len(warm["reward"]) + 1
+        ax.axvline(first - 0.5, color="0.6", linestyle=":")
     if train:
-        ax.plot(range(1, len(train["reward"]) + 1), train["reward"], "o-", label="sampled reward (G trajectories)")
+        ax.plot(range(first, first + len(train["reward"])), train["reward"], "o-",
+                label="sampled reward (G trajectories)")
     for r, style in ((next((r for r in rows if r["when"] == "before"), None), "--"),
                      (next((r for r in rows if r["when"] == "after"), None), "-")):
         if r:
