@@ -366,6 +366,12 @@ class LayerState(ABC):
     def release(self) -> None:
         """Drop the durable tensors."""
 
+    def prefix_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of the prompt's positions [0, n) in full precision, `[1, Hkv, n, D]` each, where this layer
+        keeps every position that way; None otherwise (windows, recurrent or latent states, 8-bit storage). Read by
+        `longstraw.train.staleness`'s drift probe."""
+        return None
+
     #: 8-bit storage of the state (`longstraw.ops.quant`) when set by `capture(state_dtype=...)`; kinds whose state
     #: grows with P support it (`supports_compression`), the O(1) states stay in the model's dtype
     state_dtype: torch.dtype | None = None

@@ -429,6 +429,13 @@ class KVState(LayerState):
         assert isinstance(self.values, torch.Tensor)  # stored as the keys are
         return self.keys[:, :, :n], self.values[:, :, :n]
 
+    def prefix_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every prompt position's keys and values are kept, in full precision unless stored in 8 bits."""
+        if not isinstance(self.keys, torch.Tensor):
+            return None
+        k, v = self.stored()
+        return k[:, :, :n], v[:, :, :n]
+
     def branch(self, batch: int = 1) -> AttentionBranchLayer:
         k, v = self.stored()  # batch 1, shared by all `batch` sequences (split attention folds them)
         return AttentionBranchLayer(k, v, self.length, self.start, self.window, self.chunk)

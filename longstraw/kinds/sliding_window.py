@@ -34,6 +34,10 @@ class SlidingKVState(KVState):
         c = layer_config(config, layer_idx)
         return 2 * min(tokens, int(config.sliding_window) - 1) * c.num_key_value_heads * c.head_dim * elem
 
+    def prefix_kv(self, n: int) -> None:
+        """Only the prompt's last window is kept."""
+        return None
+
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)
         self.window = int(config.sliding_window)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from ..api import capture
-from ..kinds import KVState
 from ..prompt_state import PromptState
 
 #: the drift probe's tokens: the document's start, captured again by the current weights
@@ -46,9 +45,9 @@ def _full_kv(state: PromptState, n: int) -> list[torch.Tensor]:
     position; sliding-window layers keep only the prompt's last window)."""
     out = []
     for layer in state.layers or ():  # None: released
-        if type(layer) is KVState and isinstance(layer.keys, torch.Tensor):
-            k, v = layer.stored()
-            out += [k[:, :, :n].float(), v[:, :, :n].float()]
+        kv = layer.prefix_kv(n)
+        if kv is not None:
+            out += [kv[0].float(), kv[1].float()]
     return out
 
 

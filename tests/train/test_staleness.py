@@ -103,14 +103,17 @@ def test_bad_settings_are_refused():
         StateStore(0)
 
 
-def test_the_drift_probe_is_the_kv_change_transformers_computes():
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_the_drift_probe_is_the_kv_change_transformers_computes(arch):
     """`kv_drift_probe`: the relative change of the full-attention K/V at the prompt's first positions between the kept
-    state's weights and today's, held to transformers' own DynamicCache filled by each set of weights."""
+    state's weights and today's, held to transformers' own DynamicCache filled by each set of weights. gemma3_text
+    (window 5, a full-attention layer between two sliding ones): its full-attention layer alone is read."""
     import longstraw
     from longstraw.testing.models import tiny_model
     from longstraw.train.staleness import kv_drift_probe
 
-    model = tiny_model("llama")
+    model = tiny_model(arch)
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
     prefix = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
     old = _weights(model)
     kept = longstraw.capture(model, prefix, chunk_size=8)
@@ -124,7 +127,8 @@ def test_the_drift_probe_is_the_kv_change_transformers_computes():
         model.load_state_dict(weights)
         with torch.no_grad():
             cache = model(prefix[None, :15], use_cache=True).past_key_values
-        return [t.float() for layer in cache.layers for t in (layer.keys, layer.values)]
+        full = [layer for layer, kind in zip(cache.layers, types) if kind == "full_attention"]
+        return [t.float() for layer in full for t in (layer.keys, layer.values)]
 
     a, b = kv(old), kv(new)
     want = (sum(float((x - y).pow(2).sum()) for x, y in zip(a, b)) / sum(float(y.pow(2).sum()) for y in b)) ** 0.5
