@@ -379,7 +379,7 @@ TOP_LEVEL_TESTS = {
     "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
     "test_shared_prefix.py", "test_ragged.py",
     # the project as a whole
-    "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py",
+    "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py", "test_second_pass.py",
 }
 TESTS = ROOT / "tests"
 
