@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--max-completion", type=int, default=3072, help="a trajectory's tokens after the prompt")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     ap.add_argument("--tag", default="", help="results go to bench/results/agent_learning_curve-<tag>.*")
+    ap.add_argument("--environment", default="ArchiveTools", choices=("ArchiveTools", "GuidedArchiveTools"),
+                    help="the task's environment (GuidedArchiveTools: 0.05 for a tool used to some effect)")
+    ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--warmup-steps", type=int, default=0, help="GRPO steps on the short task first (a curriculum)")
     ap.add_argument("--score-warm", action="store_true", help="play the held-out rows after the warm-up as well")
     ap.add_argument("--before-from", default=None, help="an earlier results JSON whose 'before' pass to reuse")
@@ -90,12 +93,12 @@ def main() -> None:
                                distractors=args.distractors)
     def config(model: Path, data: Path, steps: int, run: Path, **task) -> TrainConfig:
         return TrainConfig(model=str(model), dataset=str(data), eval_fraction=0.0,
-                           environment="longstraw.tasks.archive_tools:ArchiveTools",
+                           environment=f"longstraw.tasks.archive_tools:{args.environment}",
                            tool_parser="longstraw.tasks.archive_tools:parse_commands",
                            reward_funcs=["environment_reward"], lora=True, lora_r=16, lora_alpha=32,
                            num_generations=args.G, prompts_per_step=args.prompts_per_step, num_steps=steps,
                            max_turns=args.max_turns, max_turn_tokens=24, threads=args.threads, output_dir=str(run),
-                           learning_rate=1e-4, eval_at_start=False, num_completions_to_print=1, **task)
+                           learning_rate=args.learning_rate, eval_at_start=False, num_completions_to_print=1, **task)
 
     cfg = config(path, files["train"], args.steps, work / "run", max_completion_length=args.max_completion,
                  max_tool_tokens=args.max_tool_tokens)

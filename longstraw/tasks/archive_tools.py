@@ -15,6 +15,8 @@ A turn calls a tool by writing its command on a line (`parse_commands`), or in t
 `<tool_call>{"name": "search", "arguments": {"word": "harbor"}}</tool_call>`. The environment (`ArchiveTools`, TRL's
 `environment_factory` convention) scores the trajectory (`environment_reward`): 1 for the right code, 0.25 for one
 that read the code but did not answer it, 0 otherwise; success in the benchmark counts the right code only.
+`GuidedArchiveTools` adds a rung below those (`tool_reward`, 0.05, for a trajectory that used a tool to any effect: a
+search with a hit or an open of a section): a denser signal for a small model that rarely reaches the code at first.
 Rows are `{"messages": [...], "answer": "4817", "archive": "harbor", "sections": [...], "titles": [...]}`;
 `write_archive_task` writes the JSONL files for `longstraw train` with `environment:
 longstraw.tasks.archive_tools:ArchiveTools` and `tool_parser: longstraw.tasks.archive_tools:parse_commands`.
@@ -50,9 +52,13 @@ def parse_commands(text: str) -> list[ToolCall]:
 class ArchiveTools:
     """The environment of one trajectory (see the module doc)."""
 
+    #: the reward of a trajectory that used a tool to some effect (a search with a hit, an open of a section) without
+    #: reading the code; 0 here, `GuidedArchiveTools` sets it
+    tool_reward: float = 0.0
+
     def reset(self, sections=(), titles=(), answer="", archive="", **columns):
         self.sections, self.code, self.archive = list(sections), str(answer), archive
-        self.done, self.reward, self.found = False, 0.0, False
+        self.done, self.reward, self.found, self.used = False, 0.0, False, False
 
     def search(self, word: str) -> str:
         """Sentences holding `word`, each with its section number."""
@@ -65,6 +71,7 @@ class ArchiveTools:
                 if word in sentence.lower():
                     hits.append(f"[section {i}] {sentence.strip()}")
                     self.found |= len(hits) <= 8 and self.code in sentence
+        self.used |= bool(hits)
         return "\n".join(hits[:8]) if hits else f"no sentence holds {word!r}"
 
     def open(self, section) -> str:
@@ -76,6 +83,7 @@ class ArchiveTools:
         if not 1 <= n <= len(self.sections):
             return f"there is no section {n}: sections are 1..{len(self.sections)}"
         self.found |= self.code in self.sections[n - 1]
+        self.used = True
         return self.sections[n - 1]
 
     def answer(self, code) -> str:
@@ -86,8 +94,15 @@ class ArchiveTools:
 
     def get_reward(self) -> float:
         """1 for the right code; 0.25 for a trajectory that read the code (a search hit or the opened section) but
-        did not answer it; 0 otherwise."""
-        return self.reward if self.reward else 0.25 * self.found
+        did not answer it; `tool_reward` for one that used a tool to some effect; 0 otherwise."""
+        return self.reward or 0.25 * self.found or self.tool_reward * self.used
+
+
+class GuidedArchiveTools(ArchiveTools):
+    """`ArchiveTools` whose reward also pays 0.05 for a trajectory that searched with a hit or opened a section (and
+    read no code): 1 > 0.25 > 0.05 > 0, each rung a step towards the answer."""
+
+    tool_reward = 0.05
 
 
 INSTRUCTIONS = (

@@ -5,7 +5,7 @@ import random
 
 from longstraw.agent import ToolCall
 from longstraw.agent.environment import call_tool, environment_tools
-from longstraw.tasks.archive_tools import ArchiveTools, make_row, parse_commands, write_archive_task
+from longstraw.tasks.archive_tools import ArchiveTools, GuidedArchiveTools, make_row, parse_commands, write_archive_task
 from longstraw.tasks.documents import named_paragraphs
 from longstraw.tasks.tokenizer import build_tokenizer
 
@@ -42,6 +42,29 @@ def test_tools_and_reward():
     assert env.get_reward() == 0.0
     call_tool(tools, ToolCall("answer", {"code": row["answer"] + "."}))
     assert env.get_reward() == 1.0
+
+
+def test_the_guided_reward_pays_a_tool_used_to_some_effect():
+    """`GuidedArchiveTools`: 0.05 once a search hit or an open of a section happened (the plain environment: 0); a
+    search without a hit, a refused open or a wrong answer alone pay nothing; reading the code (0.25) and the right
+    code (1) as in the plain environment."""
+    row = _row(1)
+    columns = {k: v for k, v in row.items() if k != "messages"}
+    other = next(i for i in range(1, len(row["sections"]) + 1) if row["answer"] not in row["sections"][i - 1])
+    for env, used in ((ArchiveTools(), 0.0), (GuidedArchiveTools(), 0.05)):
+        tools = environment_tools(env)
+        env.reset(**columns)
+        call_tool(tools, ToolCall("search", {"word": "zzzqqq"}))
+        call_tool(tools, ToolCall("open", {"section": 99}))
+        call_tool(tools, ToolCall("answer", {"code": "0000"}))
+        assert env.get_reward() == 0.0
+        env.reset(**columns)
+        call_tool(tools, ToolCall("open", {"section": other}))
+        assert env.get_reward() == used
+        call_tool(tools, ToolCall("search", {"word": row["archive"]}))
+        assert env.get_reward() == 0.25
+        call_tool(tools, ToolCall("answer", {"code": row["answer"]}))
+        assert env.get_reward() == 1.0
 
 
 def test_commands_are_read_from_a_turn():
