@@ -24,7 +24,8 @@ A curriculum (`--warmup-steps K`): K GRPO steps on the short task first (the def
 model (`merge_adapter`), then `--steps` on this task with a fresh adapter over the merged model. On the long task a
 model that has never used the tools is rarely rewarded (every reward of a group 0: no advantage, no gradient); the
 short task's rewards are denser. "before" is the base model either way, "after" the model after both stages;
-`--score-warm` also plays the held-out rows after the short stage alone, to tell the stages apart.
+`--score-warm` also plays the held-out rows after the short stage alone, to tell the stages apart, and
+`--score-short N` plays N held-out rows of the short task (its own settings) after it: did the warm-up learn that?
 `--before-from FILE` takes the base model's held-out pass from an earlier results file of the same held-out rows
 (checked: the same task settings and the same prompt lengths) instead of playing it again.
 """
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--warmup-steps", type=int, default=0, help="GRPO steps on the short task first (a curriculum)")
     ap.add_argument("--score-warm", action="store_true", help="play the held-out rows after the warm-up as well")
+    ap.add_argument("--score-short", type=int, default=0,
+                    help="play this many held-out rows of the short task after the warm-up (did it learn that?)")
     ap.add_argument("--before-from", default=None, help="an earlier results JSON whose 'before' pass to reuse")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -104,30 +107,33 @@ def main() -> None:
                  max_tool_tokens=args.max_tool_tokens)
     trainer = Trainer(cfg)
     held = load_jsonl(files["eval"], tok)
-    agent = trainer.rollout_stage.rollout_func
-    greedy = SamplingSettings(1, cfg.max_completion_length, temperature=0.0)
     rows: list[dict] = []
 
-    def score(when: str) -> list[float]:
-        """Play the held-out rows greedily; each row's outcome is appended to WORK/score-WHEN.jsonl as it is measured,
+    def score(when: str, stage: Trainer | None = None, examples: list | None = None) -> list[float]:
+        """Play the held-out rows (`examples`, by default this task's) greedily with `stage`'s model and settings (by
+        default the current trainer's); each row's outcome is appended to WORK/score-WHEN.jsonl as it is measured,
         and a rerun goes on from the first row not there (a run of hours survives an interruption)."""
+        stage = stage or trainer
+        examples = held if examples is None else examples
+        play = stage.rollout_stage.rollout_func
+        greedy = SamplingSettings(1, stage.cfg.max_completion_length, temperature=0.0)
         done_file = work / f"score-{when}.jsonl"
         done = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
-        trainer.model.eval()
+        stage.model.eval()
         with torch.no_grad(), done_file.open("a") as sink:
-            for ex in held[len(done):]:
+            for ex in examples[len(done):]:
                 t0 = time.perf_counter()
-                ids = trainer.encode(ex.prompt)
-                with longstraw.capture(trainer.model, ids) as state:
-                    r = agent.trajectory(TurnSampler(state, trainer.policy, greedy, torch.Generator()), ex)
+                ids = stage.encode(ex.prompt)
+                with longstraw.capture(stage.model, ids) as state:
+                    r = play.trajectory(TurnSampler(state, stage.policy, greedy, torch.Generator()), ex)
                 one = dict(success=float(r.extra["environment_reward"] == 1.0),  # the right code, not 0.25 for reading
                            turns=r.extra["turns"], tool_calls=r.extra["tool_calls"],
                            length=ids.shape[-1] + len(r.tokens), seconds=time.perf_counter() - t0)
                 sink.write(json.dumps(one) + "\n")
                 sink.flush()
                 done.append(one)
-                print(f"{when}: row {len(done)}/{len(held)} {one}", flush=True)
-        trainer.model.train()
+                print(f"{when}: row {len(done)}/{len(examples)} {one}", flush=True)
+        stage.model.train()
         got = [d["success"] for d in done]
         turns, calls = [d["turns"] for d in done], [d["tool_calls"] for d in done]
         record(rows, dict(when=when, rows=len(got), success=sum(got) / len(got), ci95=wilson(sum(got), len(got)),
@@ -136,10 +142,11 @@ def main() -> None:
                           per_row=got, turns=turns, tool_calls=calls), out)
         return got
 
-    def train(stage: Trainer, when: str) -> None:
+    def train(stage: Trainer | None, when: str, run: Path) -> None:
         t0 = time.perf_counter()
-        stage.train()  # resumes from its run folder's last checkpoint (one per step) when there is one
-        metrics = [json.loads(line) for line in (Path(stage.cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        if stage is not None:
+            stage.train()  # resumes from its run folder's last checkpoint (one per step) when there is one
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         metrics = [m for m in metrics if m.get("phase") == "grpo"]
         record(rows, dict(when=when, steps=len(metrics), seconds=time.perf_counter() - t0,
                           reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
@@ -159,19 +166,23 @@ def main() -> None:
         before = score("before")
     if args.warmup_steps:
         warm = work / "warmup"
-        short = write_archive_task(tok, warm / "data", args.train_rows, 0)
+        short = write_archive_task(tok, warm / "data", args.train_rows, args.score_short)
         final = warm / "run" / "model"
-        if not (final / "config.json").exists():
-            first = Trainer(config(path, short["train"], args.warmup_steps, warm / "run", merge_adapter=True,
-                                   max_completion_length=3072, max_tool_tokens=1024))  # the default run's
-            train(first, "warm-up")
-            del first
+        short_task = dict(max_completion_length=3072, max_tool_tokens=1024)  # the default run's
+        done = (final / "config.json").exists()
+        first = None if done else Trainer(config(path, short["train"], args.warmup_steps, warm / "run",
+                                                 merge_adapter=True, **short_task))
+        train(first, "warm-up", warm / "run")
+        del first
+        if args.score_short:
+            check = Trainer(config(final, short["train"], 1, warm / "check", **short_task))
+            score("warm-short", check, load_jsonl(short["eval"], tok))
+            del check
         trainer = Trainer(config(final, files["train"], args.steps, work / "run",
                                  max_completion_length=args.max_completion, max_tool_tokens=args.max_tool_tokens))
-        agent = trainer.rollout_stage.rollout_func
         if args.score_warm:
             score("warm")
-    train(trainer, "training")
+    train(trainer, "training", work / "run")
     after = score("after")
     lo, hi = paired_bootstrap(before, after)
     record(rows, dict(when="gain", gain=sum(after) / len(after) - sum(before) / len(before), ci95=(lo, hi)), out)
@@ -208,6 +219,10 @@ def _table(rows: list[dict]) -> str:
         w = by["warm"]
         lines.append(f"\nAfter the warm-up alone: {w['success']:.3f} (Wilson {w['ci95'][0]:.3f}–{w['ci95'][1]:.3f}), "
                      f"{w['mean_turns']:.2f} turns, {w['mean_tool_calls']:.2f} tool calls per trajectory.")
+    if "warm-short" in by:
+        w = by["warm-short"]
+        lines.append(f"\nThe short task's held-out rows after the warm-up: {w['success']:.3f} of {w['rows']} (Wilson "
+                     f"{w['ci95'][0]:.3f}–{w['ci95'][1]:.3f}), {w['mean_turns']:.2f} turns.")
     if "source" in by.get("before", {}):
         lines.append(f"\n'before' is the base model's pass of the same held-out rows in {by['before']['source']}.")
     return "\n".join(lines)
