@@ -5,7 +5,8 @@
     python bench/agent_learning_curve.py --in-prompt --sections 11 --section-tokens 500 --distractors 3 \
         --tag in-prompt-8k        # the 11-section document (~6.7K tokens) in the prompt too: ~8K of context
     python bench/agent_learning_curve.py --in-prompt --sections 11 --section-tokens 500 --distractors 3 \
-        --max-completion 1400 --max-tool-tokens 768 --warmup-steps 30 --steps 10 --tag in-prompt-8k-warm \
+        --max-completion 1400 --max-tool-tokens 768 --warmup-steps 30 --steps 8 --threads 2 \
+        --environment GuidedArchiveTools --learning-rate 2e-4 --score-short 32 --tag in-prompt-8k-guided \
         --before-from bench/results/agent_learning_curve-in-prompt-8k.json    # a curriculum: 2K first, then 8K
 
 SmolLM2-135M-Instruct (`longstraw real smollm2`) with a LoRA adapter (r 16) on `longstraw.tasks.archive_tools`: a
