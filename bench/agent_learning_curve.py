@@ -252,11 +252,12 @@ def _plot(rows: list[dict], path: Path) -> None:
         if r:
             ax.axhline(r["success"], linestyle=style, color="k", alpha=0.6, label=f"held-out greedy, {r['when']}")
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("success (right code)")
+    ax.set_ylabel("sampled reward; held-out success (right code)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(rows[0].get("title", "SmolLM2-135M-Instruct, a document behind tools"))
+    title = rows[0].get("title", "SmolLM2-135M-Instruct, a document behind tools")
+    ax.set_title(title.replace(", after", ",\nafter"), fontsize=9 if ", after" in title else None)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
