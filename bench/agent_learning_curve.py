@@ -144,12 +144,13 @@ def main() -> None:
         return got
 
     def train(stage: Trainer | None, when: str, run: Path) -> None:
-        t0 = time.perf_counter()
+        """Train `stage` (None: its run is finished) and record its steps from RUN/metrics.jsonl; `seconds` is the sum
+        of the steps' own times, so a run resumed across processes counts every step once."""
         if stage is not None:
             stage.train()  # resumes from its run folder's last checkpoint (one per step) when there is one
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         metrics = [m for m in metrics if m.get("phase") == "grpo"]
-        record(rows, dict(when=when, steps=len(metrics), seconds=time.perf_counter() - t0,
+        record(rows, dict(when=when, steps=len(metrics), seconds=sum(m["time_step"] for m in metrics),
                           reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
                           tool_calls=[m.get("agent/tool_calls") for m in metrics]), out)
 

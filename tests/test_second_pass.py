@@ -63,4 +63,3 @@ def test_the_second_pass_changes_the_kernels_it_names():
         assert first["matmul"] != second["matmul"], "MKL's matmul is bit-identical under the second pass's settings"
     else:
         assert first["matmul"] == second["matmul"], f"MKL's matmul changed on {vendor}: tests/README.md says it does not"
-
