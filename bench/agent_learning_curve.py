@@ -106,7 +106,8 @@ def main() -> None:
 
     cfg = config(path, files["train"], args.steps, work / "run", max_completion_length=args.max_completion,
                  max_tool_tokens=args.max_tool_tokens)
-    trainer = Trainer(cfg)
+    # the base model's trainer: for its held-out pass, or to train on when there is no warm-up
+    trainer = None if args.before_from and args.warmup_steps else Trainer(cfg)
     held = load_jsonl(files["eval"], tok)
     rows: list[dict] = []
 
@@ -154,7 +155,7 @@ def main() -> None:
                           reward=[m["reward"] for m in metrics], turns=[m.get("agent/turns") for m in metrics],
                           tool_calls=[m.get("agent/tool_calls") for m in metrics]), out)
 
-    prompts = [trainer.encode(ex.prompt).shape[-1] for ex in held]
+    prompts = [len(tok(ex.prompt, add_special_tokens=False)["input_ids"]) for ex in held]  # as `Policy.encode`
     where = "in the prompt and behind tools" if args.in_prompt else "behind tools"
     setup = dict(when="setup", title=f"{args.model}, {args.sections} sections {where}"
                  + (f", after {args.warmup_steps} steps on 8 sections behind tools" if args.warmup_steps else ""),
