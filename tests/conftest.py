@@ -10,7 +10,8 @@ ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 
 #: the files whose numbers depend on how the CPU's kernels round (sums, softmaxes, matrix products): marked
 #: `numerics`, run a second time by `.ci/run` with AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-#: LONGSTRAW_NATIVE_ARCH=x86-64-v3`), as on a machine without AVX-512
+#: MKL_ENABLE_INSTRUCTIONS=AVX2 LONGSTRAW_NATIVE_ARCH=x86-64-v3`, MKL's vendor check preloaded off Intel CPUs), as on
+#: a machine without AVX-512
 NUMERICS = {"test_equivalence", "test_exact", "test_bf16", "test_distributed", "test_distributed_trainer", "test_fsdp",
             "test_fsdp_trainer", "test_kernels", "test_native_kernel", "test_attention", "test_latent_attention",
             "test_compressed_attention", "test_quant", "test_shared_prefix", "test_shared_prefix_step",
