@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--environment", default="ArchiveTools", choices=("ArchiveTools", "GuidedArchiveTools"),
                     help="the task's environment (GuidedArchiveTools: 0.05 for a tool used to some effect)")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the training's seed (row order, sampling, the adapter's initialisation); held-out rows stay")
     ap.add_argument("--warmup-steps", type=int, default=0, help="GRPO steps on the short task first (a curriculum)")
     ap.add_argument("--score-warm", action="store_true", help="play the held-out rows after the warm-up as well")
     ap.add_argument("--score-short", type=int, default=0,
@@ -82,7 +84,8 @@ def main() -> None:
     import longstraw
     from longstraw.tasks.archive_tools import write_archive_task
     from longstraw.tasks.jsonl import load_jsonl
-    from longstraw.tools.real_models import model_path
+    from longstraw.tools.real_models import chat_format, model_path
+    from longstraw.train.build import apply_chat_format
     from longstraw.train.config import TrainConfig
     from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.train.trainer import Trainer
@@ -92,17 +95,20 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path("bench/out") / out.name
     tok = AutoTokenizer.from_pretrained(path)
+    fmt = chat_format(args.model)  # Gemma 3 270M is a base model: longstraw's Gemma turn template, as the trainer's
+    apply_chat_format(TrainConfig(**fmt), tok, None)
     files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows, num_sections=args.sections,
                                section_tokens=args.section_tokens, document_in_prompt=args.in_prompt,
                                distractors=args.distractors)
     def config(model: Path, data: Path, steps: int, run: Path, **task) -> TrainConfig:
-        return TrainConfig(model=str(model), dataset=str(data), eval_fraction=0.0,
+        return TrainConfig(model=str(model), dataset=str(data), eval_fraction=0.0, **fmt,
                            environment=f"longstraw.tasks.archive_tools:{args.environment}",
                            tool_parser="longstraw.tasks.archive_tools:parse_commands",
                            reward_funcs=["environment_reward"], lora=True, lora_r=16, lora_alpha=32,
                            num_generations=args.G, prompts_per_step=args.prompts_per_step, num_steps=steps,
                            max_turns=args.max_turns, max_turn_tokens=24, threads=args.threads, output_dir=str(run),
-                           learning_rate=args.learning_rate, eval_at_start=False, num_completions_to_print=1, **task)
+                           learning_rate=args.learning_rate, seed=args.seed, eval_at_start=False,
+                           num_completions_to_print=1, **task)
 
     cfg = config(path, files["train"], args.steps, work / "run", max_completion_length=args.max_completion,
                  max_tool_tokens=args.max_tool_tokens)

@@ -23,7 +23,7 @@ def _chat(tokenizer, messages, where: str) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{where}: a `messages` row needs a tokenizer with a chat template (tokenizer.chat_template "
-            "is not set); give text `prompt` rows or a model folder whose tokenizer has one"
+            "is not set); give text `prompt` rows, a model folder whose tokenizer has one, or `chat_template_path`"
         )
     if (
         not isinstance(messages, list)

@@ -57,6 +57,10 @@ class RealModel:
     about: str
     #: SHA-256 of the assembled file ("" when the wheel's own file is used as it is)
     sha256: str = ""
+    #: for a base model without a chat template: longstraw's template for it (a file in `templates/`) and the token
+    #: that ends a response in it
+    chat_template: str = ""
+    eos_token: str = ""
 
 
 REAL_MODELS: dict[str, RealModel] = {
@@ -78,6 +82,8 @@ REAL_MODELS: dict[str, RealModel] = {
         "gemma-3-270m-q4_k_m.gguf",
         "Gemma 3 270M (gemma3_text base, 18 layers, sliding window 512, 32,768 positions)",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "gemma3.jinja",
+        "<end_of_turn>",
     ),
 }
 
@@ -86,6 +92,20 @@ def _spec(name: str) -> RealModel:
     if name not in REAL_MODELS:
         raise ValueError(f"unknown real model {name!r}: one of {', '.join(sorted(REAL_MODELS))}")
     return REAL_MODELS[name]
+
+
+def chat_format(name: str) -> dict[str, str]:
+    """The `TrainConfig` fields (`chat_template_path`, `eos_token`) that give the base model `name` a chat format,
+    {} for a model with its own chat template: `TrainConfig(model=str(model_path("gemma3")), **chat_format("gemma3"))`.
+    Gemma 3 270M's: Gemma's turn markup, a tool reply as a user turn (`templates/gemma3.jinja`), ended by
+    `<end_of_turn>`."""
+    spec = _spec(name)
+    if not spec.chat_template:
+        return {}
+    return {
+        "chat_template_path": str(Path(__file__).parent / "templates" / spec.chat_template),
+        "eos_token": spec.eos_token,
+    }
 
 
 def installed(name: str) -> Path | None:

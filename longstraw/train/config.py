@@ -55,6 +55,17 @@ class TrainConfig:
         "alone, as PEFT's LoRA: on Gemma 3 270M the two 262K-token matrices are 2 × 168M parameters, more than the "
         "model, with their gradients and AdamW moments)",
     )
+    chat_template_path: str | None = _f(
+        None,
+        "a chat template for the tokenizer, as TRL's SFTConfig: a Jinja file, or a tokenizer folder whose template "
+        "to take — for a base model without one (Gemma 3 270M: `longstraw.tools.real_models.chat_format('gemma3')` "
+        "gives this field and `eos_token`) or to replace the model's; the saved tokenizer keeps it",
+    )
+    eos_token: str | None = _f(
+        None,
+        "the token that ends a response, as TRL's SFTConfig (null: the tokenizer's eos_token): a chat template's "
+        "end-of-turn token, one token of the vocabulary; the saved model's generation config stops there too",
+    )
     # ------------------------------------------------------------------ data
     task: str = _f("kv_retrieval", f"built-in task: one of {sorted(TASKS)}; ignored when `dataset` is set")
     task_options: dict = _f({"num_pairs": 16, "num_values": 16}, "options of the built-in task")

@@ -65,6 +65,44 @@ def test_the_registry_names_both_real_models():
         real_models.model_path("nope")
 
 
+@pytest.mark.real
+def test_gemma3_chat_format_grows_a_trajectory_as_its_template_writes_the_conversation(real_gemma3):
+    """Gemma 3 270M is a base model without a chat template: `chat_format("gemma3")` gives it one. An agent's branch
+    (the prompt as the trainer encodes it, each response ended by the end-of-turn token, each tool reply's ids from
+    `tool_message_ids`) must be the token sequence the template writes for the whole conversation."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from longstraw.agent.environment import tool_message_ids
+
+    fmt = real_models.chat_format("gemma3")
+    assert real_models.chat_format("smollm2") == {}  # it has its own template
+    tok = AutoTokenizer.from_pretrained(real_gemma3)
+    assert not tok.chat_template
+    tok.chat_template, tok.eos_token = Path(fmt["chat_template_path"]).read_text(), fmt["eos_token"]
+    eos = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.eos_token_id == eos != tok.unk_token_id
+
+    def text(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
+    head = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is the harbor code?"}]
+    turns = [("search harbor", "section 4 mentions harbor"), ("open 4", "The access code is 4817."),
+             ("answer 4817", None)]
+    grown = text(tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True))
+    conversation = list(head)
+    for said, reply in turns:
+        grown += text(said) + [eos]
+        conversation.append({"role": "assistant", "content": said})
+        if reply is not None:
+            grown += tool_message_ids(tok, "archive", reply)
+            conversation.append({"role": "tool", "name": "archive", "content": reply})
+    whole = tok.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert grown == whole[:-1] and tok.decode(whole[-1:]) == "\n"  # the template ends the last turn with a newline
+    assert grown[0] == tok.bos_token_id and grown.count(tok.bos_token_id) == 1
+
+
 def _document_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     """n tokens of real English (the standard library's docstrings, `longstraw.tasks.documents`)."""
     import random

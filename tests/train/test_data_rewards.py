@@ -78,6 +78,41 @@ def test_chat_jsonl_with_reward_function_from_a_file_trains_through_the_cli(tmp_
     assert all(s["prompt"].endswith("=") for s in result["samples"])
 
 
+def test_a_chat_format_from_the_config_formats_the_prompts_stops_the_responses_and_is_saved(tmp_path):
+    """`chat_template_path` and `eos_token` (TRL SFTConfig's names) give a base model without a chat template its chat
+    format: prompts as jinja2 renders the template, responses end at the new token, the saved model keeps both."""
+    import jinja2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _model_folder(tmp_path, chat_template=None)
+    _chat_rows(tmp_path / "chat.jsonl", 4)
+    template = tmp_path / "turns.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    cfg = _cfg(tmp_path, model=str(folder), dataset=str(tmp_path / "chat.jsonl"), chat_template_path=str(template),
+               eos_token="v7", max_completion_length=6, num_generations=4)
+    trainer = Trainer(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    rendered = [jinja2.Template(CHAT_TEMPLATE).render(messages=r["messages"], add_generation_prompt=True) for r in rows]
+    assert sorted(ex.prompt for ex in trainer.data.rows) == sorted(rendered)
+    stop = trainer.tok.convert_tokens_to_ids("v7")
+    assert stop != AutoTokenizer.from_pretrained(folder).eos_token_id and trainer.policy.eos_token_id == stop
+    trainer.train()
+    saved = tmp_path / "run" / "model"
+    assert AutoTokenizer.from_pretrained(saved).chat_template == CHAT_TEMPLATE
+    assert AutoTokenizer.from_pretrained(saved).eos_token_id == stop
+    assert AutoModelForCausalLM.from_pretrained(saved).generation_config.eos_token_id == stop
+    # a template folder: its tokenizer's template; and the refusals, each naming what is wrong
+    other = _model_folder(tmp_path / "other")
+    assert Trainer(_cfg(tmp_path, model=str(folder), dataset=str(tmp_path / "chat.jsonl"),
+                        chat_template_path=str(other))).tok.chat_template == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match=r"chat_template_path .*nowhere\.jinja: no such file or folder"):
+        Trainer(_cfg(tmp_path, model=str(folder), chat_template_path=str(tmp_path / "nowhere.jinja")))
+    with pytest.raises(ValueError, match=r"chat_template_path .*base_model: the tokenizer in this folder has no chat"):
+        Trainer(_cfg(tmp_path, model=str(folder), chat_template_path=str(folder)))
+    with pytest.raises(ValueError, match=r"eos_token '<end_of_turn>' is not a token of the tokenizer's vocabulary"):
+        Trainer(_cfg(tmp_path, model=str(folder), eos_token="<end_of_turn>"))
+
+
 def _cfg(tmp_path, **kw):
     base = dict(model="llama", output_dir=str(tmp_path / "run"), num_steps=1, num_generations=2,
                 max_completion_length=1, progress=False, threads=1, lora=False, eval_fraction=0.0)
