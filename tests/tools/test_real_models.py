@@ -214,6 +214,29 @@ def test_a_missing_real_model_fails_under_ci_and_skips_elsewhere(monkeypatch, ci
     assert "longstraw real smollm2" in str(got.value)
 
 
+def test_ci_run_fails_a_real_model_test_whose_model_is_missing(tmp_path):
+    """`.ci/run` exports `CI` itself: a real-model test run in its environment with an empty model cache fails, where
+    on a developer's machine (no `CI`) it skips."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    exported = dict(re.findall(r"^export ([A-Z_]+)=(\S+)", (root / ".ci" / "run").read_text(), re.M))
+    assert exported.get("CI") == "true", exported
+    test = "tests/tools/test_real_models.py::test_gemma3_chat_format_grows_a_trajectory_as_its_template_writes_the_conversation"
+    plain = {k: v for k, v in os.environ.items() if k != "CI"} | {"LONGSTRAW_CACHE": str(tmp_path)}
+    outcomes = {}
+    for name, env in (("ci", plain | exported), ("developer", plain)):
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test], cwd=root,
+                             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        outcomes[name] = (run.returncode, run.stdout.strip().splitlines()[-1], "longstraw real gemma3" in run.stdout)
+    assert outcomes["ci"][0] == 1 and "1 error" in outcomes["ci"][1] and outcomes["ci"][2], outcomes  # the fixture fails
+    assert outcomes["developer"][0] == 0 and "1 skipped" in outcomes["developer"][1], outcomes
+
+
 # ------------------------------------------------------------------------------------------------ the modes they train in
 
 
