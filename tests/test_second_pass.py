@@ -55,7 +55,7 @@ def _run(env: dict[str, str]) -> dict[str, str]:
                          text=True, timeout=120, stdin=subprocess.DEVNULL, check=True)
     lines = out.stdout.strip().splitlines()
     # MKL_VERBOSE's banner names the code path MKL dispatched to: "... for Intel(R) 64 architecture <path>, Lnx ..."
-    banner = next(ln for ln in lines if ln.startswith("MKL_VERBOSE oneMKL"))
+    banner = next((ln for ln in lines if ln.startswith("MKL_VERBOSE") and "architecture" in ln), "no MKL_VERBOSE banner")
     isa = re.search(r"64 architecture (.*?), Lnx", banner)
     return json.loads(lines[-1]) | {"mkl": isa.group(1) if isa else banner}
 
