@@ -96,7 +96,7 @@ def main() -> None:
     work = Path("bench/out") / out.name
     tok = AutoTokenizer.from_pretrained(path)
     fmt = chat_format(args.model)  # Gemma 3 270M is a base model: longstraw's Gemma turn template, as the trainer's
-    apply_chat_format(TrainConfig(**fmt), tok, None)
+    apply_chat_format(tok, **fmt)
     files = write_archive_task(tok, work / "data", args.train_rows, args.eval_rows, num_sections=args.sections,
                                section_tokens=args.section_tokens, document_in_prompt=args.in_prompt,
                                distractors=args.distractors)

@@ -70,7 +70,7 @@ def build_model_and_tokenizer(cfg: TrainConfig, model=None, tokenizer=None, peft
             setattr(config, key, value)
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     model = model.to(device)
-    apply_chat_format(cfg, tok, model)
+    apply_chat_format(tok, cfg.chat_template_path, cfg.eos_token, model)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses could never stop")
     if peft_config is None and cfg.lora:
@@ -88,11 +88,14 @@ def build_model_and_tokenizer(cfg: TrainConfig, model=None, tokenizer=None, peft
     return model.train(), tok
 
 
-def apply_chat_format(cfg: TrainConfig, tok: PreTrainedTokenizerBase, model) -> None:
-    """The config's `chat_template_path` and `eos_token` set on `tok` (as TRL's SFTTrainer does), the end-of-response
-    token on the model's generation config too, so that the saved model's `generate` stops where the sampler does."""
-    if cfg.chat_template_path:
-        path = Path(cfg.chat_template_path)
+def apply_chat_format(
+    tok: PreTrainedTokenizerBase, chat_template_path: str | None = None, eos_token: str | None = None, model=None
+) -> None:
+    """`TrainConfig`'s `chat_template_path` and `eos_token` set on `tok` (as TRL's SFTTrainer does), the
+    end-of-response token on `model`'s generation config too, so that the saved model's `generate` stops where the
+    sampler does. `apply_chat_format(tok, **longstraw.tools.real_models.chat_format(name))` for a tokenizer alone."""
+    if chat_template_path:
+        path = Path(chat_template_path)
         if path.is_dir():
             template = AutoTokenizer.from_pretrained(path).chat_template
             if not template:
@@ -102,11 +105,11 @@ def apply_chat_format(cfg: TrainConfig, tok: PreTrainedTokenizerBase, model) -> 
         else:
             raise ValueError(f"chat_template_path {path}: no such file or folder")
         tok.chat_template = template
-    if cfg.eos_token:
-        eos = tok.convert_tokens_to_ids(cfg.eos_token)
-        if eos is None or (eos == tok.unk_token_id and cfg.eos_token != tok.unk_token):
-            raise ValueError(f"eos_token {cfg.eos_token!r} is not a token of the tokenizer's vocabulary")
-        tok.eos_token = cfg.eos_token
+    if eos_token:
+        eos = tok.convert_tokens_to_ids(eos_token)
+        if eos is None or (eos == tok.unk_token_id and eos_token != tok.unk_token):
+            raise ValueError(f"eos_token {eos_token!r} is not a token of the tokenizer's vocabulary")
+        tok.eos_token = eos_token
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.eos_token_id = eos

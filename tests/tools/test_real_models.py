@@ -70,17 +70,15 @@ def test_gemma3_chat_format_grows_a_trajectory_as_its_template_writes_the_conver
     """Gemma 3 270M is a base model without a chat template: `chat_format("gemma3")` gives it one. An agent's branch
     (the prompt as the trainer encodes it, each response ended by the end-of-turn token, each tool reply's ids from
     `tool_message_ids`) must be the token sequence the template writes for the whole conversation."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     from longstraw.agent.environment import tool_message_ids
+    from longstraw.train.build import apply_chat_format
 
-    fmt = real_models.chat_format("gemma3")
     assert real_models.chat_format("smollm2") == {}  # it has its own template
     tok = AutoTokenizer.from_pretrained(real_gemma3)
     assert not tok.chat_template
-    tok.chat_template, tok.eos_token = Path(fmt["chat_template_path"]).read_text(), fmt["eos_token"]
+    apply_chat_format(tok, **real_models.chat_format("gemma3"))
     eos = tok.convert_tokens_to_ids("<end_of_turn>")
     assert tok.eos_token_id == eos != tok.unk_token_id
 
