@@ -8,6 +8,10 @@
         --max-completion 1400 --max-tool-tokens 768 --warmup-steps 30 --steps 8 --threads 2 \
         --environment GuidedArchiveTools --learning-rate 2e-4 --score-short 32 --tag in-prompt-8k-guided \
         --before-from bench/results/agent_learning_curve-in-prompt-8k.json    # a curriculum: 2K first, then 8K
+    python bench/agent_learning_curve.py --model gemma3 --in-prompt --sections 48 --section-tokens 500 \
+        --distractors 3 --max-completion 1400 --max-tool-tokens 768 --warmup-steps 30 --steps 8 --threads 2 \
+        --environment GuidedArchiveTools --learning-rate 2e-4 --score-short 32 --tag gemma3-32k-guided
+        # Gemma 3 270M at its native context: prompts of ~29.4K tokens (30.7K at most), trajectories to 32K
 
 SmolLM2-135M-Instruct (`longstraw real smollm2`) with a LoRA adapter (r 16) on `longstraw.tasks.archive_tools`: a
 document of 8 sections (~400 tokens each, the standard library's docstrings) behind the tools `search <word>`,
@@ -27,6 +31,7 @@ model that has never used the tools is rarely rewarded (every reward of a group 
 short task's rewards are denser. "before" is the base model either way, "after" the model after both stages;
 `--score-warm` also plays the held-out rows after the short stage alone, to tell the stages apart, and
 `--score-short N` plays N held-out rows of the short task (its own settings) after it: did the warm-up learn that?
+The warm-up and `--score-short` run first, ahead of the base model's held-out pass (minutes against hours at 32K).
 `--before-from FILE` takes the base model's held-out pass from an earlier results file of the same held-out rows
 (checked: the same task settings and the same prompt lengths) instead of playing it again.
 """
@@ -112,8 +117,7 @@ def main() -> None:
 
     cfg = config(path, files["train"], args.steps, work / "run", max_completion_length=args.max_completion,
                  max_tool_tokens=args.max_tool_tokens)
-    # the base model's trainer: for its held-out pass, or to train on when there is no warm-up
-    trainer = None if args.before_from and args.warmup_steps else Trainer(cfg)
+    trainer = None if args.warmup_steps else Trainer(cfg)  # the base model's, trained on when there is no warm-up
     held = load_jsonl(files["eval"], tok)
     rows: list[dict] = []
 
@@ -167,13 +171,7 @@ def main() -> None:
                  + (f", after {args.warmup_steps} steps on 8 sections behind tools" if args.warmup_steps else ""),
                  args=vars(args), mean_prompt_tokens=sum(prompts) / len(prompts), max_prompt_tokens=max(prompts))
     record(rows, setup, out)
-    if args.before_from:
-        before = reuse_before(Path(args.before_from), setup)
-        record(rows, before, out)
-        before = before["per_row"]
-    else:
-        before = score("before")
-    if args.warmup_steps:
+    if args.warmup_steps:  # first: its steps and --score-short take minutes, the long task's passes hours
         warm = work / "warmup"
         short = write_archive_task(tok, warm / "data", args.train_rows, args.score_short)
         final = warm / "run" / "model"
@@ -189,8 +187,16 @@ def main() -> None:
             del check
         trainer = Trainer(config(final, files["train"], args.steps, work / "run",
                                  max_completion_length=args.max_completion, max_tool_tokens=args.max_tool_tokens))
-        if args.score_warm:
-            score("warm")
+    if args.before_from:
+        before = reuse_before(Path(args.before_from), setup)
+        record(rows, before, out)
+        before = before["per_row"]
+    else:
+        base = Trainer(cfg) if args.warmup_steps else trainer  # the base model, before any step
+        before = score("before", base)
+        del base
+    if args.score_warm:
+        score("warm")
     train(trainer, "training", work / "run")
     after = score("after")
     lo, hi = paired_bootstrap(before, after)
