@@ -172,7 +172,7 @@ def _variant(h, hkv, r, p, keep_from, chunk, window, use_sinks):
 
 
 @pytest.mark.parametrize("kernel,window,use_sinks", [
-    ("flash_cpu", None, False), ("flash_cpu", None, True),  # the fused kernel takes unmasked parts only
+    ("flash_cpu", None, False), ("flash_cpu", None, True), ("flash_cpu", 9, False),  # a window: the kernel's mask
     ("blockwise", None, False), ("blockwise", 9, False), ("blockwise", None, True)])
 def test_a_carried_part_equals_attention_over_the_concatenated_keys(kernel, window, use_sinks):
     """A segmented replay's earlier own K/V passed as a part of their own (`split_attention(carried=...)`): output

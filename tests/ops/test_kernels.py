@@ -69,10 +69,11 @@ def _ref(q, k, v, part, g_out, merged, g_lse, need_kv):
 def _close(got, want, tol, what):
     assert got.shape == want.shape, what
     got = got.double()
-    same_inf = torch.isinf(want) & (got == want)  # a query that sees no key of the part: lse −inf in both
-    assert torch.isfinite(got[~same_inf]).all(), f"{what}: non-finite where the reference is finite"
-    err = (got - want)[~same_inf].abs().max().item()
-    bar = tol * max(1.0, want[~same_inf].abs().max().item())
+    inf = torch.isinf(want)  # a query that sees no key of the part: lse −inf, in the kernel as well
+    assert (got[inf] == want[inf]).all(), f"{what}: {int((got[inf] != want[inf]).sum())} finite where the reference is inf"
+    assert torch.isfinite(got[~inf]).all(), f"{what}: non-finite where the reference is finite"
+    err = (got - want)[~inf].abs().max().item()
+    bar = tol * max(1.0, want[~inf].abs().max().item())
     assert err <= bar, f"{what}: max error {err:.3g} > {bar:.3g}"
 
 
@@ -135,11 +136,14 @@ def test_windowed_part_reads_only_the_keys_its_query_tiles_see(window, chunk):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chosen_kernels(device):
-    """The choice table: fused where the part is mask-free, blockwise where it needs a mask or float64."""
+    """The choice table: fused where the part is mask-free, and on CPU where it has a window or an attention chunk
+    (the flash kernel's mask); blockwise for a softcap, other masks, folded sequences under a window, float64."""
     _kernels_on(device)
     fused = {"cpu": "flash_cpu", "cuda": "flash_cuda"}[device]
-    for name, want in (("full-gqa-odd", fused), ("causal-own-gqa", fused), ("window", "blockwise"),
-                       ("softcap", "blockwise"), ("chunk", "blockwise"), ("dv-differs", "blockwise")):
+    windowed = {"cpu": "flash_cpu", "cuda": "blockwise"}[device]
+    for name, want in (("full-gqa-odd", fused), ("causal-own-gqa", fused), ("window", windowed),
+                       ("softcap", "blockwise"), ("chunk", windowed), ("window-tiled-prompt", windowed),
+                       ("dv-differs", "blockwise")):
         q, k, v, part, *_ = _inputs(name, device, torch.bfloat16)
         assert kernels.choose(q, k, v, part).name == want, name
     q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float64)
@@ -210,3 +214,34 @@ def test_split_attention_bf16_on_device(device, window, softcap):
     want = torch.autograd.grad((ref * w).sum(), ref_in)
     for a, b, what in zip(got, want, ("dq", "dk_own", "dv_own", "dk_prompt", "dv_prompt")):
         _close(a.cpu(), b, 2 * TOL[torch.bfloat16], what)
+
+
+@pytest.mark.parametrize("name", ["window-tiled-own", "window-tiled-prompt", "chunk-tiled-own"])
+def test_masked_cpu_tiles_split_to_bound_their_mask(name, monkeypatch):
+    """The CPU flash kernel's long windowed and chunked parts with the mask's element bound cut to 2,048: each tile's
+    rows split into tiles of 16 (the smallest), every mask within the bound or of at most 16 rows, and out, lse,
+    dq, dk, dv still the reference's (`TOL`)."""
+    from longstraw.ops.kernels import fused
+
+    monkeypatch.setattr(fused, "TILE_ELEMENTS", 2048)
+    kernel = KERNELS["flash_cpu"]
+    if not kernel.available():
+        pytest.skip("no CPU flash kernel in this torch build")
+    sizes = []
+    raw = kernel.raw_masked_forward
+
+    def recording(q, k, v, bias, scale):
+        sizes.append((q.shape[2], bias.numel()))
+        return raw(q, k, v, bias, scale)
+
+    monkeypatch.setattr(kernel, "raw_masked_forward", recording)
+    q, k, v, part, g_out, merged, _ = _inputs(name, "cpu", torch.float32)
+    out, lse = kernel.forward(q, k, v, part)
+    r_out, r_lse, want = _ref(q, k, v, part, g_out, merged, None, True)
+    g = q.shape[1] // k.shape[1]
+    assert sizes and all(n <= 2048 or rows <= 16 * g for rows, n in sizes), sizes
+    assert len(sizes) > 1
+    _close(out, r_out, TOL[torch.float32], "out")
+    _close(lse, r_lse, TOL[torch.float32], "lse")
+    for got, ref, what in zip(kernel.backward(g_out, q, k, v, merged, lse, part, True), want, ("dq", "dk", "dv")):
+        _close(got, ref, GRAD_FACTOR * TOL[torch.float32], what)

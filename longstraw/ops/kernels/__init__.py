@@ -13,7 +13,8 @@ Kernels (`KERNELS`):
 - `simd_cpu`: longstraw's compiled float32 kernel for mask-free parts where every query sees every key (the
   prompt part), value dims a multiple of 16; built on first use (`kernels/native.py`); causal parts and
   backward are flash_cpu's.
-- `flash_cpu`: PyTorch's fused CPU flash attention (float32 / bf16 / fp16).
+- `flash_cpu`: PyTorch's fused CPU flash attention (float32 / bf16 / fp16); windowed and chunked parts through its
+  additive mask, in the blockwise kernel's query tiles (`fused.py`).
 - `flash_cuda`: PyTorch's FlashAttention-2 (bf16 / fp16, head dim ≤ 256, multiple of 8).
 - `efficient_cuda`: PyTorch's memory-efficient attention (float32 and half, head dim ≤ 512).
 
@@ -21,8 +22,10 @@ The choice (`choose`), per part:
 
 | device | part                                          | dtype        | kernel           |
 |--------|-----------------------------------------------|--------------|------------------|
-| any    | window, attention chunk or softcap            | any          | blockwise        |
+| any    | softcap                                       | any          | blockwise        |
 | any    | float64                                       | float64      | blockwise        |
+| cpu    | window or attention chunk, consecutive query positions | fp32/bf16/fp16 | flash_cpu (masked) |
+| any    | window or attention chunk, elsewhere          | any          | blockwise        |
 | cpu    | mask-free, fp32, value dim a multiple of 16 ≤ 128 | fp32       | simd_cpu         |
 | cpu    | mask-free (prompt part; square causal own part) | fp32/bf16/fp16 | flash_cpu      |
 | cuda   | mask-free, head dim ≤ 256, multiple of 8      | bf16 / fp16  | flash_cuda       |

@@ -13,40 +13,12 @@ which is what makes a long capture chunk of a sliding-window layer as cheap as i
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..quant import read_block
-from .part import TILE_ELEMENTS, Part, acc_dtype, may_see, visible
 
-#: Bounds of the query tile of a windowed or chunked part: the window (or chunk) clamped to this range. A tile of
-#: Q rows over a window W reads at most W + Q − 1 keys; a small window gets tiles of 64 rows, enough for the matrix
-#: products to outweigh the loop's per-tile cost (a window of 5 over a 504-query chunk: 3.0× faster than one tile)
-QUERY_TILE = (64, 1024)
-
-
-def query_tiles(part: Part, r: int):
-    """Yield (i0, i1, sub-part) over row tiles of a part's R queries: one tile (the part itself) unless the part has
-    a window or an attention chunk, consecutive query positions and R over twice the tile."""
-    span = part.window if part.window is not None else part.chunk
-    tile = None if span is None else min(max(span, QUERY_TILE[0]), QUERY_TILE[1])
-    if tile is None or part.q_period is not None or r <= 2 * tile:
-        yield 0, r, part
-        return
-    for i0 in range(0, r, tile):
-        yield i0, min(i0 + tile, r), replace(part, q_start=part.q_start + i0)
-
-
-def key_range(part: Part, r: int, t: int) -> tuple[int, int]:
-    """[first, end) of the key offsets some query of the part may see: past keys within the window (or the first
-    query's attention chunk), none in the queries' future."""
-    first = 0
-    if part.window is not None:
-        first = max(first, part.q_start - part.window + 1 - part.k_start)
-    if part.chunk is not None:
-        first = max(first, (part.q_start // part.chunk) * part.chunk - part.k_start)
-    return min(first, t), max(0, min(t, part.q_last(r) - part.k_start + 1))
+# the query tiles and key ranges are `part`'s (the masked fused kernel walks the same tiles); named here as well
+from .part import QUERY_TILE, TILE_ELEMENTS, Part, acc_dtype, key_range, may_see, query_tiles, visible  # noqa: F401
 
 
 def blocks(part: Part, rows: int, r: int, t: int, device):

@@ -13,7 +13,13 @@ with the part's whole log-sum-exp gives exactly that tile's share of dq). Transi
 of K/V (and of its dK / dV), never a copy of the part.
 
 - `flash_cpu`: `aten._scaled_dot_product_flash_attention_for_cpu` (+ backward), torch 2.11–2.13; float32,
-  bfloat16, float16; tiles of TILE_ELEMENTS keys × heads × dims (at least `part.block` keys).
+  bfloat16, float16; tiles of TILE_ELEMENTS keys × heads × dims (at least `part.block` keys). It also computes
+  windowed and chunked parts (sliding-window layers, Llama 4's attention chunks) through the kernel's additive mask:
+  the queries in the blockwise kernel's tiles (`part.query_tiles`), each over only the keys its rows may see
+  (`part.key_range`), masked by `part.visible` (a float mask of tile rows × heads per key head × those keys, at
+  most TILE_ELEMENTS elements: a tile's rows split further where the window and g call for it). A query that sees
+  no key gets out 0 and lse −inf, as in blockwise. 1.5–3× blockwise's forward on a Gemma 3 capture chunk (window
+  512, head dim 256), ~10× at a window of 4,096 (one core; `tests/ops/test_kernels.py` holds it to the reference).
 - `simd_cpu`: longstraw's compiled float32 kernel (`native.py`) for 'full' parts with value dims a multiple of 16,
   ≤ SIMD_MAX_HEAD_DIM, reading an 8-bit state in place (decoded per tile inside the kernel); its causal parts and
   backward are `flash_cpu`'s.
@@ -25,11 +31,13 @@ of K/V (and of its dK / dV), never a copy of the part.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..quant import QuantizedTokens, read_block
 from . import native
-from .part import TILE_ELEMENTS, Part, mask_free_mode
+from .part import TILE_ELEMENTS, Part, key_range, mask_free_mode, may_see, query_tiles, visible
 
 aten = torch.ops.aten
 #: keys × heads × dims per tile when a CPU part is read tile by tile (a compressed state, dq-only backward)
@@ -94,6 +102,9 @@ class FusedKernel:
     name = "fused"
     device_type = "cpu"
     dtypes: tuple[torch.dtype, ...] = ()
+    #: whether the kernel takes an additive mask (`raw_masked_forward` / `raw_masked_backward`): windowed and chunked
+    #: parts of consecutive query positions, tile by tile
+    masked = False
 
     def available(self) -> bool:
         raise NotImplementedError
@@ -111,6 +122,12 @@ class FusedKernel:
     def raw_backward(self, do, q, k, v, out, lse, causal: bool, scale: float):
         raise NotImplementedError
 
+    def raw_masked_forward(self, q, k, v, bias, scale: float):
+        raise NotImplementedError
+
+    def raw_masked_backward(self, do, q, k, v, out, lse, bias, scale: float):
+        raise NotImplementedError
+
     # -------------------------------------------------------------------- interface
     def why_not(self, q, k, v, part: Part) -> str | None:
         """None when this kernel computes the part exactly, else the reason it does not."""
@@ -123,7 +140,12 @@ class FusedKernel:
         if part.softcap is not None:
             return "no softcap"
         if mask_free_mode(part, q.shape[2], k.shape[2]) is None:
-            return "the part needs a mask (window, chunk, or keys after some query)"
+            if not self.masked:
+                return "the part needs a mask (window, chunk, or keys after some query)"
+            if part.window is None and part.chunk is None:
+                return "the part needs a mask other than a window or an attention chunk (keys after some query)"
+            if part.q_period is not None:
+                return "a window over the rows of several folded sequences"
         if v.shape[-1] != q.shape[-1] or not self.head_dim_ok(q.shape[-1]):
             return f"head dims q {q.shape[-1]} / v {v.shape[-1]}"
         if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
@@ -132,6 +154,8 @@ class FusedKernel:
 
     def forward(self, q, k, v, part: Part):
         mode = mask_free_mode(part, q.shape[2], k.shape[2])
+        if mode is None:
+            return self._masked_forward(q, k, v, part)
         b, h, r, _ = q.shape
         hkv = k.shape[1]
         if mode == "causal":
@@ -161,6 +185,8 @@ class FusedKernel:
 
     def backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
         mode = mask_free_mode(part, q.shape[2], k.shape[2])
+        if mode is None:
+            return self._masked_backward(g_out, q, k, v, out, lse, part, need_kv)
         b, h, r, _ = q.shape
         hkv = k.shape[1]
         lse = lse.float().contiguous()
@@ -179,6 +205,74 @@ class FusedKernel:
             d, _, _ = self.raw_backward(dof, qf, kb, vb, outf, lsef, False, part.scale)
             dq = d.float() if dq is None else dq + d.float()
         return dq.to(q.dtype).reshape(q.shape), None, None
+
+    def _masked_tiles(self, part: Part, r: int, t: int, g: int, dtype, device):
+        """Yield (i0, i1, first key, end key, bias `[g·rows, n]`, seen `[rows]` bool) over the query tiles of a
+        windowed or chunked part that see some key: the additive mask of the tile's rows (repeated for the g query
+        heads folded under each key head) over its key range, and which rows see any key. A tile's mask is kept to
+        TILE_ELEMENTS elements (what the planner budgets for the blockwise kernel's score tile) by splitting its
+        rows: a tile of `rows` reads at most window (or chunk) + rows keys."""
+        for i0, i1, sub in query_tiles(part, r):
+            span = part.window if part.window is not None else part.chunk
+            assert span is not None  # a masked part is windowed or chunked (`why_not`)
+            step = max(16, TILE_ELEMENTS // (g * (span + i1 - i0)))
+            for j0 in range(i0, i1, step):
+                j1 = min(j0 + step, i1)
+                rows, rows_part = j1 - j0, replace(sub, q_start=sub.q_start + j0 - i0)
+                first, end = key_range(rows_part, rows, t)
+                if end <= first or not may_see(rows_part, rows, part.k_start + first, part.k_start + end - 1):
+                    continue
+                vis = visible(rows_part, rows, first, end - first, device)
+                if vis is None:
+                    vis = torch.ones(rows, end - first, dtype=torch.bool, device=device)
+                bias = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+                yield j0, j1, first, end, bias.repeat(g, 1), vis.any(-1)
+
+    def _masked_forward(self, q, k, v, part: Part):
+        """(out, lse) of a windowed or chunked part, tile by tile (see the module doc)."""
+        b, h, r, _ = q.shape
+        hkv, t = k.shape[1], k.shape[2]
+        out = q.new_zeros(b, h, r, v.shape[-1])
+        lse = torch.full((b, h, r), float("-inf"), dtype=torch.float32, device=q.device)
+        for i0, i1, first, end, bias, seen in self._masked_tiles(part, r, t, h // hkv, q.dtype, q.device):
+            n, rows = end - first, i1 - i0
+            kb, vb = read_block(k, first, n, q.dtype, q.device), read_block(v, first, n, q.dtype, q.device)
+            o, lt = self.raw_masked_forward(_fold(q[:, :, i0:i1], hkv), kb, vb, bias, part.scale)
+            out[:, :, i0:i1] = o.reshape(b, h, rows, -1)
+            lse[:, :, i0:i1] = lt.reshape(b, h, rows).masked_fill(~seen, float("-inf"))  # the kernel gives 0 there
+        return out, lse
+
+    def _masked_backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+        """(dq, dk, dv) of a windowed or chunked part, tile by tile: each tile's rows get their whole dq from it (a
+        tile reads every key its rows see); its dK / dV add into the key range it read, in float32."""
+        b, h, r, _ = q.shape
+        hkv, t = k.shape[1], k.shape[2]
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device) if need_kv else None
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device) if need_kv else None
+        # a row that sees no key: its log-sum-exp −inf would make exp(s − lse) = exp(−inf + inf); any finite value
+        # gives probability 0 over its all-masked scores
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).float()
+        for i0, i1, first, end, bias, _ in self._masked_tiles(part, r, t, h // hkv, q.dtype, q.device):
+            n, rows = end - first, i1 - i0
+            kb, vb = read_block(k, first, n, q.dtype, q.device), read_block(v, first, n, q.dtype, q.device)
+            rows_of = [_fold(x[:, :, i0:i1], hkv) for x in (g_out, q, out)]
+            d_q, d_k, d_v = self.raw_masked_backward(
+                rows_of[0], rows_of[1], kb, vb, rows_of[2], _fold(lse[:, :, i0:i1], hkv).contiguous(), bias, part.scale
+            )
+            dq[:, :, i0:i1] = d_q.reshape(b, h, rows, -1)
+            if need_kv:
+                assert dk is not None and dv is not None  # allocated when need_kv
+                dk[:, :, first:end] += d_k.float()
+                dv[:, :, first:end] += d_v.float()
+        if need_kv:
+            assert dk is not None and dv is not None
+            return (
+                dq,
+                dk.to(k.dtype if isinstance(k, torch.Tensor) else q.dtype),
+                dv.to(v.dtype if isinstance(v, torch.Tensor) else q.dtype),
+            )
+        return dq, None, None
 
 
 def _repeat(x, g):
@@ -212,6 +306,17 @@ class FlashCPU(FusedKernel):
             do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale
         )
 
+    masked = True
+
+    def raw_masked_forward(self, q, k, v, bias, scale):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse
+
+    def raw_masked_backward(self, do, q, k, v, out, lse, bias, scale):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, False, attn_mask=bias, scale=scale
+        )
+
 
 class SimdCPU(FlashCPU):
     """longstraw's compiled float32 kernel (`native.py`) for the 'full' parts — the prompt part, every query over
@@ -220,6 +325,7 @@ class SimdCPU(FlashCPU):
 
     name = "simd_cpu"
     dtypes = (torch.float32,)
+    masked = False  # windowed parts are flash_cpu's (next in the CPU preference)
 
     def available(self):
         return native.why_unavailable() is None
