@@ -9,7 +9,8 @@ Two measurements, each alternating the two so that a shared machine's noise hits
    (window 4,096, 32 over 8, head dim 128). Every call's output is checked against the other kernel's.
 2. One capture of Gemma 3 270M (`longstraw real gemma3`, float32, 15 of its 18 layers sliding) at --capture-P
    tokens, each kernel in its own fresh process, --capture-threads threads; "blockwise" turns the masked path off
-   (`fused.FLASH_CPU.masked = False`: the windowed parts go to the blockwise kernel, as before it existed).
+   (`fused.FLASH_CPU.masked = False`: the windowed parts go to the blockwise kernel, as before it existed); then
+   DECODE_TOKENS greedy tokens from the state (one query row per step), whose tokens the two kernels must agree on.
 
     python bench/windowed_kernel.py                    # both (a few minutes on quiet cores)
     python bench/windowed_kernel.py --capture-P 0      # the parts alone
@@ -31,6 +32,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from _bench import finish, record  # noqa: E402
 
+#: greedy tokens decoded from each capture (one query row a step: the windowed parts' smallest case)
+DECODE_TOKENS = 32
 #: name: (query heads, key heads, head dim, window)
 SHAPES = {"gemma3": (4, 1, 256, 512), "mistral": (32, 8, 128, 4096)}
 
@@ -99,10 +102,14 @@ def capture_child(P: int, kernel: str, threads: int) -> None:
         fused.FLASH_CPU.masked = False
     model = AutoModelForCausalLM.from_pretrained(model_path("gemma3"), dtype=torch.float32).eval()
     prompt = torch.randint(100, 200000, (P,), generator=torch.Generator().manual_seed(0))
-    t0 = time.perf_counter()
-    with torch.no_grad(), longstraw.capture(model, prompt):
-        seconds = time.perf_counter() - t0
-    print(json.dumps(dict(seconds=seconds)))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        with longstraw.capture(model, prompt) as state:
+            seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens = state.sample(1, DECODE_TOKENS, temperature=0.0).tokens[0].tolist()
+            decode = time.perf_counter() - t0
+    print(json.dumps(dict(seconds=seconds, decode_seconds=decode, tokens=tokens)))
 
 
 def main() -> None:
@@ -126,15 +133,20 @@ def main() -> None:
         for case in cases(SHAPES[shape][3], args.chunk):
             record(rows, part_times(shape, case, args.threads, args.repeats, args.chunk), out)
     if args.capture_P:
-        secs: dict[str, list[float]] = {"blockwise": [], "flash_cpu": []}
+        runs: dict[str, list[dict]] = {"blockwise": [], "flash_cpu": []}
         for _ in range(args.capture_repeats):
-            for kernel in secs:
+            for kernel in runs:
                 res = subprocess.run([sys.executable, __file__, "--child", str(args.capture_P), kernel,
                                       str(args.capture_threads)], capture_output=True, text=True, check=True)
-                secs[kernel].append(json.loads(res.stdout.strip().splitlines()[-1])["seconds"])
+                runs[kernel].append(json.loads(res.stdout.strip().splitlines()[-1]))
+        best = {k: min(r["seconds"] for r in v) for k, v in runs.items()}
+        decode = {k: min(r["decode_seconds"] for r in v) for k, v in runs.items()}
         record(rows, dict(what="capture", model="gemma3", P=args.capture_P, threads=args.capture_threads,
-                          blockwise_s=min(secs["blockwise"]), flash_cpu_s=min(secs["flash_cpu"]), runs=secs,
-                          speedup=min(secs["blockwise"]) / min(secs["flash_cpu"])), out)
+                          blockwise_s=best["blockwise"], flash_cpu_s=best["flash_cpu"],
+                          speedup=best["blockwise"] / best["flash_cpu"], decode_tokens=DECODE_TOKENS,
+                          blockwise_decode_s=decode["blockwise"], flash_cpu_decode_s=decode["flash_cpu"],
+                          same_greedy_tokens=runs["blockwise"][0]["tokens"] == runs["flash_cpu"][0]["tokens"],
+                          runs=runs), out)
     finish(rows, out, plot, table)
 
 
@@ -174,7 +186,9 @@ def table(rows) -> str:
         if r["what"] == "capture":
             lines.append(f"\nGemma 3 270M capture of {r['P']:,} tokens, float32, {r['threads']} threads, fresh "
                          f"process each: blockwise {r['blockwise_s']:.1f} s → flash_cpu {r['flash_cpu_s']:.1f} s "
-                         f"({r['speedup']:.2f}×; best of {len(r['runs']['blockwise'])}).")
+                         f"({r['speedup']:.2f}×; best of {len(r['runs']['blockwise'])}); {r['decode_tokens']} greedy "
+                         f"tokens from it {r['blockwise_decode_s']:.2f} s → {r['flash_cpu_decode_s']:.2f} s, the "
+                         f"same tokens: {r['same_greedy_tokens']}.")
     return "\n".join(lines)
 
 

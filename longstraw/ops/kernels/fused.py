@@ -18,8 +18,8 @@ of K/V (and of its dK / dV), never a copy of the part.
   the queries in the blockwise kernel's tiles (`part.query_tiles`), each over only the keys its rows may see
   (`part.key_range`), masked by `part.visible` (a float mask of tile rows × heads per key head × those keys, at
   most TILE_ELEMENTS elements: a tile's rows split further where the window and g call for it). A query that sees
-  no key gets out 0 and lse −inf, as in blockwise. 1.5–3× blockwise's forward on a Gemma 3 capture chunk (window
-  512, head dim 256), ~10× at a window of 4,096 (one core; `tests/ops/test_kernels.py` holds it to the reference).
+  no key gets out 0 and lse −inf, as in blockwise. Forward 1.5–1.6× blockwise's on a Gemma 3 capture chunk's parts
+  (window 512, head dim 256), 5.6–10× at Mistral's window of 4,096 (`bench/windowed_kernel.py`, 2 threads).
 - `simd_cpu`: longstraw's compiled float32 kernel (`native.py`) for 'full' parts with value dims a multiple of 16,
   ≤ SIMD_MAX_HEAD_DIM, reading an 8-bit state in place (decoded per tile inside the kernel); its causal parts and
   backward are `flash_cpu`'s.
