@@ -195,7 +195,7 @@ def main() -> None:
         base = Trainer(cfg) if args.warmup_steps else trainer  # the base model, before any step
         before = score("before", base)
         del base
-    if args.score_warm:
+    if args.warmup_steps and args.score_warm:
         score("warm")
     train(trainer, "training", work / "run")
     after = score("after")

@@ -212,9 +212,9 @@ class FusedKernel:
         heads folded under each key head) over its key range, and which rows see any key. A tile's mask is kept to
         TILE_ELEMENTS elements (what the planner budgets for the blockwise kernel's score tile) by splitting its
         rows: a tile of `rows` reads at most window (or chunk) + rows keys."""
+        span = part.window if part.window is not None else part.chunk
+        assert span is not None  # a masked part is windowed or chunked (`why_not`)
         for i0, i1, sub in query_tiles(part, r):
-            span = part.window if part.window is not None else part.chunk
-            assert span is not None  # a masked part is windowed or chunked (`why_not`)
             step = max(16, TILE_ELEMENTS // (g * (span + i1 - i0)))
             for j0 in range(i0, i1, step):
                 j1 = min(j0 + step, i1)
@@ -256,23 +256,15 @@ class FusedKernel:
         for i0, i1, first, end, bias, _ in self._masked_tiles(part, r, t, h // hkv, q.dtype, q.device):
             n, rows = end - first, i1 - i0
             kb, vb = read_block(k, first, n, q.dtype, q.device), read_block(v, first, n, q.dtype, q.device)
-            rows_of = [_fold(x[:, :, i0:i1], hkv) for x in (g_out, q, out)]
-            d_q, d_k, d_v = self.raw_masked_backward(
-                rows_of[0], rows_of[1], kb, vb, rows_of[2], _fold(lse[:, :, i0:i1], hkv).contiguous(), bias, part.scale
-            )
+            do_t, q_t, out_t, lse_t = (_fold(x[:, :, i0:i1], hkv) for x in (g_out, q, out, lse))
+            d_q, d_k, d_v = self.raw_masked_backward(do_t, q_t, kb, vb, out_t, lse_t.contiguous(), bias, part.scale)
             dq[:, :, i0:i1] = d_q.reshape(b, h, rows, -1)
-            if need_kv:
-                assert dk is not None and dv is not None  # allocated when need_kv
+            if dk is not None and dv is not None:  # need_kv: key gradients of a plain K/V part
                 dk[:, :, first:end] += d_k.float()
                 dv[:, :, first:end] += d_v.float()
-        if need_kv:
-            assert dk is not None and dv is not None
-            return (
-                dq,
-                dk.to(k.dtype if isinstance(k, torch.Tensor) else q.dtype),
-                dv.to(v.dtype if isinstance(v, torch.Tensor) else q.dtype),
-            )
-        return dq, None, None
+        if dk is None or dv is None:
+            return dq, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _repeat(x, g):
@@ -288,6 +280,7 @@ class FlashCPU(FusedKernel):
     name = "flash_cpu"
     device_type = "cpu"
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    masked = True
 
     def available(self):
         return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -305,8 +298,6 @@ class FlashCPU(FusedKernel):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.contiguous(), q, k, v, out.contiguous(), lse, 0.0, causal, scale=scale
         )
-
-    masked = True
 
     def raw_masked_forward(self, q, k, v, bias, scale):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
