@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--before-from", default=None, help="an earlier results JSON whose 'before' pass to reuse")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not args.warmup_steps and (args.score_warm or args.score_short):
+        ap.error("--score-warm and --score-short score a curriculum's warm-up: give --warmup-steps as well")
     if args.out is None:
         args.out = str(RESULTS / ("agent_learning_curve" + (f"-{args.tag}" if args.tag else "")))
 

@@ -229,13 +229,15 @@ class _Carry:
     """What later segments read of one trajectory's own growth, as tensors that collect its gradient.
 
     Tensors that grow with the trajectory (attention keys and values `[1, Hkv, T, D]`, MLA latents `[1, 1, T, r + dr]`
-    and DSA indexer keys `[1, T, Di]`): one buffer each for the whole trajectory (leaves that require grad); a segment
-    reads the positions before it as a view of the buffer (its gradient lands in `buffer.grad`) and what it produced
+    and DSA indexer keys `[1, T, Di]`): one buffer each for the whole trajectory, with its gradient; a segment reads
+    the positions before it in place (`_read`: its gradient added into `buffer.grad` in place) and what it produced
     is copied in after its forward. Recurrent layers (linear attention, SSM, short convolutions): the states at each
     segment boundary as leaves (O(1) each); boundary 0 is the prompt state's own (exact-mode leaves of the
     `PromptState`). What the cache already held of its own when the carry was made (a `Branch`'s tokens: a row's
     question after a shared document) is the buffers' first positions, constants the trajectory reads.
-    Memory: 2 × the trajectory's own state + the boundary states.
+    Memory: 2 × the trajectory's own state + the boundary states; during a segment's backward, also one layer's
+    gradients of what the segment read (the attention kernel's dK and dV, and one of them copied into the read's
+    strides: up to 1.5 / L of the own state over L layers).
     """
 
     @staticmethod
@@ -271,6 +273,27 @@ class _Carry:
     def _slice(t: torch.Tensor, dim: int, start: int, end: int | None = None) -> torch.Tensor:
         return t.narrow(dim % t.dim(), start, (t.shape[dim] if end is None else end) - start)
 
+    def _read(self, key: tuple[int, str], dim: int, length: int) -> torch.Tensor:
+        """The first `length` positions of buffer `key` as a leaf of their own, sharing the buffer's storage; the
+        gradient a backward delivers to it is added into the same positions of the buffer's gradient in place and
+        dropped. Its accumulation runs as soon as the layer's backward has made it (autograd runs a leaf's first),
+        so what a segment's backward holds beyond the carry is one layer's gradient of what it read (in the leaf's
+        strides), not a zero-filled gradient of the whole buffer per layer (a view's backward would make one) nor
+        every layer's at once (a function of the buffer, created before the segment's forward, would run last)."""
+        buf = self.buffers[key]
+        leaf = self._slice(buf.detach(), dim, 0, length).requires_grad_(True)
+
+        def accumulate(t: torch.Tensor) -> None:
+            if t.grad is None:
+                return
+            if buf.grad is None:
+                buf.grad = torch.zeros_like(buf)
+            self._slice(buf.grad, dim, 0, length).add_(t.grad)
+            t.grad = None
+
+        leaf.register_post_accumulate_grad_hook(accumulate)
+        return leaf
+
     def enter(self, cache: BranchCache, j: int, start: int) -> None:
         """Set the cache up to run segment j (first token at `start`) from the carry."""
         for i, attrs in self.appended.items():
@@ -279,7 +302,7 @@ class _Carry:
                 key = (i, name)
                 buf = self.buffers.get(key)
                 before[name] = (
-                    self.base[key] if start == 0 or buf is None else self._slice(buf, dim, 0, self.kept[key] + start)
+                    self.base[key] if start == 0 or buf is None else self._read(key, dim, self.kept[key] + start)
                 )
             _grown(cache, i).enter_segment(before, self.offset[i])
         for i in self.recurrent:

@@ -9,9 +9,11 @@ import torch
 
 import longstraw
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.testing.memory import LiveBytes
+from longstraw.testing.models import tiny_model
 from longstraw.trajectory import replay_segments, segments
 
-from .conftest import make_model, tie_free_tokens
+from .conftest import make_model, tie_free_tokens, tokens
 from .test_equivalence import FP32_GRAD_TOL
 
 #: one tiny model per layer kind: full attention, sliding window, chunked attention, attention sinks, gated DeltaNet,
@@ -88,6 +90,38 @@ def test_segmented_replay_equals_whole_replay_and_not_the_per_turn_gradient():
     turns = segmented_reference_logprobs(model, prompt, response, MASK)
     per_turn = torch.autograd.grad(sum((w[sl] * lp).sum() for sl, lp in turns), params)
     assert rel(per_turn) > 100 * FP32_GRAD_TOL
+
+
+def _replay_peak(model, state, turns: int, turn: int = 2, tool: int = 48) -> tuple[int, int]:
+    """The peak bytes of tensors the segmented replay of a `turns`-turn trajectory holds, and its length."""
+    mask = torch.tensor(([1.0] * turn + [0.0] * tool) * (turns - 1) + [1.0] * turn)
+    response = tokens(mask.numel(), seed=2)
+    for p in model.parameters():
+        p.grad = None
+    with LiveBytes() as live:
+        replay_segments(state, response, mask, lambda sl, out: out.logprobs.sum())
+    return live.peak, mask.numel()
+
+
+def test_segmented_replay_memory_grows_by_the_own_kv_and_its_gradient():
+    """Memory at the floor: from 2 to 16 turns (2 policy tokens and 48 tool tokens a turn) the peak of the tensor
+    memory the replay holds (`LiveBytes`: bytes of live tensors, exact, not RSS) grows by at most
+    (2 + 1.5 / L) × what the trajectory's own K/V grows by, that computed from the config (L layers × K and V × Hkv ×
+    D × 4 bytes a token): the own K/V and the gradient the whole trajectory's objective accumulates on them, one
+    layer's gradient of what a segment read (the kernel's dK and dV, one of them copied into the read's strides), and
+    32 bytes a token for the per-token results (log-prob, entropy, input id, mask). A replay that holds more than one
+    segment's graph grows with the trajectory's activations and fails it (seen: replayed whole, 25×)."""
+    layers = 4
+    model = tiny_model("llama", num_hidden_layers=layers)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    own_per_token = layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    state = longstraw.capture(model, tokens(19, seed=1), chunk_size=8)
+    peak2, length2 = _replay_peak(model, state, 2)
+    peak16, length16 = _replay_peak(model, state, 16)
+    grown = (length16 - length2) * own_per_token
+    bound = (2 + 1.5 / layers) * grown + 32 * (length16 - length2)
+    assert peak16 - peak2 <= bound, (peak16 - peak2) / grown
 
 
 @pytest.mark.parametrize("arch", KINDS)
