@@ -3,10 +3,11 @@ gradient of replaying it whole.
 
 A trajectory after the prompt is `tokens` `[T]` with a `mask` `[T]` (1: the policy wrote it, 0: the environment did:
 tool output, observations). Its segments are the maximal runs of equal mask. `replay_segments` walks them in order
-on one branch cache forked from the prompt state (`longstraw.branch`), each policy segment with autograd, its loss
-(`segment_loss`) back-propagated at once, environment segments without autograd; then a reverse pass recomputes the
-segments last to first with autograd and pushes the gradient that later segments sent to each one's own K/V (or
-recurrent states) back through it (`_Carry`).
+on one branch cache forked from the prompt state (`longstraw.branch`) without autograd, keeping what each produced
+(`_Carry`), but the last policy segment: with autograd, its loss (`segment_loss`) back-propagated at once. Then a
+reverse pass recomputes the segments before it last to first with autograd and back-propagates through each, in one
+backward, the gradient that later segments sent to its own K/V (or recurrent states) and, for a policy segment, its
+loss.
 
 The gradient is the whole trajectory's, whichever way it is replayed: one forward + backward of
 [prompt + trajectory] with the prompt read as the state holds it. With a detached prompt state (`prompt_grad=
@@ -20,8 +21,8 @@ the whole trajectory's graph.
 
 Memory: the prompt state + the trajectory's own K/V or states (without autograd) + their gradient (accumulated during
 the reverse pass) + one segment's graph: independent of G (trajectories are replayed one at a time); the graph does
-not grow with the number of turns. Work: every trajectory token runs once forward, and the segments before the last
-policy turn once more forward and backward.
+not grow with the number of turns. Work: the whole replay's forward and backward, and one more forward of the
+segments before the last policy turn.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def replay_segments(
 
     `segment_loss(sl, replay)` gets the slice `sl` of the trajectory the segment covers and its log-probs and
     entropies `[len]` (with grad) and returns the segment's share of the loss (a 0-d tensor, or None to skip its
-    backward). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
+    backward); it is called once per policy segment, the last one first, then the others last to first (the reverse
+    pass). Returns the whole trajectory's log-probs and entropies `[T]`, detached (0 at environment tokens).
 
     `prefix_ids` `[L]`: tokens between the prompt state and the trajectory (a row's own question after a shared
     document, `PromptState.replay`): detached, read first into a branch without autograd (constants, as the prompt
@@ -171,12 +173,31 @@ def _replay_whole(
     )
 
 
-def _run_environment(parts, cache, inputs, start: int, seg: Segment, chunk: int) -> None:
-    """An environment segment through the branch cache without autograd, `chunk` tokens per forward."""
+def _run_forward(parts, cache, inputs, start: int, seg: Segment, chunk: int) -> None:
+    """A segment through the branch cache without autograd, `chunk` tokens per forward (an environment segment, or a
+    policy segment the reverse pass builds the graph of)."""
     with torch.no_grad():
         for s in range(seg.start, seg.end, chunk):
             e = min(s + chunk, seg.end)
             run_decoder(parts, inputs[None, s:e], torch.arange(start + s, start + e, device=inputs.device), cache)
+
+
+def _segment_loss(
+    parts, hidden, response, seg: Segment, segment_loss, temperature: float, logprobs, entropy
+) -> torch.Tensor | None:
+    """A policy segment's log-probs and entropies from its hidden states `[1, len, d]` (with their graph) given to
+    `segment_loss`; written, detached, into `logprobs` / `entropy` `[T]`. Returns the segment's loss (or None)."""
+    sl = slice(seg.start, seg.end)
+    lp, ent = chunked_logprobs(
+        hidden[0],
+        parts.lm_head,
+        response[sl],
+        temperature=temperature,
+        softcap=parts.final_logit_softcapping,
+        scale=parts.logit_scale,
+    )
+    logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
+    return segment_loss(sl, Replay(logprobs=lp, entropy=ent))
 
 
 def _run_policy(
@@ -201,15 +222,7 @@ def _run_policy(
     positions = torch.arange(start + seg.start, start + seg.end, device=inputs.device)
     with torch.enable_grad():
         hidden = run_decoder(parts, inputs[None, sl], positions, cache, checkpoint_layers=checkpoint_layers)
-        lp, ent = chunked_logprobs(
-            hidden[0],
-            parts.lm_head,
-            response[sl],
-            temperature=temperature,
-            softcap=parts.final_logit_softcapping,
-            scale=parts.logit_scale,
-        )
-        loss = segment_loss(sl, Replay(logprobs=lp, entropy=ent))
+        loss = _segment_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
         if collective and hidden.requires_grad:
             # every layer's output takes part in the backward, whatever the loss reads (the same collectives on
             # every rank)
@@ -219,7 +232,6 @@ def _run_policy(
             if before_backward is not None:
                 before_backward()
             loss.backward()
-    logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
 
 
 # ----------------------------------------------------------------------------------------- the carry
@@ -341,7 +353,6 @@ class _Carry:
                         base = self.base[key]
                         if base is not None:
                             self._slice(self.buffers[key], dim, 0, k).copy_(base)
-                        self.buffers[key].requires_grad_(True)
                     with torch.no_grad():
                         self._slice(self.buffers[key], dim, k + start, k + end).copy_(new)
                 else:
@@ -382,11 +393,12 @@ class _Slot:
 def _lockstep(group, segs: list[Segment], last_policy: int) -> tuple[list[_Slot], list[_Slot]]:
     """The first pass's and the reverse pass's slots of this rank, the same number on every rank of `group` (None:
     one process, this rank's segments as they are). First pass: segment j of every rank in slot j; a backward
-    wherever some rank's segment j is a policy segment. Reverse pass: every rank's segments before its last policy
-    segment, last first, each with its backward. A rank with fewer segments pads with idle slots (one query)."""
+    wherever some rank's segment j is its last policy segment. Reverse pass: every rank's segments before its last
+    policy segment, last first, each with its backward. A rank with fewer segments pads with idle slots (one
+    query)."""
     mine = [(seg.end - seg.start, int(seg.policy)) for seg in segs[: last_policy + 1]]
     if group is None:
-        first = [_Slot(j, None, policy == 1) for j, (_, policy) in enumerate(mine)]
+        first = [_Slot(j, None, j == last_policy) for j in range(len(mine))]
         return first, [_Slot(j, None, True) for j in range(last_policy - 1, -1, -1)]
     counts = [row[0] for row in group.all_gather_ints("segmented replay: segment counts", [len(mine)])]
     width = max(counts)
@@ -399,7 +411,7 @@ def _lockstep(group, segs: list[Segment], last_policy: int) -> tuple[list[_Slot]
     first = []
     for j in range(width):
         lengths = [rows[r][j][0] if j < counts[r] else 1 for r in range(group.size)]
-        backward = any(j < counts[r] and rows[r][j][1] == 1 for r in range(group.size))
+        backward = any(j == counts[r] - 1 for r in range(group.size))  # (a rank's last segment: its last policy one)
         first.append(_Slot(j if j < counts[me] else None, lengths, backward))
     reverse = []
     for i in range(max(counts) - 1):  # rank r reverses its segments counts[r] - 2 ... 0
@@ -445,13 +457,15 @@ def _replay_carried(
     before_last_backward=None,
 ) -> Replay:
     """The whole trajectory's gradient of every policy segment's loss (see the module doc), through the earlier
-    segments, and with an exact prompt state through the prompt. A first pass in order runs each segment (policy
-    segments with autograd, their loss back-propagated at once into the parameters and into the carry of what they
-    read); a reverse pass recomputes segments last to first with autograd and pushes the gradient accumulated on what
-    each produced back through it. An exact prompt's share stays on the prompt state's leaves for
-    `PromptState.backward()`. Cost: about one more forward + backward of the trajectory before its last policy turn;
-    memory: the carry (`_Carry`) + one segment's graph. Context parallelism: the slots of `_lockstep`; an environment
-    segment in a slot where another rank back-propagates runs with autograd and a backward of weight 0."""
+    segments, and with an exact prompt state through the prompt. A first pass in order runs each segment without
+    autograd, storing what it produced in the carry, but the last policy segment: with autograd, its loss
+    back-propagated at once into the parameters and into the carry of what it read. A reverse pass then recomputes the
+    segments before it, last to first, with autograd, and back-propagates in one backward what each produced (with
+    the gradient accumulated on it) and, for a policy segment, its loss: every segment's backward runs once. An exact
+    prompt's share stays on the prompt state's leaves for `PromptState.backward()`. Cost: one more forward of the
+    trajectory before its last policy turn than the whole replay; memory: the carry (`_Carry`) + one segment's graph.
+    Context parallelism: the slots of `_lockstep`; a segment in a first-pass slot where another rank back-propagates
+    runs with autograd and a backward of weight 0."""
     parts = state.parts
     device = state.last_token.device
     group = getattr(state, "group", None)
@@ -482,7 +496,7 @@ def _replay_carried(
         j = slot.index
         seg = segs[j]
         carry.enter(cache, j, seg.start)
-        if seg.policy:
+        if j == last_policy:  # the segments before it take their loss in the reverse pass
             _run_policy(
                 parts,
                 cache,
@@ -498,7 +512,7 @@ def _replay_carried(
                 collective,
                 hook(slot),
             )
-        elif slot.backward:  # another rank back-propagates a policy segment here: the same collectives, weight 0
+        elif slot.backward:  # another rank back-propagates its last policy segment here: the same collectives, weight 0
             positions = torch.arange(start + seg.start, start + seg.end, device=device)
             with torch.enable_grad():
                 hidden = run_decoder(
@@ -510,7 +524,7 @@ def _replay_carried(
                         last()
                     (hidden.sum() * 0.0).backward()
         else:  # one forward per segment under context parallelism (a forward is a collective)
-            _run_environment(parts, cache, inputs, start, seg, seg.end - seg.start if collective else state.chunk_size)
+            _run_forward(parts, cache, inputs, start, seg, seg.end - seg.start if collective else state.chunk_size)
         carry.leave(cache, j, seg.start, seg.end, first_pass=True)
         detach_own(cache)
     for slot in reverse:  # the last policy segment's own state is read by nothing
@@ -527,6 +541,11 @@ def _replay_carried(
             pairs = carry.leave(cache, j, seg.start, seg.end, first_pass=False)
             # the gradients copied: backward accumulates into the same buffers (at earlier positions)
             roots, grads = [t for t, _ in pairs], [g.to(t.dtype, copy=True) for t, g in pairs]
+            if seg.policy:  # its loss in the same backward as the gradient later segments sent to it
+                loss = _segment_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
+                if loss is not None and loss.requires_grad:
+                    roots.append(loss)
+                    grads.append(torch.ones_like(loss))
             if collective and hidden.requires_grad:  # every layer's collectives, as on the other ranks
                 roots.append(hidden)
                 grads.append(torch.zeros_like(hidden))
