@@ -9,11 +9,12 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
   constant;
 - `exact`: the same with `prompt_grad="exact"` (the gradient also through the prompt: its reverse pass too);
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
+- `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
 
-Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt state is
-captured before, so it is not counted for the two longstraw methods, and the naive way has none). G does not enter:
-trajectories are replayed one at a time, so a step's memory is one trajectory's.
+Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
+state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
+enter: trajectories are replayed one at a time, so a step's memory is one trajectory's.
 
     python bench/agent_turns.py                   # → bench/results/agent_turns.{json,md,png}
     python bench/agent_turns.py --turns 2 4 --out /tmp/quick
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("segments", "exact", "whole", "naive")
+METHODS = ("segments", "exact", "whole", "whole_exact", "naive")
 
 
 def _model(name: str):
@@ -84,7 +85,7 @@ def worker(
     state = None
     if method != "naive":
         state = longstraw.capture(
-            model, prompt, chunk_size=1024, prompt_grad="exact" if method == "exact" else "detached"
+            model, prompt, chunk_size=1024, prompt_grad="exact" if method in ("exact", "whole_exact") else "detached"
         )
     meter.start_step()
     t0 = time.perf_counter()
@@ -92,8 +93,9 @@ def worker(
         if method in ("segments", "exact"):
             replay_segments(state, tokens, mask, lambda sl, out: out.logprobs.sum())
             state.backward()  # exact: the prompt's share (nothing to do when detached)
-        elif method == "whole":
+        elif method in ("whole", "whole_exact"):
             (state.replay(tokens).logprobs * mask).sum().backward()
+            state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
@@ -126,7 +128,7 @@ def _plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, style in zip(METHODS, ("o-", "d-.", "s--", "^:")):
+    for method, style in zip(METHODS, ("o-", "d-.", "s--", "v-.", "^:")):
         got = sorted((r["turns"], r) for r in rows if r.get("method") == method and "backward_mem_mb" in r)
         if not got:
             continue
