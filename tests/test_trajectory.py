@@ -104,6 +104,25 @@ def _replay_peak(model, state, turns: int, turn: int = 2, tool: int = 48) -> tup
     return live.peak, mask.numel()
 
 
+def test_segmented_replay_back_propagates_every_segment_once():
+    """Work: one backward per segment up to the last policy turn (counted where every backward ends, the input
+    embedding's gradient accumulation), the earlier policy turns' losses taken in the reverse pass with the gradient
+    later turns sent to them; the count is the mask's (seen failing with the policy turns back-propagated on the first
+    pass as well: 7 for 5)."""
+    model = make_model("llama", False)
+    prompt, response = tie_free_tokens(model, 19, MASK.numel(), seed=3)
+    state = longstraw.capture(model, prompt, chunk_size=5, block_size=4)
+    backwards = []
+    embedding = model.get_input_embeddings().weight
+    handle = embedding.register_post_accumulate_grad_hook(lambda p: backwards.append(1))
+    try:
+        replay_segments(state, response, MASK, lambda sl, out: out.logprobs.sum())
+    finally:
+        handle.remove()
+    last_policy = max(i for i, seg in enumerate(segments(MASK)) if seg.policy)
+    assert len(backwards) == last_policy + 1
+
+
 def test_segmented_replay_memory_grows_by_the_own_kv_and_its_gradient():
     """Memory at the floor: from 2 to 16 turns (2 policy tokens and 48 tool tokens a turn) the peak of the tensor
     memory the replay holds (`LiveBytes`: bytes of live tensors, exact, not RSS) grows by at most
