@@ -396,27 +396,23 @@ def _lockstep(group, segs: list[Segment], last_policy: int) -> tuple[list[_Slot]
     wherever some rank's segment j is its last policy segment. Reverse pass: every rank's segments before its last
     policy segment, last first, each with its backward. A rank with fewer segments pads with idle slots (one
     query)."""
-    mine = [(seg.end - seg.start, int(seg.policy)) for seg in segs[: last_policy + 1]]
+    mine = [seg.end - seg.start for seg in segs[: last_policy + 1]]  # (a rank's last segment: its last policy one)
     if group is None:
         first = [_Slot(j, None, j == last_policy) for j in range(len(mine))]
         return first, [_Slot(j, None, True) for j in range(last_policy - 1, -1, -1)]
     counts = [row[0] for row in group.all_gather_ints("segmented replay: segment counts", [len(mine)])]
     width = max(counts)
-    flat = [v for pair in mine for v in pair] + [0, 0] * (width - len(mine))
-    rows = [
-        [tuple(row[2 * k : 2 * k + 2]) for k in range(width)]
-        for row in group.all_gather_ints("segmented replay: segments", flat)
-    ]
+    rows = group.all_gather_ints("segmented replay: segment lengths", mine + [0] * (width - len(mine)))
     me = group.rank
     first = []
     for j in range(width):
-        lengths = [rows[r][j][0] if j < counts[r] else 1 for r in range(group.size)]
-        backward = any(j == counts[r] - 1 for r in range(group.size))  # (a rank's last segment: its last policy one)
+        lengths = [rows[r][j] if j < counts[r] else 1 for r in range(group.size)]
+        backward = any(j == counts[r] - 1 for r in range(group.size))
         first.append(_Slot(j if j < counts[me] else None, lengths, backward))
     reverse = []
     for i in range(max(counts) - 1):  # rank r reverses its segments counts[r] - 2 ... 0
         at = [counts[r] - 2 - i for r in range(group.size)]
-        lengths = [rows[r][at[r]][0] if at[r] >= 0 else 1 for r in range(group.size)]
+        lengths = [rows[r][at[r]] if at[r] >= 0 else 1 for r in range(group.size)]
         reverse.append(_Slot(at[me] if at[me] >= 0 else None, lengths, True))
     return first, reverse
 
