@@ -42,11 +42,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 from real_learning_curve import paired_bootstrap, wilson  # noqa: E402
+
+if TYPE_CHECKING:
+    from longstraw.train.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -85,16 +90,13 @@ def main() -> None:
     if args.out is None:
         args.out = str(RESULTS / ("agent_learning_curve" + (f"-{args.tag}" if args.tag else "")))
 
-    import torch
     from transformers import AutoTokenizer
 
-    import longstraw
     from longstraw.tasks.archive_tools import write_archive_task
     from longstraw.tasks.jsonl import load_jsonl
     from longstraw.tools.real_models import chat_format, model_path
     from longstraw.train.build import apply_chat_format
     from longstraw.train.config import TrainConfig
-    from longstraw.train.rollout import SamplingSettings, TurnSampler
     from longstraw.train.trainer import Trainer
 
     path = model_path(args.model)
@@ -123,31 +125,18 @@ def main() -> None:
     held = load_jsonl(files["eval"], tok)
     rows: list[dict] = []
 
-    def score(when: str, stage: Trainer | None = None, examples: list | None = None) -> list[float]:
-        """Play the held-out rows (`examples`, by default this task's) greedily with `stage`'s model and settings (by
-        default the current trainer's); each row's outcome is appended to WORK/score-WHEN.jsonl as it is measured,
-        and a rerun goes on from the first row not there (a run of hours survives an interruption)."""
-        stage = stage or trainer
+    def score(when: str, make: Callable[[], Trainer] | None = None, examples: list | None = None) -> list[float]:
+        """Play the held-out rows (`examples`, by default this task's) greedily with the model and settings of the
+        trainer `make` builds (by default the current trainer); each row's outcome is appended to WORK/score-WHEN.jsonl
+        as it is measured, and a rerun goes on from the first row not there (a run of hours survives an
+        interruption); with every row there, no trainer is built."""
         examples = held if examples is None else examples
-        play = stage.rollout_stage.rollout_func
-        greedy = SamplingSettings(1, stage.cfg.max_completion_length, temperature=0.0)
         done_file = work / f"score-{when}.jsonl"
         done = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
-        stage.model.eval()
-        with torch.no_grad(), done_file.open("a") as sink:
-            for ex in examples[len(done):]:
-                t0 = time.perf_counter()
-                ids = stage.encode(ex.prompt)
-                with longstraw.capture(stage.model, ids) as state:
-                    r = play.trajectory(TurnSampler(state, stage.policy, greedy, torch.Generator()), ex)
-                one = dict(success=float(r.extra["environment_reward"] == 1.0),  # the right code, not 0.25 for reading
-                           turns=r.extra["turns"], tool_calls=r.extra["tool_calls"],
-                           length=ids.shape[-1] + len(r.tokens), seconds=time.perf_counter() - t0)
-                sink.write(json.dumps(one) + "\n")
-                sink.flush()
-                done.append(one)
-                print(f"{when}: row {len(done)}/{len(examples)} {one}", flush=True)
-        stage.model.train()
+        if len(done) < len(examples):
+            stage = make() if make is not None else trainer
+            assert stage is not None
+            _play(stage, examples[len(done):], done, done_file, when, len(examples))
         got = [d["success"] for d in done]
         turns, calls = [d["turns"] for d in done], [d["tool_calls"] for d in done]
         record(rows, dict(when=when, rows=len(got), success=sum(got) / len(got), ci95=wilson(sum(got), len(got)),
@@ -184,9 +173,8 @@ def main() -> None:
         train(first, "warm-up", warm / "run")
         del first
         if args.score_short:
-            check = Trainer(config(final, short["train"], 1, warm / "check", **short_task))
-            score("warm-short", check, load_jsonl(short["eval"], tok))
-            del check
+            score("warm-short", lambda: Trainer(config(final, short["train"], 1, warm / "check", **short_task)),
+                  load_jsonl(short["eval"], tok))
         trainer = Trainer(config(final, files["train"], args.steps, work / "run",
                                  max_completion_length=args.max_completion, max_tool_tokens=args.max_tool_tokens))
     if args.before_from:
@@ -194,9 +182,7 @@ def main() -> None:
         record(rows, before, out)
         before = before["per_row"]
     else:
-        base = Trainer(cfg) if args.warmup_steps else trainer  # the base model, before any step
-        before = score("before", base)
-        del base
+        before = score("before", (lambda: Trainer(cfg)) if args.warmup_steps else None)  # the base model's
     if args.warmup_steps and args.score_warm:
         score("warm")
     train(trainer, "training", work / "run")
@@ -205,6 +191,33 @@ def main() -> None:
     record(rows, dict(when="gain", gain=sum(after) / len(after) - sum(before) / len(before), ci95=(lo, hi)), out)
     finish(rows, out, _plot, _table)
     (work / "done.json").write_text(json.dumps(rows))
+
+
+def _play(stage: Trainer, examples: list, done: list[dict], done_file: Path, when: str, total: int) -> None:
+    """Play `examples` greedily with `stage`'s model and settings, appending each row's outcome to `done` and to
+    `done_file` as it is measured."""
+    import torch
+
+    import longstraw
+    from longstraw.train.rollout import SamplingSettings, TurnSampler
+
+    play = stage.rollout_stage.rollout_func
+    greedy = SamplingSettings(1, stage.cfg.max_completion_length, temperature=0.0)
+    stage.model.eval()
+    with torch.no_grad(), done_file.open("a") as sink:
+        for ex in examples:
+            t0 = time.perf_counter()
+            ids = stage.encode(ex.prompt)
+            with longstraw.capture(stage.model, ids) as state:
+                r = play.trajectory(TurnSampler(state, stage.policy, greedy, torch.Generator()), ex)
+            one = dict(success=float(r.extra["environment_reward"] == 1.0),  # the right code, not 0.25 for reading
+                       turns=r.extra["turns"], tool_calls=r.extra["tool_calls"],
+                       length=ids.shape[-1] + len(r.tokens), seconds=time.perf_counter() - t0)
+            sink.write(json.dumps(one) + "\n")
+            sink.flush()
+            done.append(one)
+            print(f"{when}: row {len(done)}/{total} {one}", flush=True)
+    stage.model.train()
 
 
 def reuse_before(path: Path, setup: dict) -> dict:
