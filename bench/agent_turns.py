@@ -10,7 +10,12 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `exact`: the same with `prompt_grad="exact"` (the gradient also through the prompt: its reverse pass too);
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
-- `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence).
+- `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence);
+- `layer_major`: `bench/layer_major.py`'s prototype (layer by layer, the hidden states entering `--store` k of every
+  n layers kept, one layer's own K/V at a time; the prompt's keys and values from transformers' cache, a constant),
+  and `whole_hf`,
+  its reference: the unmodified decoder over the whole trajectory against the same cache (the same `sdpa` attention:
+  `layer_major / whole_hf` is the order's cost apart from the attention kernel's).
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("segments", "exact", "whole", "whole_exact", "naive")
+METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major", "whole_hf")
 
 
 def _model(name: str):
@@ -58,7 +63,14 @@ def _model(name: str):
 
 
 def worker(
-    method: str, turns: int, P: int, turn_tokens: int, tool_tokens: int, threads: int, model_name: str = "dense"
+    method: str,
+    turns: int,
+    P: int,
+    turn_tokens: int,
+    tool_tokens: int,
+    threads: int,
+    model_name: str = "dense",
+    store: str = "1/2",
 ) -> dict:
     import time
 
@@ -82,8 +94,12 @@ def worker(
             mask += [0.0] * tool_tokens
     tokens, mask = torch.cat(pieces), torch.tensor(mask)
     meter = MemoryMeter("cpu")
-    state = None
-    if method != "naive":
+    state = kv = None
+    if method in ("layer_major", "whole_hf"):
+        from layer_major import layer_major_backward, prompt_kv, whole_backward
+
+        kv = prompt_kv(model, prompt)
+    elif method != "naive":
         state = longstraw.capture(
             model, prompt, chunk_size=1024, prompt_grad="exact" if method in ("exact", "whole_exact") else "detached"
         )
@@ -96,6 +112,11 @@ def worker(
         elif method in ("whole", "whole_exact"):
             (state.replay(tokens).logprobs * mask).sum().backward()
             state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
+        elif method == "layer_major":
+            k, n = (int(x) for x in store.split("/"))
+            layer_major_backward(model, kv, prompt, tokens, mask, store=(k, n))
+        elif method == "whole_hf":
+            whole_backward(model, kv, prompt, tokens, mask)
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
@@ -118,6 +139,7 @@ def worker(
         seconds=round(seconds, 3),
         prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2),
         threads=threads,
+        **({"store": store} if method == "layer_major" else {}),
     )
 
 
@@ -128,13 +150,12 @@ def _plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, style in zip(METHODS, ("o-", "d-.", "s--", "v-.", "^:")):
-        got = sorted((r["turns"], r) for r in rows if r.get("method") == method and "backward_mem_mb" in r)
-        if not got:
-            continue
+    labels = list(dict.fromkeys(_label(r) for r in rows if "backward_mem_mb" in r))
+    for label, style in zip(labels, ("o-", "d-.", "s--", "v-.", "^:", "P-", "x--", "*-", "h:") * 2):
+        got = sorted((r["turns"], r) for r in rows if _label(r) == label and "backward_mem_mb" in r)
         x = [t for t, _ in got]
-        axes[0].plot(x, [r["backward_mem_mb"] for _, r in got], style, label=method)
-        axes[1].plot(x, [r["seconds"] for _, r in got], style, label=method)
+        axes[0].plot(x, [r["backward_mem_mb"] for _, r in got], style, label=label)
+        axes[1].plot(x, [r["seconds"] for _, r in got], style, label=label)
     for ax, label in zip(axes, ("backward memory (MiB)", "backward time (s)")):
         ax.set_xlabel("policy turns (a tool reply after each but the last)")
         ax.set_ylabel(label)
@@ -146,6 +167,11 @@ def _plot(rows, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _label(row: dict) -> str:
+    """A row's method, with `layer_major`'s store."""
+    return row["method"] + (f" {row['store']}" if row.get("store") else "")
+
+
 def _table(rows) -> str:
     lines = [
         "| turns | trajectory tokens | method | backward memory (MiB) | backward time (s) |",
@@ -154,11 +180,11 @@ def _table(rows) -> str:
     for r in rows:
         if "backward_mem_mb" in r:
             lines.append(
-                f"| {r['turns']} | {r['trajectory_tokens']:,} | {r['method']} | {r['backward_mem_mb']:,.1f} | "
+                f"| {r['turns']} | {r['trajectory_tokens']:,} | {_label(r)} | {r['backward_mem_mb']:,.1f} | "
                 f"{r['seconds']:.1f} |"
             )
         else:
-            lines.append(f"| {r['turns']} | – | {r['method']} | error: {r.get('error', '')[:60]} | – |")
+            lines.append(f"| {r['turns']} | – | {_label(r)} | error: {r.get('error', '')[:60]} | – |")
     return "\n".join(lines)
 
 
@@ -171,19 +197,29 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=32)
     ap.add_argument("--tool-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--store", nargs="+", default=["1/2"], help="layer_major: keep the hidden states entering k/n of the layers"
+    )
     ap.add_argument("--model", default="dense", choices=["dense", "smollm2"])
     ap.add_argument("--out", default=None, help="default: bench/results/agent_turns (-smollm2)")
     args = ap.parse_args()
     if args.worker:
         row = worker(
-            args.worker[0], int(args.worker[1]), args.P, args.turn_tokens, args.tool_tokens, args.threads, args.model
+            args.worker[0],
+            int(args.worker[1]),
+            args.P,
+            args.turn_tokens,
+            args.tool_tokens,
+            args.threads,
+            args.model,
+            args.store[0],
         )
         print(json.dumps(row))
         return
     rows: list[dict] = []
     out = Path(args.out or RESULTS / ("agent_turns" if args.model == "dense" else f"agent_turns-{args.model}"))
     for turns in args.turns:
-        for method in args.methods:
+        for method, store in [(m, s) for m in args.methods for s in (args.store if m == "layer_major" else [""])]:
             cmd = [
                 sys.executable,
                 __file__,
@@ -200,11 +236,13 @@ def main() -> None:
                 str(args.threads),
                 "--model",
                 args.model,
+                "--store",
+                store or "1/2",
             ]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # RSS follows the live tensors (see compare.py)
             done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
             if done.returncode != 0:
-                record(rows, dict(method=method, turns=turns, error=done.stderr.strip()[-300:]), out)
+                record(rows, dict(method=method, store=store, turns=turns, error=done.stderr.strip()[-300:]), out)
             else:
                 record(rows, json.loads(done.stdout.strip().splitlines()[-1]), out)
     finish(rows, out, _plot, _table)
