@@ -460,6 +460,7 @@ def test_context_parallel_two_ranks(tmp_path):
     print(f"N=2: {measured}; spawn + ranks {time.perf_counter() - t0:.1f} s")
 
 
+@pytest.mark.slow
 def test_context_parallel_four_ranks(tmp_path):
     """N = 4, P − 1 = 29 over 4 ranks (8, 7, 7, 7), and 11 (3, 3, 3, 2: a sliding window of 5 reaches two slices
     back); rank 3 replays the same response as rank 0."""

@@ -627,6 +627,7 @@ def _two_node_cfg(tmp_path, steps: int, **kw):
     return path
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_with_fsdp_and_resume(tmp_path):
     """Two torchrun agents of one process each joining through the c10d rendezvous (`--nnodes 2`, as on two machines;
     both on this one), training with sharded layers (`fsdp: true`): one process group of 2 ranks (`world_size` 2 in

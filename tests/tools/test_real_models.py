@@ -114,6 +114,7 @@ def _document_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_gemma3_sliding_windows_equal_the_model_over_three_windows(real_gemma3):
     """Gemma 3 270M (five of six layers in a 512-token window): a 1,600-token prompt captured in chunks of 1,100 (so
