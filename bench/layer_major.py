@@ -18,9 +18,9 @@ Per trajectory position it holds the kept hidden states, the current layer's inp
 one layer's own keys, values and their gradients (4 × one layer's K/V), not every layer's. SmolLM2-135M (30 layers,
 hidden 576, 3 × 64 K/V heads: 11,520 own K/V floats a position): `store` 1/1 keeps 29 hidden states,
 (29 + 2) × 576 + 4 × 384 = 19,392 floats (1.68 × the own K/V); 2/3 keeps 19: 13,632 (1.18 ×); 1/2 keeps 14: 10,752
-(0.93 ×). A shallow model (the 4-layer dense benchmark model, hidden 128 against 128 K/V floats a layer) gains
-nothing. Time: one forward, the recomputation (1 − k / n of a forward), one more forward under autograd, and the
-backward; with 1/1, the work of segmented replay.
+(0.93 ×). A shallow model gains little: the 4-layer dense benchmark model (hidden 128 against 128 K/V floats a
+layer) 2.25 × at 1/1 and 1.75 × at 1/2, against segmented replay's 2 ×. Time: one forward, the recomputation
+(1 − k / n of a forward), one more forward under autograd, and the backward; with 1/1, the work of segmented replay.
 
 Scope of the prototype: decoder layers called one at a time as the model's forward calls them (transformers 5.24's
 `layer(hidden, attention_mask=, position_ids=, cache=, position_embeddings=)`; attention reading its keys and values
