@@ -19,11 +19,15 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
-enter: trajectories are replayed one at a time, so a step's memory is one trajectory's.
+enter: trajectories are replayed one at a time, so a step's memory is one trajectory's. The workers fix glibc's mmap
+threshold at 64 KiB so that RSS follows the live tensors; that costs the methods with many allocations (segmented
+replay's per-segment tensors) fresh pages each time, so their time is taken under glibc's own threshold, as a
+training run has it, with `--malloc-default` (its memory column then lags the tensors).
 
     python bench/agent_turns.py                   # → bench/results/agent_turns.{json,md,png}
     python bench/agent_turns.py --turns 2 4 --out /tmp/quick
     python bench/agent_turns.py --model smollm2 --turns 2 4 8   # SmolLM2-135M-Instruct (8,192 positions)
+    python bench/agent_turns.py --model smollm2 --turns 16 32 --tool-tokens 96 --methods segments whole --malloc-default
 """
 
 from __future__ import annotations
@@ -201,6 +205,11 @@ def main() -> None:
         "--store", nargs="+", default=["1/2"], help="layer_major: keep the hidden states entering k/n of the layers"
     )
     ap.add_argument("--model", default="dense", choices=["dense", "smollm2"])
+    ap.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="leave glibc's mmap threshold as it is, as a training run does: for time (memory then lags the tensors)",
+    )
     ap.add_argument("--out", default=None, help="default: bench/results/agent_turns (-smollm2)")
     args = ap.parse_args()
     if args.worker:
@@ -240,11 +249,15 @@ def main() -> None:
                 store or "1/2",
             ]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # RSS follows the live tensors (see compare.py)
+            if args.malloc_default:  # time as a training run has it (glibc's own threshold; RSS then lags)
+                env.pop("MALLOC_MMAP_THRESHOLD_")
             done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
             if done.returncode != 0:
                 record(rows, dict(method=method, store=store, turns=turns, error=done.stderr.strip()[-300:]), out)
             else:
-                record(rows, json.loads(done.stdout.strip().splitlines()[-1]), out)
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                row["malloc"] = "glibc default" if args.malloc_default else "mmap threshold 64 KiB"
+                record(rows, row, out)
     finish(rows, out, _plot, _table)
 
 
