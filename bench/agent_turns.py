@@ -12,10 +12,7 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence);
 - `layer_major`: `bench/layer_major.py`'s prototype (layer by layer, the hidden states entering `--store` k of every
-  n layers kept, one layer's own K/V at a time; the prompt's keys and values from transformers' cache, a constant),
-  and `whole_hf`,
-  its reference: the unmodified decoder over the whole trajectory against the same cache (the same `sdpa` attention:
-  `layer_major / whole_hf` is the order's cost apart from the attention kernel's).
+  n layers kept, one layer's own K/V at a time; the prompt's keys and values from transformers' cache, a constant).
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
@@ -43,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major", "whole_hf")
+METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major")
 
 
 def _model(name: str):
@@ -99,8 +96,8 @@ def worker(
     tokens, mask = torch.cat(pieces), torch.tensor(mask)
     meter = MemoryMeter("cpu")
     state = kv = None
-    if method in ("layer_major", "whole_hf"):
-        from layer_major import layer_major_backward, prompt_kv, whole_backward
+    if method == "layer_major":
+        from layer_major import layer_major_backward, prompt_kv
 
         kv = prompt_kv(model, prompt)
     elif method != "naive":
@@ -119,8 +116,6 @@ def worker(
         elif method == "layer_major":
             k, n = (int(x) for x in store.split("/"))
             layer_major_backward(model, kv, prompt, tokens, mask, store=(k, n))
-        elif method == "whole_hf":
-            whole_backward(model, kv, prompt, tokens, mask)
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]

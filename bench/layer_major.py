@@ -226,20 +226,13 @@ def layer_major_backward(
     return total
 
 
-def whole_backward(model, prompt_kv, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> float:
-    """The reference: the unmodified decoder over the whole trajectory with autograd, against the prompt's keys and
-    values in transformers' `DynamicCache`."""
-    from transformers import DynamicCache
+def whole_backward(model, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> float:
+    """The reference: the project's detached-mode oracle (`longstraw.model.oracles.cache_reference_logprobs`: the
+    unmodified model's own cache over the prompt, then the whole trajectory with autograd), its masked log-prob sum
+    back-propagated; the loss."""
+    from longstraw.model.oracles import cache_reference_logprobs
 
-    decoder, lm_head = _parts(model)
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(prompt_kv):
-        cache.update(k.clone(), v.clone(), i)
-    inputs = torch.cat([prompt[-1:], tokens[:-1]])[None]
-    positions = torch.arange(prompt.numel() - 1, prompt.numel() - 1 + tokens.numel())[None]
-    h = decoder(input_ids=inputs, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
-    logp = torch.log_softmax(lm_head(h).float(), -1)[0]
-    loss = (logp.gather(-1, tokens[:, None])[:, 0] * mask).sum()
+    loss = (cache_reference_logprobs(model, prompt, tokens) * mask).sum()
     loss.backward()
     return float(loss.detach())
 
@@ -269,7 +262,7 @@ def main() -> None:
     tokens = torch.randint(0, model.config.vocab_size, (args.T,), generator=g)
     mask = (torch.rand(args.T, generator=g) < 0.5).float()
     kv = prompt_kv(model, prompt)
-    ref_loss = whole_backward(model, kv, prompt, tokens, mask)
+    ref_loss = whole_backward(model, prompt, tokens, mask)
     ref = _grads(model)
     scale = max(float(t.abs().max()) for t in ref.values())
     for store in args.store:

@@ -1,6 +1,7 @@
 """`bench/layer_major.py`'s prototype (a layer-major reverse pass, measured against segmented replay in
-docs/agents.md) takes the gradient the unmodified model takes over the whole trajectory: the memory and time quoted
-for it are those of the right computation."""
+docs/agents.md) takes the gradient the unmodified model takes over the whole trajectory (the project's detached-mode
+oracle, `longstraw.model.oracles.cache_reference_logprobs`): the memory and time quoted for it are those of the right
+computation."""
 
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ def test_layer_major_prototype_equals_the_whole_trajectory_through_the_model(sto
     tokens = torch.randint(0, model.config.vocab_size, (200,), generator=g)
     mask = (torch.rand(200, generator=g) < 0.5).float()
     kv = prompt_kv(model, prompt)
-    ref_loss = whole_backward(model, kv, prompt, tokens, mask)
+    ref_loss = whole_backward(model, prompt, tokens, mask)
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     loss = layer_major_backward(model, kv, prompt, tokens, mask, chunk=48, store=store, head_chunk=32)
