@@ -97,7 +97,7 @@ def worker(
     meter = MemoryMeter("cpu")
     state = kv = None
     if method == "layer_major":
-        from layer_major import layer_major_backward, prompt_kv
+        from layer_major import layer_major_backward, parse_store, prompt_kv
 
         kv = prompt_kv(model, prompt)
     elif method != "naive":
@@ -114,8 +114,7 @@ def worker(
             (state.replay(tokens).logprobs * mask).sum().backward()
             state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
         elif method == "layer_major":
-            k, n = (int(x) for x in store.split("/"))
-            layer_major_backward(model, kv, prompt, tokens, mask, store=(k, n))
+            layer_major_backward(model, kv, prompt, tokens, mask, store=parse_store(store))
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]

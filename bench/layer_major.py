@@ -156,6 +156,12 @@ class _Run:
         return out
 
 
+def parse_store(text: str) -> tuple[int, int]:
+    """`store` from its command-line form "k/n"."""
+    k, n = (int(x) for x in text.split("/"))
+    return k, n
+
+
 def layer_major_backward(
     model,
     prompt_kv,
@@ -266,8 +272,7 @@ def main() -> None:
     ref = _grads(model)
     scale = max(float(t.abs().max()) for t in ref.values())
     for store in args.store:
-        k, n = (int(x) for x in store.split("/"))
-        loss = layer_major_backward(model, kv, prompt, tokens, mask, chunk=args.chunk, store=(k, n))
+        loss = layer_major_backward(model, kv, prompt, tokens, mask, chunk=args.chunk, store=parse_store(store))
         got = _grads(model)
         assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
         worst = max(float((got[n] - ref[n]).abs().max()) for n in ref)
