@@ -11,8 +11,9 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence);
-- `layer_major`: `bench/layer_major.py`'s prototype (layer by layer, the hidden states entering `--store` k of every
-  n layers kept, one layer's own K/V at a time; the prompt's keys and values from transformers' cache, a constant).
+- `layer_major`: `replay_segments(..., layer_major=LayerMajor.parse(store))` (`longstraw.layer_major`: one decoder
+  layer at a time over the whole trajectory, the hidden states entering `--store` k of every n layers kept, one
+  layer's own K/V at a time), the prompt a constant.
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
@@ -95,12 +96,8 @@ def worker(
             mask += [0.0] * tool_tokens
     tokens, mask = torch.cat(pieces), torch.tensor(mask)
     meter = MemoryMeter("cpu")
-    state = kv = None
-    if method == "layer_major":
-        from layer_major import layer_major_backward, parse_store, prompt_kv
-
-        kv = prompt_kv(model, prompt)
-    elif method != "naive":
+    state = None
+    if method != "naive":
         state = longstraw.capture(
             model, prompt, chunk_size=1024, prompt_grad="exact" if method in ("exact", "whole_exact") else "detached"
         )
@@ -114,7 +111,11 @@ def worker(
             (state.replay(tokens).logprobs * mask).sum().backward()
             state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
         elif method == "layer_major":
-            layer_major_backward(model, kv, prompt, tokens, mask, store=parse_store(store))
+            from longstraw.layer_major import LayerMajor
+
+            replay_segments(
+                state, tokens, mask, lambda sl, out: out.logprobs.sum(), layer_major=LayerMajor.parse(store)
+            )
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]

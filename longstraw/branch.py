@@ -296,11 +296,13 @@ def own_nbytes(cache, state: PromptView) -> int:
     return total
 
 
-def detach_own(cache) -> None:
+def detach_own(cache, index: int | None = None) -> None:
     """Cut every branch layer's own tensors from the autograd graph they were made in (values unchanged), so that
     the next forward reads them as constants after that graph's backward freed it. The prompt parts a layer reads
-    (attributes and fields named `prompt...`) stay as they are: in exact mode they collect the prompt's gradient."""
-    for layer in cache.layers:
+    (attributes and fields named `prompt...`) stay as they are: in exact mode they collect the prompt's gradient.
+    `index`: layer `index` only (the others as they are: a layer-major replay's layers not yet run hold their
+    starting states, in exact mode the prompt state's leaves)."""
+    for layer in cache.layers if index is None else [cache.layers[index]]:
         for name, value in list(vars(layer).items()):
             if name.startswith("prompt"):
                 continue

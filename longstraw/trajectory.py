@@ -4,10 +4,10 @@ gradient of replaying it whole.
 A trajectory after the prompt is `tokens` `[T]` with a `mask` `[T]` (1: the policy wrote it, 0: the environment did:
 tool output, observations). Its segments are the maximal runs of equal mask. `replay_segments` walks them in order
 on one branch cache forked from the prompt state (`longstraw.branch`) without autograd, keeping what each produced
-(`_Carry`), but the last policy segment: with autograd, its loss (`segment_loss`) back-propagated at once. Then a
-reverse pass recomputes the segments before it last to first with autograd and back-propagates through each, in one
-backward, the gradient that later segments sent to its own K/V (or recurrent states) and, for a policy segment, its
-loss.
+(`longstraw.carry.Carry`), but the last policy segment: with autograd, its loss (`segment_loss`) back-propagated at
+once. Then a reverse pass recomputes the segments before it last to first with autograd and back-propagates through
+each, in one backward, the gradient that later segments sent to its own K/V (or recurrent states) and, for a policy
+segment, its loss. (`layer_major`: one decoder layer at a time instead, `longstraw.layer_major`.)
 
 The gradient is the whole trajectory's, whichever way it is replayed: one forward + backward of
 [prompt + trajectory] with the prompt read as the state holds it. With a detached prompt state (`prompt_grad=
@@ -34,30 +34,10 @@ from typing import cast
 import torch
 
 from .branch import Branch, detach_own
-from .hf.cache import BranchCache
+from .carry import Carry, Segment, policy_loss, segments
 from .hf.decoder import run_decoder
-from .kinds import PromptBranchLayer, branch_layers
-from .ops.logprobs import chunked_logprobs
+from .layer_major import LayerMajor, replay_layer_major
 from .prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens `[start, end)` of a trajectory, written by the policy (`policy=True`) or by the environment."""
-
-    start: int
-    end: int
-    policy: bool
-
-
-def segments(mask: torch.Tensor) -> list[Segment]:
-    """The maximal runs of equal `mask` `[T]` (1: policy, 0: environment), in order."""
-    m = torch.as_tensor(mask).reshape(-1)
-    if m.numel() == 0:
-        return []
-    flips = (m[1:] != m[:-1]).nonzero().flatten().add(1).tolist()
-    bounds = [0, *flips, m.numel()]
-    return [Segment(a, b, bool(m[a] > 0)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def replay_segments(
@@ -69,6 +49,7 @@ def replay_segments(
     checkpoint_layers: bool = False,
     prefix_ids: TokenIds | None = None,
     before_last_backward: Callable[[], None] | None = None,
+    layer_major: LayerMajor | None = None,
 ) -> Replay:
     """Replay a trajectory one policy segment at a time (see the module doc); back-propagates each segment's loss.
 
@@ -81,7 +62,9 @@ def replay_segments(
     document, `PromptState.replay`): detached, read first into a branch without autograd (constants, as the prompt
     is); exact, read first as an environment segment (in the gradient); slices and outputs stay the trajectory's own.
     `before_last_backward`: called once, just before the replay's last backward (FSDP2 turns gradient reduction on
-    there).
+    there). `layer_major`: replay one decoder layer at a time instead (`longstraw.layer_major`: the same gradient,
+    one layer's own K/V held instead of every layer's and their gradient; one process, no `before_last_backward`);
+    `segment_loss` is then called in order.
 
     Context parallelism (a `ContextParallelState` or a branch of one): a collective, as its `replay` is: every rank
     of the group calls it, each with its own trajectory (lengths and segments may differ). The ranks run their
@@ -101,6 +84,7 @@ def replay_segments(
                 temperature=temperature,
                 checkpoint_layers=checkpoint_layers,
                 before_last_backward=before_last_backward,
+                layer_major=layer_major,
             )
     if prefix_ids is not None and len(prefix_ids) > 0:  # exact: the prefix in the gradient, an environment segment
         prefix = torch.as_tensor(prefix_ids, dtype=torch.long).reshape(-1)
@@ -121,6 +105,7 @@ def replay_segments(
             temperature=temperature,
             checkpoint_layers=checkpoint_layers,
             before_last_backward=before_last_backward,
+            layer_major=layer_major,
         )
         return Replay(logprobs=out.logprobs[n:], entropy=out.entropy[n:])
     parts = state.parts
@@ -140,8 +125,15 @@ def replay_segments(
             response_ids = torch.full((1,), -1)  # refused on every rank by the agreed check below
         response = owner.checked_response(response_ids, checkpoint_layers, state.prompt_length)
         cache = owner.replay_cache(None if state is owner else cast(Branch, state))
-    if not _Carry.serves(cache):  # the same gradient, the whole trajectory's graph
+    if layer_major is not None and (group is not None or before_last_backward is not None):
+        raise NotImplementedError(
+            "layer-major replay runs in one process without FSDP2; under context parallelism or FSDP2 replay in "
+            "segments (layer_major=None)"
+        )
+    if not Carry.serves(cache):  # the same gradient, the whole trajectory's graph
         return _replay_whole(state, response, m, segment_loss, temperature, checkpoint_layers, before_last_backward)
+    if layer_major is not None:
+        return replay_layer_major(state, cache, response, m, segment_loss, temperature, layer_major)
     return _replay_carried(
         state, cache, response, m, segment_loss, temperature, checkpoint_layers, before_last_backward
     )
@@ -182,24 +174,6 @@ def _run_forward(parts, cache, inputs, start: int, seg: Segment, chunk: int) -> 
             run_decoder(parts, inputs[None, s:e], torch.arange(start + s, start + e, device=inputs.device), cache)
 
 
-def _segment_loss(
-    parts, hidden, response, seg: Segment, segment_loss, temperature: float, logprobs, entropy
-) -> torch.Tensor | None:
-    """A policy segment's log-probs and entropies from its hidden states `[1, len, d]` (with their graph) given to
-    `segment_loss`; written, detached, into `logprobs` / `entropy` `[T]`. Returns the segment's loss (or None)."""
-    sl = slice(seg.start, seg.end)
-    lp, ent = chunked_logprobs(
-        hidden[0],
-        parts.lm_head,
-        response[sl],
-        temperature=temperature,
-        softcap=parts.final_logit_softcapping,
-        scale=parts.logit_scale,
-    )
-    logprobs[sl], entropy[sl] = lp.detach(), ent.detach()
-    return segment_loss(sl, Replay(logprobs=lp, entropy=ent))
-
-
 def _run_policy(
     parts,
     cache,
@@ -222,7 +196,7 @@ def _run_policy(
     positions = torch.arange(start + seg.start, start + seg.end, device=inputs.device)
     with torch.enable_grad():
         hidden = run_decoder(parts, inputs[None, sl], positions, cache, checkpoint_layers=checkpoint_layers)
-        loss = _segment_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
+        loss = policy_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
         if collective and hidden.requires_grad:
             # every layer's output takes part in the backward, whatever the loss reads (the same collectives on
             # every rank)
@@ -232,150 +206,6 @@ def _run_policy(
             if before_backward is not None:
                 before_backward()
             loss.backward()
-
-
-# ----------------------------------------------------------------------------------------- the carry
-
-
-class _Carry:
-    """What later segments read of one trajectory's own growth, as tensors that collect its gradient.
-
-    Tensors that grow with the trajectory (attention keys and values `[1, Hkv, T, D]`, MLA latents `[1, 1, T, r + dr]`
-    and DSA indexer keys `[1, T, Di]`): one buffer each for the whole trajectory, with its gradient; a segment reads
-    the positions before it in place (`_read`: its gradient added into `buffer.grad` in place) and what it produced
-    is copied in after its forward. Recurrent layers (linear attention, SSM, short convolutions): the states at each
-    segment boundary as leaves (O(1) each); boundary 0 is the prompt state's own (exact-mode leaves of the
-    `PromptState`). What the cache already held of its own when the carry was made (a `Branch`'s tokens: a row's
-    question after a shared document) is the buffers' first positions, constants the trajectory reads.
-    Memory: 2 × the trajectory's own state + the boundary states; during a segment's backward, also one layer's
-    gradients of what the segment read (the attention kernel's dK and dV, and one of them copied into the read's
-    strides: up to 1.5 / L of the own state over L layers).
-    """
-
-    @staticmethod
-    def serves(cache) -> bool:
-        """Whether every layer of `cache` is one the carry holds (`BranchLayer.carries_segments`)."""
-        return all(layer.carries_segments for layer in branch_layers(cache))
-
-    def __init__(self, cache, total: int):
-        self.total = total
-        #: what each layer's own state grows by (`grown_tensors`), and the layers with recurrent states
-        self.appended = {i: layer.grown_tensors for i, layer in enumerate(branch_layers(cache)) if layer.grown_tensors}
-        self.recurrent = [i for i, layer in enumerate(branch_layers(cache)) if layer.boundary_states() is not None]
-        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
-        #: what each appended tensor held before the trajectory (a branch's own tokens; None: nothing), its length
-        #: along the token dimension, and each layer's own positions before it (`segment_offset`)
-        self.base: dict[tuple[int, str], torch.Tensor | None] = {}
-        self.kept: dict[tuple[int, str], int] = {}
-        self.offset: dict[int, int] = {}
-        #: layers that read their earlier own tensors in place as a part of their own (`reads_carried_in_place`): a
-        #: segment's forward then appends only its own, no copy of the trajectory's
-        self.carried = {i for i in self.appended if _grown(cache, i).reads_carried_in_place}
-        for i, attrs in self.appended.items():
-            layer = _grown(cache, i)
-            self.offset[i] = layer.segment_offset()
-            for name, dim in attrs:
-                t = getattr(layer, name)
-                self.base[(i, name)] = t
-                self.kept[(i, name)] = 0 if t is None else t.shape[dim]
-        self.initial = {i: dict(branch_layers(cache)[i].boundary_states() or {}) for i in self.recurrent}
-        self.boundaries: list[dict] = [{}]  # per boundary j: {(layer, "conv"|"recurrent", state idx): leaf}
-
-    @staticmethod
-    def _slice(t: torch.Tensor, dim: int, start: int, end: int | None = None) -> torch.Tensor:
-        return t.narrow(dim % t.dim(), start, (t.shape[dim] if end is None else end) - start)
-
-    def _read(self, key: tuple[int, str], dim: int, length: int) -> torch.Tensor:
-        """The first `length` positions of buffer `key` as a leaf of their own, sharing the buffer's storage; the
-        gradient a backward delivers to it is added into the same positions of the buffer's gradient in place and
-        dropped. Its accumulation runs as soon as the layer's backward has made it (autograd runs a leaf's first),
-        so what a segment's backward holds beyond the carry is one layer's gradient of what it read (in the leaf's
-        strides), not a zero-filled gradient of the whole buffer per layer (a view's backward would make one) nor
-        every layer's at once (a function of the buffer, created before the segment's forward, would run last)."""
-        buf = self.buffers[key]
-        leaf = self._slice(buf.detach(), dim, 0, length).requires_grad_(True)
-
-        def accumulate(t: torch.Tensor) -> None:
-            if t.grad is None:
-                return
-            if buf.grad is None:
-                buf.grad = torch.zeros_like(buf)
-            self._slice(buf.grad, dim, 0, length).add_(t.grad)
-            t.grad = None
-
-        leaf.register_post_accumulate_grad_hook(accumulate)
-        return leaf
-
-    def enter(self, cache: BranchCache, j: int, start: int) -> None:
-        """Set the cache up to run segment j (first token at `start`) from the carry."""
-        for i, attrs in self.appended.items():
-            before = {}
-            for name, dim in attrs:
-                key = (i, name)
-                buf = self.buffers.get(key)
-                before[name] = (
-                    self.base[key] if start == 0 or buf is None else self._read(key, dim, self.kept[key] + start)
-                )
-            _grown(cache, i).enter_segment(before, self.offset[i])
-        for i in self.recurrent:
-            if j == 0:  # the states the trajectory started from
-                branch_layers(cache)[i].load_boundary(self.initial[i], reset=True)
-            else:
-                states = {(which, idx): leaf for (li, which, idx), leaf in self.boundaries[j].items() if li == i}
-                branch_layers(cache)[i].load_boundary(states)
-
-    def leave(
-        self, cache: BranchCache, j: int, start: int, end: int, first_pass: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """After segment j's forward: on the first pass, store what it produced (into the buffers, its end states as
-        the leaves of boundary j + 1); on the reverse pass, the (produced tensor, accumulated gradient) pairs to
-        back-propagate."""
-        out = []
-        for i, attrs in self.appended.items():
-            layer = cache.layers[i]
-            for name, dim in attrs:
-                own = getattr(layer, name)
-                if own is None:
-                    continue
-                key = (i, name)
-                k = self.kept[key]
-                # a carried layer's own tensors are this segment's only
-                new = (
-                    self._slice(own, dim, 0, end - start)
-                    if i in self.carried
-                    else self._slice(own, dim, k + start, k + end)
-                )
-                if first_pass:
-                    if key not in self.buffers:
-                        shape = list(new.shape)
-                        shape[dim % new.dim()] = k + self.total
-                        self.buffers[key] = new.new_zeros(shape)
-                        base = self.base[key]
-                        if base is not None:
-                            self._slice(self.buffers[key], dim, 0, k).copy_(base)
-                    with torch.no_grad():
-                        self._slice(self.buffers[key], dim, k + start, k + end).copy_(new)
-                else:
-                    buf = self.buffers[key]
-                    if buf.grad is not None and new.requires_grad:
-                        out.append((new, self._slice(buf.grad, dim, k + start, k + end)))
-        if first_pass:
-            nxt = {}
-            for i in self.recurrent:
-                for (which, idx), t in (branch_layers(cache)[i].boundary_states() or {}).items():
-                    nxt[(i, which, idx)] = t.detach().clone().requires_grad_(True)
-            self.boundaries.append(nxt)
-        else:
-            for (i, which, idx), leaf in self.boundaries[j + 1].items():
-                produced = (branch_layers(cache)[i].boundary_states() or {}).get((which, idx))
-                if leaf.grad is not None and produced is not None and produced.requires_grad:
-                    out.append((produced, leaf.grad))
-        return out
-
-
-def _grown(cache: BranchCache, i: int) -> PromptBranchLayer:
-    """Layer i of `cache`, one whose own tensors grow (`grown_tensors`: an attention or latent branch layer)."""
-    return cast(PromptBranchLayer, cache.layers[i])
 
 
 @dataclass(frozen=True)
@@ -459,7 +289,7 @@ def _replay_carried(
     segments before it, last to first, with autograd, and back-propagates in one backward what each produced (with
     the gradient accumulated on it) and, for a policy segment, its loss: every segment's backward runs once. An exact
     prompt's share stays on the prompt state's leaves for `PromptState.backward()`. Cost: one more forward of the
-    trajectory before its last policy turn than the whole replay; memory: the carry (`_Carry`) + one segment's graph.
+    trajectory before its last policy turn than the whole replay; memory: the carry (`Carry`) + one segment's graph.
     Context parallelism: the slots of `_lockstep`; a segment in a first-pass slot where another rank back-propagates
     runs with autograd and a backward of weight 0."""
     parts = state.parts
@@ -468,7 +298,7 @@ def _replay_carried(
     collective = group is not None
     inputs = torch.cat([state.last_token, response[:-1]])
     start = state.prompt_length - 1
-    carry = _Carry(cache, response.numel())
+    carry = Carry(cache, response.numel())
     logprobs = torch.zeros(response.numel(), device=device)
     entropy = torch.zeros(response.numel(), device=device)
     segs = segments(mask)
@@ -538,7 +368,7 @@ def _replay_carried(
             # the gradients copied: backward accumulates into the same buffers (at earlier positions)
             roots, grads = [t for t, _ in pairs], [g.to(t.dtype, copy=True) for t, g in pairs]
             if seg.policy:  # its loss in the same backward as the gradient later segments sent to it
-                loss = _segment_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
+                loss = policy_loss(parts, hidden, response, seg, segment_loss, temperature, logprobs, entropy)
                 if loss is not None and loss.requires_grad:
                     roots.append(loss)
                     grads.append(torch.ones_like(loss))

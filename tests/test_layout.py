@@ -243,6 +243,8 @@ TIERS: list[tuple[str, ...]] = [
     ("longstraw.self_check",),
     ("longstraw.distributed",),  # context parallelism, FSDP2, collectives, ranks
     ("longstraw.trajectory",),  # segmented replay of a multi-turn trajectory
+    ("longstraw.layer_major",),  # layer-major replay of one
+    ("longstraw.carry",),  # what a replay in pieces carries between them
     ("longstraw.prompt_state",),  # PromptState, capture_local
     ("longstraw.branch",),  # one trajectory's own state on top of a prompt
     ("longstraw.ragged",),  # branches of one prompt decoded in one batch
@@ -377,7 +379,7 @@ TOP_LEVEL_TESTS = {
     # the public surface and the engine
     "test_equivalence.py", "test_exact.py", "test_bf16.py", "test_like_a_user.py", "test_errors.py",
     "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
-    "test_shared_prefix.py", "test_ragged.py",
+    "test_shared_prefix.py", "test_ragged.py", "test_layer_major.py",
     # the project as a whole
     "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py", "test_second_pass.py",
 }

@@ -23,6 +23,7 @@ import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -78,6 +79,23 @@ class _RowSelecting(Protocol):
 ATTN_IMPLEMENTATION = "longstraw"
 
 
+class UpdateDone(Exception):
+    """Raised by `BranchCache.update` with `stop_after_update` set: the layer's keys and values are appended, the
+    rest of the forward is not wanted."""
+
+
+@dataclass
+class OneLayer:
+    """What a decoder forward that runs one layer (`BranchCache.one_layer`) asks of its layers: decoder layer `index`
+    runs, on `hidden` `[B, T, hidden]` instead of the input the decoder hands it (None: that input, the embeddings for
+    layer 0), its output left in `output`; every other layer hands its input on unchanged
+    (`longstraw.model.prepare.CheckpointedLayer`)."""
+
+    index: int
+    hidden: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+
+
 class BranchCache(Cache):
     """transformers `Cache` over one branch's layers (`LayerState.branch()` of every decoder layer, each a
     `longstraw.kinds.base.BranchLayer`).
@@ -106,6 +124,12 @@ class BranchCache(Cache):
         #: ones empty): the context-parallel capture's ranks agree on it when an MoE call is a collective; None: as
         #: many as the input needs
         self.ffn_calls = None
+        #: a forward in which one decoder layer runs and the others pass their input on (`longstraw.hf.decoder.
+        #: run_layer`, layer-major replay); None: every layer runs
+        self.one_layer: OneLayer | None = None
+        #: raise `UpdateDone` once `update` has appended a layer's keys and values (`longstraw.hf.decoder.
+        #: run_until_update`)
+        self.stop_after_update = False
         #: ids of recurrent-state copies handed to the model (and the copies, so the ids stay theirs)
         self._written: set[int] = set()
         self._keep: list = []
@@ -128,7 +152,10 @@ class BranchCache(Cache):
         """`Cache.update`, remembering the layer: Zamba2's shared attention module is built with `layer_idx=-1`
         and passes the index of the decoder layer it runs in to the cache only (transformers 5.24)."""
         self.last_updated = layer_idx
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.stop_after_update:
+            raise UpdateDone(layer_idx)
+        return out
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
         """A copy of the branch's recurrent state, which becomes the branch's own state.

@@ -234,6 +234,9 @@ class PromptBranchLayer(CacheLayerMixin):
     #: whether a segmented replay's earlier own tensors are read in place as a part before the own
     #: (`AttentionBranchLayer.carried_k`) rather than set as the own tensors
     reads_carried_in_place: bool = False
+    #: whether the cache `update` call appends every grown tensor, before the layer reads anything: a layer-major
+    #: replay then collects them by running the layer up to that call (`longstraw.hf.decoder.run_until_update`)
+    own_from_update: bool = False
 
     def boundary_states(self) -> dict[tuple[str, int], torch.Tensor] | None:
         return None

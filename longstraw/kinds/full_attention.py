@@ -256,6 +256,12 @@ class AttentionBranchLayer(PromptBranchLayer):
         compressed, context parallel) hold them as their own `keys` / `values`."""
         return type(self) is AttentionBranchLayer
 
+    @property
+    def own_from_update(self) -> bool:  # type: ignore[override]  # a class attribute on the base
+        """This class's own K/V are what `update` appends; its subclasses add states or entries elsewhere (hybrid
+        layers' recurrent states, compressed entries) or attend across ranks."""
+        return type(self) is AttentionBranchLayer
+
     def segment_offset(self) -> int:
         return self.own_offset
 

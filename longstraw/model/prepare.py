@@ -73,6 +73,22 @@ class CheckpointedLayer:
         cache = active_cache()
         if cache is None:
             return super().__call__(*args, **kwargs)
+        one = getattr(cache, "one_layer", None)
+        if one is None:
+            return self._longstraw_call(cache, args, kwargs)
+        # a forward that runs one layer (`longstraw.hf.decoder.run_layer`): the others hand their input on
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.longstraw_index != one.index:
+            return hidden
+        if one.hidden is not None:
+            if args:
+                args = (one.hidden, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": one.hidden}
+        one.output = self._longstraw_call(cache, args, kwargs)
+        return one.output
+
+    def _longstraw_call(self, cache, args, kwargs):
         hf = getattr(self, "gradient_checkpointing", False)
         if not hf and not cache.checkpoint_layers:  # the common case (decode steps): nothing to arrange
             return nn.Module.__call__(self, *args, **kwargs)

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ..layer_major import LayerMajor
 from ..losses import LOSS_TYPES, SCALE_REWARDS
 from ..losses.base import IMPORTANCE_SAMPLING_LEVELS
 from ..losses.sampler_correction import SamplerCorrection
@@ -217,6 +218,19 @@ class TrainConfig:
         "replay their trajectories' segments in lockstep), off otherwise (the whole response in one graph: the "
         "same gradient)",
     )
+    replay_order: str = _f(
+        "segments",
+        "how a response is replayed for its gradient (the same gradient either way): 'segments' (segment-major, with "
+        "segment_replay: each segment through every decoder layer; holds every layer's own K/V of the trajectory and "
+        "their gradient, 2x its own K/V) or 'layers' (layer-major, every response: one decoder layer at a time over "
+        "the whole response; holds one layer's own K/V and the hidden states entering the layers `keep_hidden` keeps; "
+        "one process; docs/agents.md, 'Cost')",
+    )
+    keep_hidden: str = _f(
+        "1/2",
+        "with replay_order: layers, 'k/n': the hidden states entering k of every n decoder layers are kept from the "
+        "forward, the others recomputed (fewer kept: less memory, 1 - k/n of a forward more)",
+    )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -407,6 +421,20 @@ class TrainConfig:
         need(
             not self.replays_segments or self.importance_sampling_level == "token",
             "segment_replay needs importance_sampling_level: token (a sequence-level ratio couples the turns)",
+        )
+        need(
+            self.replay_order in ("segments", "layers"),
+            f"replay_order must be 'segments' or 'layers', not {self.replay_order!r}",
+        )
+        try:
+            LayerMajor.parse(self.keep_hidden)
+        except ValueError as e:
+            need(False, str(e))
+        need(
+            self.replay_order != "layers"
+            or (self.importance_sampling_level == "token" and self.rollout_backend != "vllm" and not self.fsdp),
+            "replay_order: layers needs importance_sampling_level: token (each policy segment's loss is taken apart), "
+            "the own sampler (a vLLM trajectory's old log-probs are its first replay's) and no fsdp (one process)",
         )
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
         need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")

@@ -117,6 +117,11 @@ class Trainer:
                 "the server's rows are not handed to several groups yet; use context_parallel: 0 (one group of all "
                 "ranks)"
             )
+        if cfg.replay_order == "layers" and self.ranks.size > 1:
+            raise ValueError(
+                f"replay_order: layers on {self.ranks.size} processes: layer-major replay runs in one process; "
+                "use replay_order: segments (segmented replay runs on N processes)"
+            )
         self.data = build_data(cfg, self.tok, rows, eval_rows)
         self.rewards = reward_set(cfg, self.data, reward_funcs)
         if rollout_func is None and cfg.rollout_func:

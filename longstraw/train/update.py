@@ -33,6 +33,7 @@ import torch
 from ..api import capture
 from ..branch import Branch
 from ..distributed.parallelize import StepShare
+from ..layer_major import LayerMajor
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
@@ -60,6 +61,8 @@ class UpdateSettings:
     state_dtype: str | None = None
     #: replay a response with environment tokens one policy turn at a time (`longstraw.trajectory`)
     segment_replay: bool = False
+    #: replay every response one decoder layer at a time (`longstraw.layer_major`; `replay_order: layers`)
+    layer_major: LayerMajor | None = None
     #: an external sampler's importance-sampling correction (`rollout_backend: vllm`); None: none
     sampler_correction: SamplerCorrection | None = None
 
@@ -82,6 +85,7 @@ class UpdateSettings:
             cfg.checkpoint_layers,
             cfg.state_dtype,
             cfg.replays_segments,
+            LayerMajor.parse(cfg.keep_hidden) if cfg.replay_order == "layers" else None,
             correction,
         )
 
@@ -239,8 +243,11 @@ def _response_backward(
     """Replay one response (after its row's `suffix` `[S]`, when its prompt shares a captured prefix), back-propagate
     its share of the batch loss, free its graph (with `segment_replay`, a response holding environment tokens goes
     one policy turn at a time: `_segments_backward`; with context parallelism (`collective`) every response goes
-    that way, since the ranks replay their responses in lockstep)."""
-    if settings.segment_replay and (collective or bool((response.mask == 0).any())):
+    that way, since the ranks replay their responses in lockstep; with `layer_major`, every response goes one decoder
+    layer at a time)."""
+    if settings.layer_major is not None or (
+        settings.segment_replay and (collective or bool((response.mask == 0).any()))
+    ):
         return _segments_backward(
             state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward, suffix
         )
@@ -326,6 +333,7 @@ def _segments_backward(
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
         before_last_backward=before_backward,
+        layer_major=settings.layer_major,
     )
     n = mask.numel()
     low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)

@@ -7,6 +7,7 @@ import torch
 
 from longstraw.agent import AgentSettings, EnvironmentRollout, ToolCall, parse_tool_calls, tool_message_ids
 from longstraw.agent.environment import call_tool, environment_tools
+from longstraw.layer_major import LayerMajor
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
 from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import TurnSampler
@@ -147,6 +148,46 @@ def test_exact_mode_update_equals_naive_full_sequence_grpo(tmp_path, shared):
     forward per trajectory (tool tokens masked out of the loss, read by what follows), `FP32_GRAD_TOL` relative."""
     full = lambda model, prompt, r: full_sequence_logprobs(model, prompt, r.tokens)  # noqa: E731
     assert _step_error(tmp_path, full, prompt_grad="exact", **(SHARED if shared else {})) <= FP32_GRAD_TOL
+
+
+@pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
+def test_layer_major_update_equals_the_reference(tmp_path, monkeypatch, prompt_grad):
+    """`replay_order: layers` (every response one decoder layer at a time, 1 of 2 layer inputs kept): the step's
+    gradient over multi-turn trajectories of two questions sharing a document equals the same GRPO loss on the
+    detached reference (detached) or on one full-sequence forward per trajectory (exact), `FP32_GRAD_TOL` relative;
+    every response went layer-major."""
+    import longstraw.trajectory as trajectory
+
+    orders = []
+    inner = trajectory.replay_layer_major
+
+    def spy(*args, **kwargs):
+        orders.append(args[-1])
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(trajectory, "replay_layer_major", spy)
+    if prompt_grad == "exact":
+        reference = lambda model, prompt, r: full_sequence_logprobs(model, prompt, r.tokens)  # noqa: E731
+    else:
+        reference = _detached_reference
+    err = _step_error(tmp_path, reference, prompt_grad=prompt_grad, replay_order="layers", keep_hidden="1/2",
+                      **SHARED)
+    assert err <= FP32_GRAD_TOL
+    assert len(orders) == 2 * 3 and set(orders) == {LayerMajor(1, 2)}  # 2 rows × 3 responses
+
+
+def test_config_refuses_a_layer_major_replay_it_cannot_run():
+    """`replay_order` is 'segments' or 'layers'; `keep_hidden` reads 'k/n'; layer-major replay needs a token-level
+    ratio, the own sampler and one process (no fsdp)."""
+    with pytest.raises(ValueError, match="replay_order must be"):
+        TrainConfig(replay_order="columns")
+    with pytest.raises(ValueError, match="keep/every"):
+        TrainConfig(replay_order="layers", keep_hidden="half")
+    with pytest.raises(ValueError, match="keep <= every"):
+        TrainConfig(replay_order="layers", keep_hidden="3/2")
+    for bad in (dict(importance_sampling_level="sequence"), dict(fsdp=True)):
+        with pytest.raises(ValueError, match="replay_order: layers needs"):
+            TrainConfig(replay_order="layers", **bad)
 
 
 @pytest.mark.parametrize("env,failures", [("RaisingEnv", True), ("EmptyEnv", False)])
