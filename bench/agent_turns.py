@@ -11,9 +11,10 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `whole`: `PromptState.replay` of the whole trajectory as one branch (tool tokens masked out of the loss);
 - `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence);
-- `layer_major`: `replay_segments(..., layer_major=LayerMajor.parse(store))` (`longstraw.layer_major`: one decoder
-  layer at a time over the whole trajectory, the hidden states entering `--store` k of every n layers kept, one
-  layer's own K/V at a time), the prompt a constant.
+- `layer_major`: `replay_segments(..., layer_major=LayerMajor.parse(store, chunk=layer_chunk))`
+  (`longstraw.layer_major`: one decoder layer at a time over the whole trajectory, `--layer-chunk` positions per
+  layer call, the hidden states entering `--store` k of every n layers kept, one layer's own K/V at a time), the
+  prompt a constant.
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
@@ -73,6 +74,7 @@ def worker(
     threads: int,
     model_name: str = "dense",
     store: str = "1/2",
+    layer_chunk: int = 128,
 ) -> dict:
     import time
 
@@ -114,7 +116,11 @@ def worker(
             from longstraw.layer_major import LayerMajor
 
             replay_segments(
-                state, tokens, mask, lambda sl, out: out.logprobs.sum(), layer_major=LayerMajor.parse(store)
+                state,
+                tokens,
+                mask,
+                lambda sl, out: out.logprobs.sum(),
+                layer_major=LayerMajor.parse(store, chunk=layer_chunk),
             )
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
@@ -138,7 +144,7 @@ def worker(
         seconds=round(seconds, 3),
         prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2),
         threads=threads,
-        **({"store": store} if method == "layer_major" else {}),
+        **({"store": store, "layer_chunk": layer_chunk} if method == "layer_major" else {}),
     )
 
 
@@ -199,6 +205,9 @@ def main() -> None:
     ap.add_argument(
         "--store", nargs="+", default=["1/2"], help="layer_major: keep the hidden states entering k/n of the layers"
     )
+    ap.add_argument(
+        "--layer-chunk", type=int, default=128, help="layer_major: positions per layer call (its graph's length)"
+    )
     ap.add_argument("--model", default="dense", choices=["dense", "smollm2"])
     ap.add_argument(
         "--malloc-default",
@@ -217,6 +226,7 @@ def main() -> None:
             args.threads,
             args.model,
             args.store[0],
+            args.layer_chunk,
         )
         print(json.dumps(row))
         return
@@ -242,6 +252,8 @@ def main() -> None:
                 args.model,
                 "--store",
                 store or "1/2",
+                "--layer-chunk",
+                str(args.layer_chunk),
             ]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # RSS follows the live tensors (see compare.py)
             if args.malloc_default:  # time as a training run has it (glibc's own threshold; RSS then lags)
