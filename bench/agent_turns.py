@@ -46,14 +46,16 @@ METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major")
 
 
 def _model(name: str):
-    """The dense benchmark model (`bench_model("dense")`), or SmolLM2-135M-Instruct (`longstraw real smollm2`) with
-    LoRA r 16 on the attention projections, float32."""
+    """The dense benchmark model (`bench_model("dense")`; `deep`: with 16 layers), or SmolLM2-135M-Instruct
+    (`longstraw real smollm2`) with LoRA r 16 on the attention projections, float32."""
     import torch
 
-    if name == "dense":
+    if name in ("dense", "deep"):
+        from longstraw.testing.models import BENCH_DENSE
         from longstraw.tools.compare import bench_model
 
-        return bench_model("dense")
+        # deep: 16 of the dense model's layers (hidden size = one layer's K/V, 128 floats a position each)
+        return bench_model("dense", fields=None if name == "dense" else {**BENCH_DENSE, "num_hidden_layers": 16})
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +210,7 @@ def main() -> None:
     ap.add_argument(
         "--layer-chunk", type=int, default=128, help="layer_major: positions per layer call (its graph's length)"
     )
-    ap.add_argument("--model", default="dense", choices=["dense", "smollm2"])
+    ap.add_argument("--model", default="dense", choices=["dense", "deep", "smollm2"])
     ap.add_argument(
         "--malloc-default",
         action="store_true",

@@ -9,6 +9,8 @@ Public surface (docs/design.md):
     out = branch.replay(turn_ids)      # its replay (the branch's tokens constants, as the prompt); your loss, backward
     longstraw.replay_segments(state, trajectory, mask, segment_loss)  # a long trajectory, one segment's graph at a
                                        # time, the whole trajectory's gradient (each segment's loss back-propagated)
+    longstraw.replay_segments(..., layer_major=longstraw.LayerMajor(2, 3))  # one decoder layer at a time instead:
+                                       # one layer's own K/V held, not every layer's (docs/agents.md, "Cost")
     state.backward()                   # exact mode: the prompt's share of the gradient
     state.nbytes; state.release()      # or: with longstraw.capture(...) as state: ...
     longstraw.prepare(model)           # once per model (capture calls it); the model still works normally
@@ -22,6 +24,7 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Train
 from .api import capture
 from .branch import Branch
 from .errors import UnsupportedArchitectureError
+from .layer_major import LayerMajor
 from .model.capability import tested_families
 from .model.prepare import prepare, unprepare
 from .prompt_state import PromptState, Replay
@@ -35,6 +38,7 @@ __all__ = [
     "CheckReport",
     "GRPOConfig",
     "GRPOTrainer",
+    "LayerMajor",
     "PromptState",
     "Replay",
     "UnsupportedArchitectureError",

@@ -24,9 +24,12 @@ model).
 Memory per trajectory position: the kept hidden states, the current layer's input and its output's gradient (2
 hidden states more), and one layer's own keys, values and their gradients (4 × one layer's K/V), instead of
 segmented replay's 2 × every layer's K/V; plus one chunk of one layer's graph. SmolLM2-135M (30 layers, hidden 576,
-3 × 64 K/V heads a layer): 1 of 2 layers kept is 0.93 × the trajectory's own K/V, 1 of 1 1.68 ×, against 2 ×.
-Work: the whole replay's forward and backward, one more forward of every layer (its autograd re-run), its own keys
-and values once more, and 1 − keep / every of a forward to recompute the hidden states not kept.
+3 × 64 K/V heads a layer): 2 of 3 layers' inputs kept is at most 1.18 × the trajectory's own K/V (measured 1.09 ×
+from 2 to 32 agent turns, in 1.44 × the whole replay's time: docs/agents.md, "Cost"), 1 of 2 0.93 ×, 1 of 1 1.68 ×,
+against 2 ×.
+Work: the whole replay's forward and backward, one more forward of every layer (its autograd re-run), an attention
+layer's key and value projections once more (a recurrent layer's whole layer, for its boundary states), and
+1 − keep / every of a forward to recompute the hidden states not kept.
 
 One process: context parallelism and FSDP2 replay in segments (`longstraw.trajectory`).
 """
@@ -53,8 +56,8 @@ class LayerMajor:
     last kept one below (1 − keep / every of a forward more). `chunk`: positions per layer call (None: the prompt
     state's `chunk_size`); its graph is what a backward holds beyond the kept states."""
 
-    keep: int = 1
-    every: int = 2
+    keep: int = 2
+    every: int = 3
     chunk: int | None = None
 
     def __post_init__(self) -> None:
@@ -69,7 +72,7 @@ class LayerMajor:
         try:
             keep, every = (int(x) for x in str(text).split("/"))
         except ValueError:
-            raise ValueError(f"keep_hidden must read 'keep/every', e.g. '1/2'; got {text!r}") from None
+            raise ValueError(f"keep_hidden must read 'keep/every', e.g. '2/3'; got {text!r}") from None
         return cls(keep, every, chunk)
 
     def keeps(self, i: int) -> bool:
