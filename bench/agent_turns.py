@@ -14,7 +14,7 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `layer_major`: `replay_segments(..., layer_major=LayerMajor.parse(store, chunk=layer_chunk))`
   (`longstraw.layer_major`: one decoder layer at a time over the whole trajectory, `--layer-chunk` positions per
   layer call, the hidden states entering `--store` k of every n layers kept, one layer's own K/V at a time), the
-  prompt a constant.
+  prompt a constant; `layer_major_exact`: the same with `prompt_grad="exact"` (timed against `whole_exact`).
 
 Memory: peak RSS during the replay and backward − RSS before it (`longstraw.train.memory.MemoryMeter`; the prompt
 state is captured before, so it is not counted for the longstraw methods, and the naive way has none). G does not
@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import finish, record  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major")
+METHODS = ("segments", "exact", "whole", "whole_exact", "naive", "layer_major", "layer_major_exact")
+#: the methods that take `--store` and `--layer-chunk`
+LAYER_MAJOR = ("layer_major", "layer_major_exact")
 
 
 def _model(name: str):
@@ -103,7 +105,7 @@ def worker(
     state = None
     if method != "naive":
         state = longstraw.capture(
-            model, prompt, chunk_size=1024, prompt_grad="exact" if method in ("exact", "whole_exact") else "detached"
+            model, prompt, chunk_size=1024, prompt_grad="exact" if method.endswith("exact") else "detached"
         )
     meter.start_step()
     t0 = time.perf_counter()
@@ -114,7 +116,7 @@ def worker(
         elif method in ("whole", "whole_exact"):
             (state.replay(tokens).logprobs * mask).sum().backward()
             state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
-        elif method == "layer_major":
+        elif method in LAYER_MAJOR:
             from longstraw.layer_major import LayerMajor
 
             replay_segments(
@@ -124,6 +126,7 @@ def worker(
                 lambda sl, out: out.logprobs.sum(),
                 layer_major=LayerMajor.parse(store, chunk=layer_chunk),
             )
+            state.backward()  # layer_major_exact: the prompt's share (nothing to do when detached)
         else:
             logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, P - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
@@ -146,7 +149,7 @@ def worker(
         seconds=round(seconds, 3),
         prompt_state_mb=None if state is None else round(state.nbytes / 2**20, 2),
         threads=threads,
-        **({"store": store, "layer_chunk": layer_chunk} if method == "layer_major" else {}),
+        **({"store": store, "layer_chunk": layer_chunk} if method in LAYER_MAJOR else {}),
     )
 
 
@@ -235,7 +238,7 @@ def main() -> None:
     rows: list[dict] = []
     out = Path(args.out or RESULTS / ("agent_turns" if args.model == "dense" else f"agent_turns-{args.model}"))
     for turns in args.turns:
-        for method, store in [(m, s) for m in args.methods for s in (args.store if m == "layer_major" else [""])]:
+        for method, store in [(m, s) for m in args.methods for s in (args.store if m in LAYER_MAJOR else [""])]:
             cmd = [
                 sys.executable,
                 __file__,
