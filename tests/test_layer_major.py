@@ -186,7 +186,7 @@ def test_layer_major_refuses_what_it_does_not_run():
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("name", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])  # (gemma3: 9 s)
 def test_layer_major_replay_of_a_real_model_equals_its_own_cache_in_float64(name, request):
     """The real models (SmolLM2-135M-Instruct: 30 layers; Gemma 3 270M: 18 layers, sliding and global layers with
     their own rotary embeddings, which the decoder hands each layer), LoRA on q/k/v/o, a 64-token prompt and a
