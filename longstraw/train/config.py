@@ -439,9 +439,12 @@ class TrainConfig:
         )
         need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
         need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")
+        # with no `reward_funcs` here the functions come from elsewhere (callables passed to the trainer, or the
+        # task's own reward): `RewardSet` checks the weights against those
         need(
-            not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
-            "reward_weights needs one weight per reward function",
+            not self.reward_weights or not self.reward_funcs or len(self.reward_weights) == len(self.reward_funcs),
+            f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs: give "
+            "one weight per reward function, in reward_funcs' order",
         )
         need(self.lr_scheduler in ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine")
         need(self.prompt_grad in ("detached", "exact"), "prompt_grad must be 'detached' or 'exact'")

@@ -79,7 +79,10 @@ class RewardSet:
         if not self.funcs:
             raise ValueError("no reward functions")
         if len(self.weights) != len(self.funcs):
-            raise ValueError(f"{len(self.weights)} reward_weights for {len(self.funcs)} reward functions")
+            raise ValueError(
+                f"reward_weights has {len(self.weights)} weights for {len(self.funcs)} reward functions "
+                f"({', '.join(self.names)}): give one weight per reward function, in their order"
+            )
 
     @property
     def names(self) -> list[str]:

@@ -326,6 +326,12 @@ class GRPOTrainer(Trainer):
             args = GRPOConfig.from_trl(args)
         if train_dataset is None:
             raise ValueError("GRPOTrainer: train_dataset is required (a Dataset, a list of rows, or a path)")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):  # before any work
+            raise ValueError(
+                f"GRPOTrainer: reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward_funcs: "
+                "give one weight per reward function, in reward_funcs' order"
+            )
         folder, obj = self._model(model, args)
         tok = processing_class
         if tok is None and folder not in TINY_CONFIGS:
@@ -342,10 +348,9 @@ class GRPOTrainer(Trainer):
                 train_embeddings=bool(peft_config.modules_to_save),
             )
         cfg = args.train_config(folder, len(rows), lora)
-        funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         super().__init__(
             cfg,
-            reward_funcs=list(funcs),
+            reward_funcs=funcs,
             rollout_func=rollout_func,
             model=obj,
             tokenizer=tok,

@@ -203,3 +203,63 @@ def test_trls_conversational_prompt_is_a_chat_row():
         == (b.prompt, b.messages, b.answer)
         == ("<user>k3 v1 ? k3<assistant>", chat, "v1")
     )
+
+
+def test_weighted_reward_callables_sum_as_trls_nansum(tmp_path):
+    """`reward_weights` with the reward functions passed as callables: each completion's reward is TRL's
+    Σ_i w_i r_i over the functions that did not abstain (None: TRL's `nansum` skips it), checked against that sum
+    computed here from what the functions returned. The values are integers and halves (≤ 64 in all), so their
+    weighted sums, step means (÷ 4) and float32 results are exact: the means must be equal; the std goes through a
+    square root, float32 against float64 here: 1e-6 relative."""
+    returned = []  # per call: (digits' values, length's values), in the order the trainer scores the prompts
+
+    def digits(completions, **kwargs):
+        out = [float(sum(ch.isdigit() for ch in c)) for c in completions]
+        returned.append([out])
+        return out
+
+    def length(completions, **kwargs):  # abstains on each prompt's first completion
+        out = [None if i == 0 else float(len(c) + 1) for i, c in enumerate(completions)]
+        returned[-1].append(out)
+        return out
+
+    trainer = GRPOTrainer(
+        model="llama",
+        reward_funcs=[digits, length],
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            learning_rate=1e-2,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=4,
+            max_steps=2,
+            reward_weights=[1.0, 0.5],
+            seed=7,
+            longstraw=OWN,
+        ),
+        train_dataset=ROWS,
+    )
+    rows = trainer.train()
+    assert len(returned) == 4  # 2 steps × 2 prompts
+    for step, row in enumerate(rows):
+        want = [
+            d + (0.5 * n if n is not None else 0.0)
+            for d_vals, n_vals in returned[2 * step : 2 * step + 2]
+            for d, n in zip(d_vals, n_vals)
+        ]
+        assert row["reward"] == sum(want) / len(want)
+        torch.testing.assert_close(
+            row["reward_std"], torch.tensor(want, dtype=torch.float64).std().item(), rtol=1e-6, atol=0
+        )
+    assert any(n for call in returned for n in call[1][1:])  # the length term is there: its weight shows
+
+
+def test_reward_weights_not_one_per_callable_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"reward_weights has 1 weights for 2 reward_funcs: give one weight per"):
+        GRPOTrainer(
+            model="llama",
+            reward_funcs=[reward_len, reward_len],
+            args=GRPOConfig(output_dir=str(tmp_path / "trl"), reward_weights=[1.0], longstraw=OWN),
+            train_dataset=ROWS,
+        )
+    assert not (tmp_path / "trl").exists()
