@@ -4,7 +4,7 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 `--tool-tokens` tokens (the last turn is the answer). Three ways to get the gradient of its masked log-prob sum
 (LoRA on the dense benchmark model, `longstraw.tools.compare.bench_model("dense")`), each in a fresh process:
 
-- `segments`: `longstraw.trajectory.replay_segments` against the captured prompt: one segment's graph at a time, the
+- `segments`: `longstraw.replay.segments.replay_segments` against the captured prompt: one segment's graph at a time, the
   whole trajectory's gradient (its own K/V as leaf buffers, then a reverse pass over the segments), the prompt a
   constant;
 - `exact`: the same with `prompt_grad="exact"` (the gradient also through the prompt: its reverse pass too);
@@ -12,7 +12,7 @@ A trajectory after a P-token prompt: `turns` policy turns of `--turn-tokens` tok
 - `whole_exact`: the same with `prompt_grad="exact"` (what `exact` is timed against: both pay the prompt's share);
 - `naive`: one forward + backward of [prompt + trajectory] on the unmodified model (what TRL does per sequence);
 - `layer_major`: `replay_segments(..., layer_major=LayerMajor.parse(store, chunk=layer_chunk))`
-  (`longstraw.layer_major`: one decoder layer at a time over the whole trajectory, `--layer-chunk` positions per
+  (`longstraw.replay.layer_major`: one decoder layer at a time over the whole trajectory, `--layer-chunk` positions per
   layer call, the hidden states entering `--store` k of every n layers kept, one layer's own K/V at a time), the
   prompt a constant; `layer_major_exact`: the same with `prompt_grad="exact"` (timed against `whole_exact`).
 
@@ -86,7 +86,7 @@ def worker(
 
     import longstraw
     from longstraw.train.memory import MemoryMeter
-    from longstraw.trajectory import replay_segments
+    from longstraw.replay.segments import replay_segments
 
     torch.set_num_threads(threads)
     model = _model(model_name)
@@ -117,7 +117,7 @@ def worker(
             (state.replay(tokens).logprobs * mask).sum().backward()
             state.backward()  # whole_exact: the prompt's share (nothing to do when detached)
         elif method in LAYER_MAJOR:
-            from longstraw.layer_major import LayerMajor
+            from longstraw.replay.layer_major import LayerMajor
 
             replay_segments(
                 state,

@@ -24,12 +24,12 @@ Around it: `longstraw.losses` (GRPO loss family), `longstraw.train.trainer.Train
 from .api import capture
 from .branch import Branch
 from .errors import UnsupportedArchitectureError
-from .layer_major import LayerMajor
 from .model.capability import tested_families
 from .model.prepare import prepare, unprepare
 from .prompt_state import PromptState, Replay
+from .replay.layer_major import LayerMajor
+from .replay.segments import replay_segments
 from .self_check import CheckReport, check
-from .trajectory import replay_segments
 
 __version__ = "0.1.0"
 

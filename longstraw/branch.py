@@ -14,7 +14,7 @@ compressed streams). Every layer kind the prompt serves, the branch serves: it i
 
 A branch also stands where a `PromptState` is read (`prompt_length`, `_cache(batch)`): `longstraw.sampler.sample(branch,
 G, ...)` decodes G sequences after it, its own state repeated for them as views (`batch_repeat_interleave`), and
-`longstraw.trajectory.replay_segments` replays after it. So rows sharing a document extend one branch each by their
+`longstraw.replay.segments.replay_segments` replays after it. So rows sharing a document extend one branch each by their
 question, once, and sample and replay from it (`longstraw.train.sharing`).
 
 The last token of the trajectory so far is held back (`last_token`), as a captured prompt holds back its last token:

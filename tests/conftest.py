@@ -15,7 +15,7 @@ ARCHS = list(TINY_CONFIGS) + list(TINY_MULTIMODAL)
 NUMERICS = {"test_equivalence", "test_exact", "test_bf16", "test_distributed", "test_distributed_trainer", "test_fsdp",
             "test_fsdp_trainer", "test_kernels", "test_native_kernel", "test_attention", "test_latent_attention",
             "test_compressed_attention", "test_quant", "test_shared_prefix", "test_shared_prefix_step",
-            "test_ssm", "test_logprobs", "test_trajectory", "test_agent", "test_layer_major"}
+            "test_ssm", "test_logprobs", "test_segments", "test_agent", "test_layer_major", "test_batched"}
 #: files whose tests start several processes (gloo process groups, torchrun): `multiprocess`
 MULTIPROCESS = {"test_distributed", "test_distributed_trainer", "test_fsdp", "test_fsdp_trainer"}
 

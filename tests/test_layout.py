@@ -33,9 +33,7 @@ def _not_run_as_imports(tree: ast.Module) -> set[int]:
     return skip
 
 
-def import_graph(
-    package: Path = PACKAGE, every: bool = True
-) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+def import_graph(package: Path = PACKAGE, every: bool = True) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
     """(module → the package modules it imports, [(module, imported module, private name)]). `every` False: only the
     imports that run when the module is imported (not those under `if TYPE_CHECKING:` or in `__getattr__`)."""
     mods = _modules(package)
@@ -107,8 +105,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_package_has_no_import_circle():
     graph, _ = import_graph()
     found = cycles(graph)
-    detail = [" ↔ ".join(c) + ": " + "; ".join(f"{a} → {b}" for a in c for b in sorted(graph[a]) if b in c)
-              for c in found]
+    detail = [
+        " ↔ ".join(c) + ": " + "; ".join(f"{a} → {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found
+    ]
     assert not found, "import circles:\n" + "\n".join(detail)
 
 
@@ -192,8 +191,10 @@ def test_the_check_sees_a_function_local_import(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("def __getattr__(name):\n    from . import a\n    return a\n")
-    (pkg / "a.py").write_text("def f():\n    import json\n    import gguf\n    return json\n\n"
-                              "def __getattr__(name):\n    from .b import g\n    return g\n")
+    (pkg / "a.py").write_text(
+        "def f():\n    import json\n    import gguf\n    return json\n\n"
+        "def __getattr__(name):\n    from .b import g\n    return g\n"
+    )
     assert local_imports(pkg) == ["pkg.a:2 json", "pkg.a:7 .b"]
 
 
@@ -205,8 +206,9 @@ def test_the_check_sees_a_circle_and_a_private_import(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .b import g\n\ndef f():\n    return g()\n")
     (pkg / "b.py").write_text("def g():\n    from .a import f\n    return f\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n"
-                              "from .a import f\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\nfrom .a import f\n"
+    )
     (pkg / "d.py").write_text("from .c import f\nfrom .a import _hidden\n")
     graph, private = import_graph(pkg)
     assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
@@ -220,10 +222,14 @@ def test_the_check_sees_a_private_member_read_from_another_module(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "state.py").write_text("class State:\n    def __init__(self):\n        self._parts = 1\n\n"
-                                  "    def _cache(self):\n        return self._parts\n")
-    (pkg / "user.py").write_text("import torch\n\ndef f(s, other):\n    torch._C\n    other._mine = 2\n"
-                                 "    return s._cache(), s._parts, other._mine\n")
+    (pkg / "state.py").write_text(
+        "class State:\n    def __init__(self):\n        self._parts = 1\n\n"
+        "    def _cache(self):\n        return self._parts\n"
+    )
+    (pkg / "user.py").write_text(
+        "import torch\n\ndef f(s, other):\n    torch._C\n    other._mine = 2\n"
+        "    return s._cache(), s._parts, other._mine\n"
+    )
     assert private_reads(pkg) == [("pkg.user", "_cache"), ("pkg.user", "_parts")]
 
 
@@ -242,9 +248,7 @@ TIERS: list[tuple[str, ...]] = [
     ("longstraw.api",),  # `capture`, the one dispatcher
     ("longstraw.self_check",),
     ("longstraw.distributed",),  # context parallelism, FSDP2, collectives, ranks
-    ("longstraw.trajectory",),  # segmented replay of a multi-turn trajectory
-    ("longstraw.layer_major",),  # layer-major replay of one
-    ("longstraw.carry",),  # what a replay in pieces carries between them
+    ("longstraw.replay",),  # every replay order (batched, segmented, layer-major) and what pieces carry between them
     ("longstraw.prompt_state",),  # PromptState, capture_local
     ("longstraw.branch",),  # one trajectory's own state on top of a prompt
     ("longstraw.ragged",),  # branches of one prompt decoded in one batch
@@ -276,9 +280,7 @@ def tier_entry(module: str, tiers=TIERS) -> tuple[int, str] | None:
     return best
 
 
-def runtime_imports(
-    graph: dict[str, set[str]], run: dict[str, set[str]] | None = None
-) -> list[tuple[str, str, str]]:
+def runtime_imports(graph: dict[str, set[str]], run: dict[str, set[str]] | None = None) -> list[tuple[str, str, str]]:
     """(module, module that importing it runs, the package whose `__init__` runs it or ""): each module it imports,
     and what the `__init__` of each package enclosing one of those imports runs (`run`: the imports that run on
     import; default `graph`) (Python runs a package's `__init__` before its submodule: `from ..agent.environment
@@ -373,15 +375,27 @@ def test_the_tier_check_sees_an_upward_import(tmp_path):
 
 #: The test files that stay at the top of `tests/`; every other one lies in `tests/<package>/`, the folder named after
 #: the package of `longstraw` it tests (tests/README.md lists them). These hold the public surface and the engine's
-#: top-level modules (`api`, `sampler`, `trajectory`, `self_check`: no package of their own to mirror), over every
+#: top-level modules (`api`, `sampler`, `self_check`: no package of their own to mirror), over every
 #: family, or the project as a whole (its docs, README, import graph, examples).
 TOP_LEVEL_TESTS = {
     # the public surface and the engine
-    "test_equivalence.py", "test_exact.py", "test_bf16.py", "test_like_a_user.py", "test_errors.py",
-    "test_loading.py", "test_sampler.py", "test_trajectory.py", "test_self_check_half.py", "test_cuda.py",
-    "test_shared_prefix.py", "test_ragged.py", "test_layer_major.py",
+    "test_equivalence.py",
+    "test_exact.py",
+    "test_bf16.py",
+    "test_like_a_user.py",
+    "test_errors.py",
+    "test_loading.py",
+    "test_sampler.py",
+    "test_self_check_half.py",
+    "test_cuda.py",
+    "test_shared_prefix.py",
+    "test_ragged.py",
     # the project as a whole
-    "test_docs.py", "test_readme.py", "test_layout.py", "test_examples.py", "test_second_pass.py",
+    "test_docs.py",
+    "test_readme.py",
+    "test_layout.py",
+    "test_examples.py",
+    "test_second_pass.py",
 }
 TESTS = ROOT / "tests"
 
@@ -393,8 +407,11 @@ def test_the_tests_mirror_the_packages():
     `numerics` and `multiprocess` markers by file name (every name in its sets is a test file)."""
     from .conftest import MULTIPROCESS, NUMERICS
 
-    folders = sorted(d.relative_to(TESTS) for d in TESTS.rglob("*")
-                     if d.is_dir() and not any(p.startswith((".", "_")) for p in d.relative_to(TESTS).parts))
+    folders = sorted(
+        d.relative_to(TESTS)
+        for d in TESTS.rglob("*")
+        if d.is_dir() and not any(p.startswith((".", "_")) for p in d.relative_to(TESTS).parts)
+    )
     assert folders, "tests/ has no folder"
     stray = [str(d) for d in folders if not (PACKAGE.joinpath(*d.parts) / "__init__.py").is_file()]
     assert not stray, f"folders of tests/ that name no package of longstraw: {stray}"
@@ -422,14 +439,18 @@ def unannotated(names, namespace) -> list[str]:
         if inspect.isfunction(obj):
             fns = [(n, obj)]
         elif inspect.isclass(obj):
-            fns = [(f"{n}.{k}", v) for k, v in vars(obj).items()
-                   if inspect.isfunction(v) and not k.startswith("_")]
+            fns = [(f"{n}.{k}", v) for k, v in vars(obj).items() if inspect.isfunction(v) and not k.startswith("_")]
         else:
             continue
         for name, f in fns:
             sig = inspect.signature(f)
-            params = [p for p, v in sig.parameters.items() if p not in ("self", "cls")
-                      and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD) and v.annotation is inspect.Parameter.empty]
+            params = [
+                p
+                for p, v in sig.parameters.items()
+                if p not in ("self", "cls")
+                and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
+                and v.annotation is inspect.Parameter.empty
+            ]
             if params or sig.return_annotation is inspect.Signature.empty:
                 missing.append(f"{name}{params if params else ''}{'' if params else ' (return)'}")
     return missing

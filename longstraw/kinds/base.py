@@ -70,9 +70,9 @@ class BranchLayer(Protocol):
 
     @property
     def carries_segments(self) -> bool:
-        """Whether a segmented replay (`longstraw.trajectory`) carries this layer from one segment to the next: through
-        its `grown_tensors`, its `boundary_states` and `enter_segment`; False: a trajectory through it is replayed
-        whole."""
+        """Whether a segmented replay (`longstraw.replay.segments`) carries this layer from one segment to the next:
+        through its `grown_tensors`, its `boundary_states` and `enter_segment`; False: a trajectory through it is
+        replayed whole."""
 
     @property
     def grown_tensors(self) -> tuple[tuple[str, int], ...]:
@@ -228,7 +228,7 @@ class PromptBranchLayer(CacheLayerMixin):
     is_sliding: bool = False
     #: whether `values` names the own keys too (one tensor read as keys and as values: context-parallel latents)
     values_alias: bool = False
-    #: `BranchLayer.carries_segments`, `grown_tensors`: what a segmented replay carries (`longstraw.trajectory`)
+    #: `BranchLayer.carries_segments`, `grown_tensors`: what a segmented replay carries (`longstraw.replay.segments`)
     carries_segments: bool = False
     grown_tensors: tuple[tuple[str, int], ...] = ()
     #: whether a segmented replay's earlier own tensors are read in place as a part before the own

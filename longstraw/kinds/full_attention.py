@@ -122,8 +122,8 @@ class AttentionBranchLayer(PromptBranchLayer):
     window: int | None = None
     #: chunked local attention: the attention chunk size (keys of the query's own chunk only); None: none
     chunk: int | None = None
-    #: segmented replay (`longstraw.trajectory`): the trajectory's own K/V before this forward `[1, Hkv, C, D]`, read
-    #: in place as a part of their own from position `carried_start` (`keys` then holds this forward's only); None:
+    #: segmented replay (`longstraw.replay.segments`): the trajectory's own K/V before this forward `[1, Hkv, C, D]`,
+    #: read in place as a part of their own from position `carried_start` (`keys` then holds this forward's only); None:
     #: the own K/V are all in `keys`
     carried_k: torch.Tensor | None = None
     carried_v: torch.Tensor | None = None

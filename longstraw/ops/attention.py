@@ -159,9 +159,9 @@ def prompt_backward(g, q, prompt_k, prompt_v, out, lse, prompt: Part, need_kv: b
 
 class _CarriedParts:
     """`SplitAttention` with a third part between the prompt and the own keys: a segmented replay's earlier own K/V
-    (`carried_k` / `carried_v` `[1, Hkv, C, D]`, `longstraw.trajectory`), read in place instead of concatenated with
-    the forward's own. Every part's (out, lse) is merged by log-sum-exp in float32; the backward runs each part with
-    dO weighted by its share of the softmax mass, w_i = exp(lse_i − lse), and the merged output (the split-softmax
+    (`carried_k` / `carried_v` `[1, Hkv, C, D]`, `longstraw.replay.segments`), read in place instead of concatenated
+    with the forward's own. Every part's (out, lse) is merged by log-sum-exp in float32; the backward runs each part
+    with dO weighted by its share of the softmax mass, w_i = exp(lse_i − lse), and the merged output (the split-softmax
     identity: P = w_i · P_i), so no part's log-sum-exp needs a gradient and the fused kernels serve every part.
     Saves inputs by reference, the merged output and the log-sum-exps: nothing of size R × T."""
 

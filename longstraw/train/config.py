@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-from ..layer_major import LayerMajor
 from ..losses import LOSS_TYPES, SCALE_REWARDS
 from ..losses.base import IMPORTANCE_SAMPLING_LEVELS
 from ..losses.sampler_correction import SamplerCorrection
+from ..replay.layer_major import LayerMajor
 from ..tasks import REWARD_FUNCTIONS, TASKS
 from ..testing.models import TINY_CONFIGS
 from .verl_names import from_verl

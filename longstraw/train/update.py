@@ -33,15 +33,15 @@ import torch
 from ..api import capture
 from ..branch import Branch
 from ..distributed.parallelize import StepShare
-from ..layer_major import LayerMajor
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
 from ..model.capability import model_parts
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState
+from ..replay.layer_major import LayerMajor
+from ..replay.segments import replay_segments
 from ..tasks import Example
-from ..trajectory import replay_segments
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
 from .staleness import StateStore
@@ -59,9 +59,9 @@ class UpdateSettings:
     chunk_size: int = 1024
     checkpoint_layers: bool = False
     state_dtype: str | None = None
-    #: replay a response with environment tokens one policy turn at a time (`longstraw.trajectory`)
+    #: replay a response with environment tokens one policy turn at a time (`longstraw.replay.segments`)
     segment_replay: bool = False
-    #: replay every response one decoder layer at a time (`longstraw.layer_major`; `replay_order: layers`)
+    #: replay every response one decoder layer at a time (`longstraw.replay.layer_major`; `replay_order: layers`)
     layer_major: LayerMajor | None = None
     #: an external sampler's importance-sampling correction (`rollout_backend: vllm`); None: none
     sampler_correction: SamplerCorrection | None = None

@@ -7,13 +7,13 @@ import torch
 
 from longstraw.agent import AgentSettings, EnvironmentRollout, ToolCall, parse_tool_calls, tool_message_ids
 from longstraw.agent.environment import call_tool, environment_tools
-from longstraw.layer_major import LayerMajor
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.replay.layer_major import LayerMajor
+from longstraw.replay.segments import segments
 from longstraw.train.config import TrainConfig
 from longstraw.train.rollout import TurnSampler
 from longstraw.train.trainer import Trainer
 from longstraw.train.update import loss_mask
-from longstraw.trajectory import segments
 
 from ..test_equivalence import FP32_GRAD_TOL
 
@@ -156,7 +156,7 @@ def test_layer_major_update_equals_the_reference(tmp_path, monkeypatch, prompt_g
     gradient over multi-turn trajectories of two questions sharing a document equals the same GRPO loss on the
     detached reference (detached) or on one full-sequence forward per trajectory (exact), `FP32_GRAD_TOL` relative;
     every response went layer-major."""
-    import longstraw.trajectory as trajectory
+    import longstraw.replay.segments as trajectory
 
     orders = []
     inner = trajectory.replay_layer_major

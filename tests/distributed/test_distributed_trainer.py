@@ -207,7 +207,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, scenario: str):
 
     path = os.path.join(out_dir, f"{scenario}-rank{rank}.pt")
     if scenario == "agent":  # run Y (segment_replay unset: on), then whole replays at Y's weights
-        import longstraw.trajectory as trajectory
+        import longstraw.replay.segments as trajectory
 
         carried = trajectory._replay_carried
         calls = []

@@ -1,7 +1,7 @@
-"""Segmented replay under context parallelism (`longstraw.trajectory.replay_segments` on a `ContextParallelState` or a
+"""Segmented replay under context parallelism (`longstraw.replay.segments.replay_segments` on a `ContextParallelState` or a
 branch of one): each rank replays its own multi-turn trajectory in segments, the ranks in lockstep (their trajectories
 have other lengths and other numbers of turns), and the gradient summed over the ranks is one process's gradient of
-the same trajectories replayed whole (`PromptState.replay`, held to transformers by tests/test_trajectory.py and
+the same trajectories replayed whole (`PromptState.replay`, held to transformers by tests/replay/test_segments.py and
 tests/test_equivalence.py), within the model's float32 floor measured on transformers (`float32_floor`).
 
 gloo on CPU, 2 and 3 processes of 1 thread.
@@ -53,7 +53,7 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases):
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft, as pyproject
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    from longstraw.trajectory import replay_segments
+    from longstraw.replay.segments import replay_segments
 
     result = {}
     for arch, use_lora, prompt_grad, suffix in cases:
@@ -94,7 +94,7 @@ def _one_process(arch: str, use_lora: bool, prompt_grad: str, suffix: bool, n: i
 
 
 def _check(tmp_path, n: int, cases) -> dict:
-    from longstraw.trajectory import segments
+    from longstraw.replay.segments import segments
 
     assert len({len(segments(_trajectory(r)[1])) for r in range(n)}) == n  # ranks in lockstep over other turn counts
     for arch in {case[0] for case in cases}:  # DSA: no top-k near-tie that another summation order could flip

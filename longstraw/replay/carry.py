@@ -1,7 +1,7 @@
 """What a replay in pieces carries from one piece to the next: a trajectory's segments (`segments`), and the
 carry (`Carry`): the own keys and values (or latents) the pieces produced, as buffers that collect their gradient,
-and the recurrent states at the pieces' boundaries. Segmented replay (`longstraw.trajectory`) carries every layer's
-across a trajectory's segments; layer-major replay (`longstraw.layer_major`) one layer's across its chunks."""
+and the recurrent states at the pieces' boundaries. Segmented replay (`longstraw.replay.segments`) carries every layer's
+across a trajectory's segments; layer-major replay (`longstraw.replay.layer_major`) one layer's across its chunks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import cast
 
 import torch
 
-from .hf.cache import BranchCache
-from .kinds import PromptBranchLayer, branch_layers
-from .ops.logprobs import chunked_logprobs
-from .prompt_state import Replay
+from ..hf.cache import BranchCache
+from ..kinds import PromptBranchLayer, branch_layers
+from ..ops.logprobs import chunked_logprobs
+from ..prompt_state import Replay
 
 
 @dataclass(frozen=True)

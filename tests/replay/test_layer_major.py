@@ -1,4 +1,4 @@
-"""Layer-major replay (`longstraw.layer_major`): a trajectory's gradient one decoder layer at a time, held to the
+"""Layer-major replay (`longstraw.replay.layer_major`): a trajectory's gradient one decoder layer at a time, held to the
 unmodified model (its full-sequence log-probs and gradients, and its own cache filled under `no_grad` over the
 prompt with the whole trajectory after it differentiated: `longstraw.model.oracles.cache_reference_logprobs`, the
 detached objective), one model per layer kind; its memory held to a bound computed from the config."""
@@ -7,20 +7,31 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.layer_major import LayerMajor
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
+from longstraw.replay.layer_major import LayerMajor
+from longstraw.replay.segments import replay_segments, segments
 from longstraw.testing.memory import LiveBytes
 from longstraw.testing.models import tiny_model
-from longstraw.trajectory import replay_segments, segments
 
-from .conftest import make_model, tie_free_tokens, tokens
-from .test_equivalence import FP32_GRAD_TOL
-from .test_trajectory import EXACT_KINDS, MASK, _grad_errors
+from ..conftest import make_model, tie_free_tokens, tokens
+from ..test_equivalence import FP32_GRAD_TOL
+from .test_segments import EXACT_KINDS, MASK, _grad_errors
 
 #: every layer kind the carry serves (DeepSeek-V4's compressed attention replays whole whatever the order, and GLM's
 #: DSA decoder hands its indexer's top-k from layer to layer: refused below)
-KINDS = ["llama", "gemma3_text", "llama4_text", "gpt_oss", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba",
-         "zamba2", "deepseek_v3"]
+KINDS = [
+    "llama",
+    "gemma3_text",
+    "llama4_text",
+    "gpt_oss",
+    "qwen3_next",
+    "kimi_linear",
+    "lfm2",
+    "nemotron_h",
+    "jamba",
+    "zamba2",
+    "deepseek_v3",
+]
 
 
 def _worst(params, ref) -> float:
@@ -101,7 +112,7 @@ def test_exact_layer_major_replay_equals_naive_full_sequence(arch):
 @pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
 def test_layer_major_replay_after_a_branch_and_prefix_ids(prompt_grad):
     """After a branch's own tokens (a row's question after a shared document), and with `prefix_ids`: the same
-    gradient as segmented replay of the same call (itself held to the references in `test_trajectory`), within
+    gradient as segmented replay of the same call (itself held to the references in `test_segments`), within
     `FP32_GRAD_TOL`."""
     model = make_model("gemma3_text", False)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,8 +130,9 @@ def test_layer_major_replay_after_a_branch_and_prefix_ids(prompt_grad):
                 with torch.enable_grad():
                     replay_segments(branch, response, MASK, lambda sl, o: (w[sl] * o.logprobs).sum(), layer_major=order)
         else:
-            replay_segments(state, response, MASK, lambda sl, o: (w[sl] * o.logprobs).sum(), prefix_ids=question,
-                            layer_major=order)
+            replay_segments(
+                state, response, MASK, lambda sl, o: (w[sl] * o.logprobs).sum(), prefix_ids=question, layer_major=order
+            )
         state.backward()
         grads.append([p.grad.clone() for p in params])
     err = sum((a - b).pow(2).sum() for a, b in zip(*grads)).sqrt() / sum(b.pow(2).sum() for b in grads[0]).sqrt()
@@ -175,13 +187,20 @@ def test_layer_major_refuses_what_it_does_not_run():
     model = make_model("llama", False)
     state = longstraw.capture(model, tokens(9, seed=1))
     with pytest.raises(NotImplementedError, match="one process without FSDP2"):
-        replay_segments(state, tokens(4, seed=2), torch.ones(4), lambda sl, o: o.logprobs.sum(),
-                        before_last_backward=lambda: None, layer_major=LayerMajor())
+        replay_segments(
+            state,
+            tokens(4, seed=2),
+            torch.ones(4),
+            lambda sl, o: o.logprobs.sum(),
+            before_last_backward=lambda: None,
+            layer_major=LayerMajor(),
+        )
     model = make_model("glm_moe_dsa", False)
     state = longstraw.capture(model, tokens(9, seed=1))
     with pytest.raises(NotImplementedError, match="GlmMoeDsaModel cannot be run one layer at a time"):
-        replay_segments(state, tokens(4, seed=2), torch.ones(4), lambda sl, o: o.logprobs.sum(),
-                        layer_major=LayerMajor())
+        replay_segments(
+            state, tokens(4, seed=2), torch.ones(4), lambda sl, o: o.logprobs.sum(), layer_major=LayerMajor()
+        )
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -203,16 +222,21 @@ def test_layer_major_replay_of_a_real_model_equals_its_own_cache_in_float64(name
     path = request.getfixturevalue(f"real_{name}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                 "o_proj"], init_lora_weights=False))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+        ),
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     mask = torch.tensor([1.0] * 6 + [0.0] * 14 + [1.0] * 8 + [0.0] * 12 + [1.0] * 5)
     ids = tokens(64 + mask.numel(), seed=4, vocab=model.config.vocab_size)
     prompt, response = ids[:64], ids[64:]
     w = torch.linspace(-1.0, 1.5, mask.numel()) * mask
     state = longstraw.capture(model, prompt, chunk_size=32)
-    replay_segments(state, response, mask, lambda sl, o: (w[sl] * o.logprobs).sum(),
-                    layer_major=LayerMajor(2, 3, chunk=16))
+    replay_segments(
+        state, response, mask, lambda sl, o: (w[sl] * o.logprobs).sum(), layer_major=LayerMajor(2, 3, chunk=16)
+    )
     got = [p.grad.clone() for p in params]
     model.double()
     for p in params:

@@ -1,6 +1,6 @@
 """Layer-major replay: a trajectory's gradient one decoder layer at a time, holding one layer's own K/V.
 
-Segmented replay (`longstraw.trajectory`) goes segment-major: each segment through every layer, then a reverse pass
+Segmented replay (`longstraw.replay.segments`) goes segment-major: each segment through every layer, then a reverse pass
 over the segments that accumulates the gradient of the earlier segments' own keys and values. Its backward holds
 every layer's own K/V and that gradient: 2 × the trajectory's own K/V. Layer-major replay goes the other way round:
 
@@ -10,8 +10,8 @@ every layer's own K/V and that gradient: 2 × the trajectory's own K/V. Layer-ma
 2. the policy segments' losses (`segment_loss`, on the model's last hidden states) and their gradient with respect
    to those hidden states;
 3. layers last to first: the hidden states entering the layer (kept, or recomputed from the last kept one below),
-   its own keys and values (or recurrent states at the chunks' boundaries: `longstraw.carry.Carry` over the layer's
-   chunks), then its chunks last to first, each re-run with autograd and back-propagated with the gradient the
+   its own keys and values (or recurrent states at the chunks' boundaries: `longstraw.replay.carry.Carry` over the
+   layer's chunks), then its chunks last to first, each re-run with autograd and back-propagated with the gradient the
    layer above sent to its output and the gradient later chunks sent to its own keys and values.
 
 The gradient is that of the whole trajectory replayed at once (`PromptState.replay`, and with a detached prompt the
@@ -31,7 +31,7 @@ Work: the whole replay's forward and backward, one more forward of every layer (
 layer's key and value projections once more (a recurrent layer's whole layer, for its boundary states), and
 1 − keep / every of a forward to recompute the hidden states not kept.
 
-One process: context parallelism and FSDP2 replay in segments (`longstraw.trajectory`).
+One process: context parallelism and FSDP2 replay in segments (`longstraw.replay.segments`).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .branch import detach_own
+from ..branch import detach_own
+from ..hf.cache import snapshot
+from ..hf.decoder import run_decoder, run_layer, run_until_update
+from ..prompt_state import Replay
 from .carry import Carry, policy_loss, segments
-from .hf.cache import snapshot
-from .hf.decoder import run_decoder, run_layer, run_until_update
-from .prompt_state import Replay
 
 
 @dataclass(frozen=True)

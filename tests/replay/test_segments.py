@@ -9,18 +9,31 @@ import torch
 
 import longstraw
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs, segmented_reference_logprobs
+from longstraw.replay.segments import replay_segments, segments
 from longstraw.testing.memory import LiveBytes
 from longstraw.testing.models import tiny_model
-from longstraw.trajectory import replay_segments, segments
 
-from .conftest import make_model, tie_free_tokens, tokens
-from .test_equivalence import FP32_GRAD_TOL
+from ..conftest import make_model, tie_free_tokens, tokens
+from ..test_equivalence import FP32_GRAD_TOL
 
 #: one tiny model per layer kind: full attention, sliding window, chunked attention, attention sinks, gated DeltaNet,
 #: KDA, short convolution, Mamba-2 with mixer-less layers, Jamba's Mamba, Zamba2's shared attention, MLA, DSA,
 #: DeepSeek-V4's compressed attention
-KINDS = ["llama", "gemma3_text", "llama4_text", "gpt_oss", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba",
-         "zamba2", "deepseek_v3", "glm_moe_dsa", "deepseek_v4"]
+KINDS = [
+    "llama",
+    "gemma3_text",
+    "llama4_text",
+    "gpt_oss",
+    "qwen3_next",
+    "kimi_linear",
+    "lfm2",
+    "nemotron_h",
+    "jamba",
+    "zamba2",
+    "deepseek_v3",
+    "glm_moe_dsa",
+    "deepseek_v4",
+]
 
 #: three policy turns around two tool outputs, the last one longer than the capture chunk
 MASK = torch.tensor([1] * 3 + [0] * 5 + [1] * 4 + [0] * 7 + [1] * 2, dtype=torch.float32)
@@ -67,7 +80,8 @@ def test_segmented_replay_equals_the_detached_reference_of_the_whole_trajectory(
     err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
     scale = max(norm)
     assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
-        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm)
+    )
 
 
 def test_segmented_replay_equals_whole_replay_and_not_the_per_turn_gradient():
@@ -196,8 +210,21 @@ def test_branch_refuses_bad_input_and_the_position_limit():
 #: the layer kinds exact segmented replay serves: full attention, sliding window, chunked attention, sinks, gated
 #: DeltaNet + attention, KDA + MLA, short convolution, Mamba-2 with mixer-less layers, Jamba, Zamba2, Falcon-H1 (hybrid
 #: layers), MLA, MLA + DSA
-EXACT_KINDS = ["llama", "gemma3_text", "llama4_text", "gpt_oss", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h",
-               "jamba", "zamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa"]
+EXACT_KINDS = [
+    "llama",
+    "gemma3_text",
+    "llama4_text",
+    "gpt_oss",
+    "qwen3_next",
+    "kimi_linear",
+    "lfm2",
+    "nemotron_h",
+    "jamba",
+    "zamba2",
+    "falcon_h1",
+    "deepseek_v3",
+    "glm_moe_dsa",
+]
 
 
 @pytest.mark.parametrize("arch", EXACT_KINDS)
@@ -223,7 +250,8 @@ def test_exact_segmented_replay_equals_naive_full_sequence(arch, mask):
     err, norm = _grad_errors(params, [p.grad for p in params], ref)
     scale = max(norm)
     assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
-        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm)
+    )
 
 
 @pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
@@ -287,7 +315,8 @@ def test_segmented_replay_after_a_branch_reads_its_tokens_as_constants(arch):
     err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
     scale = max(norm)
     assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
-        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm)
+    )
 
 
 @pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
@@ -317,4 +346,5 @@ def test_segmented_replay_after_prefix_ids(prompt_grad):
     err, norm = _grad_errors(params, [p.grad for p in params], g_ref)
     scale = max(norm)
     assert all(e <= FP32_GRAD_TOL * max(n, 1e-3 * scale) for e, n in zip(err, norm)), max(
-        e / max(n, 1e-3 * scale) for e, n in zip(err, norm))
+        e / max(n, 1e-3 * scale) for e, n in zip(err, norm)
+    )

@@ -4,10 +4,10 @@ gradient of replaying it whole.
 A trajectory after the prompt is `tokens` `[T]` with a `mask` `[T]` (1: the policy wrote it, 0: the environment did:
 tool output, observations). Its segments are the maximal runs of equal mask. `replay_segments` walks them in order
 on one branch cache forked from the prompt state (`longstraw.branch`) without autograd, keeping what each produced
-(`longstraw.carry.Carry`), but the last policy segment: with autograd, its loss (`segment_loss`) back-propagated at
-once. Then a reverse pass recomputes the segments before it last to first with autograd and back-propagates through
+(`longstraw.replay.carry.Carry`), but the last policy segment: with autograd, its loss (`segment_loss`) back-propagated
+at once. Then a reverse pass recomputes the segments before it last to first with autograd and back-propagates through
 each, in one backward, the gradient that later segments sent to its own K/V (or recurrent states) and, for a policy
-segment, its loss. (`layer_major`: one decoder layer at a time instead, `longstraw.layer_major`.)
+segment, its loss. (`layer_major`: one decoder layer at a time instead, `longstraw.replay.layer_major`.)
 
 The gradient is the whole trajectory's, whichever way it is replayed: one forward + backward of
 [prompt + trajectory] with the prompt read as the state holds it. With a detached prompt state (`prompt_grad=
@@ -33,11 +33,11 @@ from typing import cast
 
 import torch
 
-from .branch import Branch, detach_own
+from ..branch import Branch, detach_own
+from ..hf.decoder import run_decoder
+from ..prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
 from .carry import Carry, Segment, policy_loss, segments
-from .hf.decoder import run_decoder
 from .layer_major import LayerMajor, replay_layer_major
-from .prompt_state import PromptState, Replay, TokenIds, as_ids, check_length
 
 
 def replay_segments(
@@ -62,9 +62,9 @@ def replay_segments(
     document, `PromptState.replay`): detached, read first into a branch without autograd (constants, as the prompt
     is); exact, read first as an environment segment (in the gradient); slices and outputs stay the trajectory's own.
     `before_last_backward`: called once, just before the replay's last backward (FSDP2 turns gradient reduction on
-    there). `layer_major`: replay one decoder layer at a time instead (`longstraw.layer_major`: the same gradient,
-    one layer's own K/V held instead of every layer's and their gradient; one process, no `before_last_backward`);
-    `segment_loss` is then called in order.
+    there). `layer_major`: replay one decoder layer at a time instead (`longstraw.replay.layer_major`: the same
+    gradient, one layer's own K/V held instead of every layer's and their gradient; one process, no
+    `before_last_backward`); `segment_loss` is then called in order.
 
     Context parallelism (a `ContextParallelState` or a branch of one): a collective, as its `replay` is: every rank
     of the group calls it, each with its own trajectory (lengths and segments may differ). The ranks run their

@@ -1,0 +1,117 @@
+"""Batched replay: k responses of one prompt state (a row's G samples) in one forward and one backward.
+
+`PromptState.replay` runs one response `[1, R]` against the state: each replay reads every weight and the whole
+prompt state once, for R tokens. `replay_batch` runs k responses of the same state as one batch `[k, R_max]`:
+responses shorter than the longest are padded at their end (causal attention: no real token reads a padding one,
+and the padding's own log-probs are never taken), all rows at the same positions. The prompt part of every
+attention layer is read once for the k rows (their queries folded into one row block, `SplitAttention`); each row's
+own K/V, recurrent states and loss stay its own. So the replay of a row's G responses costs one pass over the
+weights and the prompt state instead of G, and the matrix products are k times taller.
+
+The log-probs are those of k `PromptState.replay` calls (`replay_batch(state, [r])` is one; tests/replay/
+test_batched.py holds k > 1 equal to serial replay, both gradient modes, after a row's own prefix). With
+`prompt_grad="exact"` the gradient reaching the prompt state is the sum of the k rows', as k serial replays
+accumulate it.
+
+Memory: the prompt state (read, never copied) + k responses' graphs (each what one replay's is) + the LM head's
+chunk (`longstraw.ops.logprobs`): independent of P, k times one replay's; `batch_size` chooses k from a budget.
+A state that is context parallel replays as a collective, one response per rank: `replay_batch` refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..branch import Branch
+from ..hf.decoder import run_decoder
+from ..ops.logprobs import chunked_logprobs
+from ..prompt_state import PromptState, Replay, TokenIds, as_ids
+
+
+def replay_batch(
+    state: PromptState | Branch,
+    responses: Sequence[TokenIds],
+    temperature: float = 1.0,
+    checkpoint_layers: bool = False,
+    prefix_ids: TokenIds | None = None,
+) -> list[Replay]:
+    """`state.replay(r, temperature, checkpoint_layers, prefix_ids)` for every `r` of `responses`, as one batch (see
+    the module doc): a `Replay` per response, `[R_i]` log-probs and entropies with grad.
+
+    `state`: a `PromptState` or a `Branch` of one (a row after its own question); `prefix_ids` `[L]`: tokens between
+    the state and every response (a row's question), read once without autograd (detached) or in the batch's forward
+    (exact), as `PromptState.replay` reads them."""
+    if not responses:
+        return []
+    group = getattr(getattr(state, "state", state), "group", None)
+    if group is not None:
+        raise ValueError(
+            "replay_batch: a context-parallel state replays as a collective, one response per rank; replay its "
+            "responses one at a time (state.replay)"
+        )
+    parts = state.parts
+    vocab = parts.config.vocab_size
+    device = state.last_token.device
+    prefix = (
+        torch.zeros(0, dtype=torch.long, device=device)
+        if prefix_ids is None
+        else as_ids(prefix_ids, "prefix_ids", vocab, device, allow_empty=True)
+    )
+    skip = prefix.numel()
+    if skip and state.prompt_grad == "detached":  # the prefix read once, into a branch all k replay after
+        fork = state.fork()
+        try:
+            with torch.no_grad():
+                fork.extend(prefix)
+            return replay_batch(fork, responses, temperature, checkpoint_layers)
+        finally:
+            fork.release()
+    if isinstance(state, Branch) and state.prompt_grad != "detached":
+        raise ValueError(
+            "replay_batch after a Branch reads the branch as constants: that is the detached replay; with "
+            "prompt_grad='exact' pass the branch's tokens as prefix_ids to the PromptState"
+        )
+    prompt = state.state if isinstance(state, Branch) else state  # the captured prompt, which checks a response
+    length = state.length if isinstance(state, Branch) else state.prompt_length
+    rows = []
+    for r in responses:
+        ids = as_ids(r, "response_ids", vocab, device)
+        rows.append(prompt.checked_response(torch.cat([prefix, ids]) if skip else ids, checkpoint_layers, length))
+    k = len(rows)
+    width = max(r.numel() for r in rows)
+    inputs = torch.zeros(k, width, dtype=torch.long, device=device)  # padding after each row's end: read by no token
+    inputs[:, 0] = state.last_token
+    for i, r in enumerate(rows):
+        inputs[i, 1 : r.numel()] = r[:-1]
+    positions = torch.arange(length - 1, length - 1 + width, device=device)
+    cache = state.branch_cache(k)  # the state's layers, batch k: the prompt part shared, the own parts per row
+    hidden = run_decoder(parts, inputs, positions, cache, checkpoint_layers=checkpoint_layers)  # [k, width, h]
+    # every row's positions that predict a response token, in one LM head pass: [Σ (R_i − skip), h]
+    picked = torch.cat([hidden[i, skip : r.numel()] for i, r in enumerate(rows)])
+    targets = torch.cat([r[skip:] for r in rows])
+    logprobs, entropy = chunked_logprobs(
+        picked,
+        parts.lm_head,
+        targets,
+        temperature=temperature,
+        softcap=parts.final_logit_softcapping,
+        scale=parts.logit_scale,
+    )
+    sizes = [r.numel() - skip for r in rows]
+    return [Replay(lp, h) for lp, h in zip(logprobs.split(sizes), entropy.split(sizes))]
+
+
+def batch_size(setting: int | str, graph_bytes: int, budget_bytes: int | None, responses: int) -> int:
+    """k, the responses replayed together: `setting` an int (≥ 1) as given, or "auto": as many as `budget_bytes`
+    holds of `graph_bytes` each (one replay's graph, `longstraw.tools.planner`), at least 1 and at most `responses`
+    (all of them when no budget is set)."""
+    if setting != "auto":
+        k = int(setting)
+        if k < 1:
+            raise ValueError(f"replay_batch must be 'auto' or an integer >= 1; got {setting!r}")
+        return max(1, min(k, responses))
+    if budget_bytes is None:
+        return max(1, responses)
+    return max(1, min(responses, budget_bytes // max(graph_bytes, 1)))
