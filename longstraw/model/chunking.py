@@ -79,6 +79,25 @@ def chunk_bytes_per_token(cfg, kinds, elem: int) -> tuple[int, int, int, int]:
     return own_per_token, act, ffn, recurrence
 
 
+def replay_graph_bytes(cfg, kinds, elem: int, tokens: int, predicted: int, checkpoint_layers: bool = False) -> int:
+    """One replay's autograd graph: `tokens` positions run with autograd (the response, and in exact mode a row's own
+    suffix), `predicted` of them scored by the LM head. What autograd saves per layer and token (inputs of norms,
+    projections, RoPE, attention and the MLP's gate / up / activation: about 2.5 × the live activations, calibrated
+    on the dense benchmark model; with `checkpoint_layers`, each layer's input and one layer's graph), the own K/V
+    or latents every layer appends, and one chunk of the LM head's float32 logits (`longstraw.ops.logprobs`). A
+    batch of k replays (`longstraw.replay.batched`) holds k of these (the head's chunk once)."""
+    d = dimensions(cfg)
+    own_per_token = chunk_bytes_per_token(cfg, kinds, elem)[0]
+    graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"])
+    saved = d["layers"] * (d["h"] * elem if checkpoint_layers else graph) + (graph if checkpoint_layers else 0)
+    return tokens * (saved + own_per_token) + 4 * min(predicted, 1024) * min(d["vocab"], 32768)
+
+
+#: what `replay_batch: auto` lets the graphs of the responses replayed together take (`AUTO_CHUNK_BUDGET`'s twin):
+#: independent of the prompt, so a step's memory stays the state + this
+AUTO_REPLAY_BUDGET = 1 << 30
+
+
 #: what `auto_chunk_size` lets one capture chunk's transients take (the planner's `Plan.capture_transient`)
 AUTO_CHUNK_BUDGET = 512 << 20
 #: the chunk sizes it chooses among, largest first: 4,096 is the fastest measured on both real models (dense

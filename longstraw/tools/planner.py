@@ -50,6 +50,7 @@ from ..model.chunking import (
     config_value,
     dimensions,
     kind_class,
+    replay_graph_bytes,
 )
 from ..model.positions import position_note
 from ..ops.attention import TILE_ELEMENTS
@@ -281,12 +282,10 @@ def plan(pc: PlanConfig) -> Plan:
     # each replay's graph (exact: the suffix runs with autograd in the response's forward)
     branch = pc.row_suffix * own_per_token
     sampler = branch + g * r * own_per_token + g * d["vocab"] * 4 * 2
-    # what autograd saves per layer and token (inputs of norms, projections, RoPE, attention and the MLP's
-    # gate / up / activation), about 2.5 × the live activations (calibrated on the dense benchmark model)
+    # each replay's graph (`longstraw.model.chunking.replay_graph_bytes`); per layer and token, what autograd saves
     graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"])
-    saved = d["layers"] * (d["h"] * elem if pc.checkpoint_layers else graph) + (graph if pc.checkpoint_layers else 0)
     replayed = r + pc.row_suffix if pc.prompt_grad == "exact" else r
-    replay_graph = replayed * (saved + own_per_token) + 4 * min(r, 1024) * min(d["vocab"], 32768)
+    replay_graph = replay_graph_bytes(cfg, kinds, elem, replayed, r, pc.checkpoint_layers)
     if pc.prompt_grad == "detached":
         replay_graph += branch
     # exact mode's reverse pass recomputes one chunk with autograd

@@ -232,6 +232,19 @@ class TrainConfig:
         "forward, the others recomputed (fewer kept: less memory, 1 - k/n of a forward more; 2/3 on SmolLM2 with "
         "LoRA: 1.09x the own K/V in 1.44x the whole replay's time)",
     )
+    replay_batch: str | int = _f(
+        "auto",
+        "responses of a row replayed together, in one forward and one backward (longstraw.replay.batched: the prompt "
+        "state and the weights read once for them; the same gradient): an integer >= 1 (1: one at a time), or "
+        "'auto': as many of the row's G as `replay_memory_mb` holds of one replay's graph "
+        "(longstraw.model.chunking.replay_graph_bytes). Responses replayed in segments or layer by layer, and "
+        "context-parallel replays, go one at a time",
+    )
+    replay_memory_mb: float = _f(
+        1024.0,
+        "with replay_batch: auto, what the graphs of the responses replayed together may take (MiB); independent "
+        "of the prompt's length",
+    )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -427,6 +440,18 @@ class TrainConfig:
             self.replay_order in ("segments", "layers"),
             f"replay_order must be 'segments' or 'layers', not {self.replay_order!r}",
         )
+        if isinstance(self.replay_batch, str) and self.replay_batch.strip().isdigit():
+            self.replay_batch = int(self.replay_batch)  # from the command line or a quoted YAML value
+        need(
+            self.replay_batch == "auto"
+            or (
+                isinstance(self.replay_batch, int)
+                and not isinstance(self.replay_batch, bool)
+                and self.replay_batch >= 1
+            ),
+            f"replay_batch must be 'auto' or an integer >= 1, not {self.replay_batch!r}",
+        )
+        need(self.replay_memory_mb > 0, f"replay_memory_mb must be > 0, not {self.replay_memory_mb}")
         try:
             LayerMajor.parse(self.keep_hidden)
         except ValueError as e:

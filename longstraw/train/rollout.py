@@ -38,6 +38,7 @@ from ..losses import combine_rewards, group_advantages
 from ..model.positions import position_limit
 from ..prompt_state import PromptState
 from ..ragged import sample_branches, stackable
+from ..replay.batched import replay_batch
 from ..sampler import Samples, sample
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from ..distributed.ranks import Ranks
+
+#: responses whose reference log-probs one forward takes (no autograd: the transients of one forward of this many)
+REFERENCE_BATCH = 16
 
 
 @dataclass
@@ -315,6 +319,13 @@ def reference_policy_logprobs(
                 with ref_state.fork() as branch:
                     if suffix is not None:
                         branch.extend(suffix)
+                    if not parallel:  # the row's responses in batches (no graph: one forward each)
+                        for first in range(start, end, REFERENCE_BATCH):
+                            last = min(first + REFERENCE_BATCH, end)
+                            outs = replay_batch(branch, [r.tokens for r in responses[first:last]], temperature)
+                            out[first:last] = [o.logprobs for o in outs]
+                        start = end
+                        continue
                     # on N ranks every rank replays as often (None: padding)
                     turns = ranks.padded_share(end - start) if ranks is not None and parallel else range(end - start)
                     for i in turns:

@@ -36,9 +36,11 @@ from ..distributed.parallelize import StepShare
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
-from ..model.capability import model_parts
+from ..model.capability import layer_plan, model_parts
+from ..model.chunking import AUTO_REPLAY_BUDGET, replay_graph_bytes
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState
+from ..replay.batched import batch_size, replay_batch
 from ..replay.layer_major import LayerMajor
 from ..replay.segments import replay_segments
 from ..tasks import Example
@@ -65,6 +67,10 @@ class UpdateSettings:
     layer_major: LayerMajor | None = None
     #: an external sampler's importance-sampling correction (`rollout_backend: vllm`); None: none
     sampler_correction: SamplerCorrection | None = None
+    #: responses of a row replayed together (`longstraw.replay.batched`): an int, or "auto" within `replay_memory`
+    replay_batch: int | str = 1
+    #: bytes the graphs of the responses replayed together may take with `replay_batch: auto`
+    replay_memory: int = AUTO_REPLAY_BUDGET
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
@@ -87,7 +93,21 @@ class UpdateSettings:
             cfg.replays_segments,
             LayerMajor.parse(cfg.keep_hidden) if cfg.replay_order == "layers" else None,
             correction,
+            cfg.replay_batch,
+            int(cfg.replay_memory_mb * (1 << 20)),
         )
+
+    def batch(self, model, responses: int) -> int:
+        """k, the responses of a row replayed together (`longstraw.replay.batched.batch_size`): with "auto", as many
+        of `responses` as `replay_memory` holds of one replay's graph (`replay_graph_bytes` of the model at
+        `max_completion_length`; in exact mode a row's own suffix runs in each graph too)."""
+        if self.replay_batch != "auto":
+            return batch_size(self.replay_batch, 1, None, responses)
+        cfg = model_parts(model).config
+        elem = next(model.parameters()).element_size()
+        r = self.max_completion_length
+        graph = replay_graph_bytes(cfg, layer_plan(cfg), elem, r, r, self.checkpoint_layers)
+        return batch_size("auto", graph, self.replay_memory, responses)
 
 
 def loss_mask(response: Response, settings: UpdateSettings) -> torch.Tensor:
@@ -166,6 +186,27 @@ def policy_update(
                         branch.extend(suffix)
                     row_state, suffix = branch, None
                 turns = share.replays(len(group.responses))
+                # one at a time where every forward is a collective (context parallel, sharded layers, spread experts)
+                size = 1 if share.collective or share.lockstep else settings.batch(model, len(turns))
+                whole = [k for k in turns if k is not None and not _in_pieces(group.responses[k], settings)]
+                if size > 1 and len(whole) == len(turns):  # a row's responses replayed `size` at a time
+                    for start in range(0, len(turns), size):
+                        at_end = c == last_context and r == len(ctx.rows) - 1 and start + size >= len(turns)
+                        _batch_backward(
+                            row_state,
+                            [group.responses[k] for k in turns[start : start + size]],
+                            [offsets[b] + k for k in turns[start : start + size]],
+                            masks,
+                            rollout.advantages,
+                            norm,
+                            entropy_scale,
+                            loss_fn,
+                            settings,
+                            totals,
+                            share.before_last_backward if at_end and not exact else None,
+                            suffix,
+                        )
+                    turns = []
                 for t, k in enumerate(turns):
                     # the step's last backward: the last replay of the last context, or its state's reverse pass
                     at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
@@ -226,6 +267,11 @@ def policy_update(
     return metrics
 
 
+def _in_pieces(response: Response, settings: UpdateSettings) -> bool:
+    """Whether `response` is replayed in pieces (layer by layer, or in segments around its environment tokens)."""
+    return settings.layer_major is not None or (settings.segment_replay and bool((response.mask == 0).any()))
+
+
 def _response_backward(
     state,
     response: Response,
@@ -245,9 +291,7 @@ def _response_backward(
     one policy turn at a time: `_segments_backward`; with context parallelism (`collective`) every response goes
     that way, since the ranks replay their responses in lockstep; with `layer_major`, every response goes one decoder
     layer at a time)."""
-    if settings.layer_major is not None or (
-        settings.segment_replay and (collective or bool((response.mask == 0).any()))
-    ):
+    if _in_pieces(response, settings) or (settings.segment_replay and collective):
         return _segments_backward(
             state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward, suffix
         )
@@ -257,6 +301,73 @@ def _response_backward(
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
     )
+    loss, st = _response_loss(out, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals)
+    if before_backward is not None:
+        before_backward()
+    loss.backward()
+    _add_totals(totals, loss.item(), mask, out.entropy, st)
+
+
+def _batch_backward(
+    state,
+    responses: list[Response | None],
+    indices: list[int | None],
+    masks: list[torch.Tensor],
+    advantages,
+    norm,
+    entropy_scale: float,
+    loss_fn: GRPOLoss,
+    settings: UpdateSettings,
+    totals: _Totals,
+    before_backward=None,
+    suffix: torch.Tensor | None = None,
+) -> None:
+    """`_response_backward` for several responses of one row at once (`longstraw.replay.batched.replay_batch`): one
+    forward and one backward of their summed shares of the batch loss, each response's loss its own. A None response
+    (this rank has none left in the group, `StepShare.replays`) is a row of weight 0, as `_padding_backward` runs."""
+    present = [r for r in responses if r is not None]
+    filler = present[0] if present else None
+    if filler is None:
+        raise ValueError("_batch_backward: no response to replay")
+    rows = [filler if r is None else r for r in responses]
+    outs = replay_batch(
+        state,
+        [r.tokens for r in rows],
+        temperature=settings.temperature,
+        checkpoint_layers=settings.checkpoint_layers,
+        prefix_ids=suffix,
+    )
+    losses, done = [], []
+    for response, i, out in zip(responses, indices, outs):
+        if response is None or i is None:
+            losses.append(out.logprobs.sum() * 0.0)
+            continue
+        loss, st = _response_loss(
+            out, response, masks[i], float(advantages[i]), norm[i], entropy_scale, loss_fn, settings, totals
+        )
+        losses.append(loss)
+        done.append((loss, masks[i], out.entropy, st))
+    total = torch.stack(losses).sum()
+    if before_backward is not None:
+        before_backward()
+    total.backward()
+    for loss, mask, entropy, st in done:
+        _add_totals(totals, loss.item(), mask, entropy, st)
+
+
+def _response_loss(
+    out,
+    response: Response,
+    mask: torch.Tensor,
+    advantage: float,
+    scale: float,
+    entropy_scale: float,
+    loss_fn: GRPOLoss,
+    settings: UpdateSettings,
+    totals: _Totals,
+):
+    """(the response's share of the batch loss, its token statistics) from its replay `out`: the old log-probs of an
+    external sampler's response taken from this first replay, its importance-sampling correction applied."""
     if response.old_logprobs is None:
         # another program sampled it (vLLM): the trainer's old log-probs are this first replay's, at the weights the
         # batch was drawn at (TRL recomputes them likewise); later iterations (`num_iterations`) read them back
@@ -283,10 +394,7 @@ def _response_backward(
     )
     if entropy_scale > 0:
         loss = loss - entropy_scale * (out.entropy * mask).sum()
-    if before_backward is not None:
-        before_backward()
-    loss.backward()
-    _add_totals(totals, loss.item(), mask, out.entropy, st)
+    return loss, st
 
 
 def _segments_backward(

@@ -2,7 +2,8 @@
 
 The trainer's rollout (2 prompts × 4 sampled responses of different lengths, rewards, reference
 log-probs) is kept; the policy is then moved (as after earlier updates: ratios ≠ 1, clipping active);
-the trainer's update (exact prompt gradients, serial replay) is compared with
+the trainer's update (exact prompt gradients; a row's responses replayed one at a time, or 3 at a time:
+`replay_batch`) is compared with
 (a) a plain batched GRPO loss written here from TRL's documented definitions over full-sequence
     forwards of [prompt + response], and
 (b) TRL 1.16's own `GRPOTrainer._compute_loss` fed the same full-sequence log-probs,
@@ -87,9 +88,20 @@ def _plain_grpo_loss(loss_type, logp, ent, mask, old, ref, adv, max_len):
     return loss - ENT * (ent * mask).sum() / mask.sum()
 
 
+@pytest.mark.parametrize("replay_batch", [1, 3], ids=["serial", "batch-3"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, loss_type):
-    trainer = _trainer(tmp_path, loss_type)
+def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, monkeypatch, loss_type, replay_batch):
+    import longstraw.train.update as update
+
+    batches = []
+    inner = update.replay_batch
+
+    def spy(state, responses, *a, **kw):
+        batches.append(len(responses))
+        return inner(state, responses, *a, **kw)
+
+    monkeypatch.setattr(update, "replay_batch", spy)
+    trainer = _trainer(tmp_path, loss_type, replay_batch=replay_batch)
     model, params = trainer.model, trainer.params
     rollout = trainer.rollout(0)
     lengths = [r.tokens.numel() for r in rollout.responses]
@@ -103,6 +115,7 @@ def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, loss_type):
         p.grad = None
     trainer.update(rollout)
     got = [p.grad.clone() for p in params]
+    assert batches == ([] if replay_batch == 1 else [3, 1, 3, 1])  # G = 4 responses a row: 3, then 1
 
     # independent inputs: advantages from the raw rewards, reference log-probs from the model, adapters off (the
     # advantages by TRL's formula: the group's std + 1e-4, a constant of the formula, not a tolerance)
