@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -63,6 +64,34 @@ def real_gemma3():
     """The folder of Gemma 3 270M (`longstraw real gemma3`), the real sliding-window model; skips without it (fails
     under CI)."""
     return _real("gemma3")
+
+
+@pytest.fixture(autouse=True)
+def _process_state():
+    """Each test leaves the process as it found it, so that the suite passes in any order: a SIGINT or SIGTERM
+    handler or torch's default dtype left changed fails the test that changed it; these, the environment and torch's
+    thread count (which the trainer sets from `threads`) are put back for the tests after it. Set up before the
+    other autouse fixtures, so checked after `monkeypatch` has undone its own changes."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    handlers = {s: signal.getsignal(s) for s in signals}
+    threads, dtype, env = torch.get_num_threads(), torch.get_default_dtype(), dict(os.environ)
+    yield
+    changed = [signal.Signals(s).name + " handler" for s in signals if signal.getsignal(s) != handlers[s]]
+    if torch.get_default_dtype() != dtype:
+        changed.append(f"torch's default dtype ({torch.get_default_dtype()}, was {dtype})")
+    for s, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, not restorable from here
+            signal.signal(s, handler)
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    for key in set(os.environ) | set(env):
+        if key != "PYTEST_CURRENT_TEST" and os.environ.get(key) != env.get(key):  # pytest's own, per phase
+            if key in env:
+                os.environ[key] = env[key]
+            else:
+                del os.environ[key]
+    if changed:
+        pytest.fail(f"the test left the process changed: {', '.join(changed)}; restore it in the test", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -157,7 +157,8 @@ def cmd_vllm_serve(args) -> int:
         kv_cache_gb=args.kv_cache_gb,
     )
     print(f"longstraw: vLLM serves {args.model} at {server.url} (log {server.log_path}); set vllm_url: {server.url}")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM (a job scheduler's stop) ends the wait as Ctrl-C does; the caller's handler is back on return
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while server.alive():
             time.sleep(1.0)
@@ -166,4 +167,6 @@ def cmd_vllm_serve(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        if previous is not None:  # None: a handler set outside Python, which Python cannot put back
+            signal.signal(signal.SIGTERM, previous)
         server.stop()

@@ -122,3 +122,43 @@ def test_vllm_serve_without_lora_serves_an_untied_copy(tmp_path, monkeypatch, ca
     assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
     assert AutoConfig.from_pretrained(untied).tie_word_embeddings is False
     assert "serving an untied copy" in capsys.readouterr().out
+
+
+def test_vllm_serve_stops_on_sigterm_and_puts_the_callers_handler_back(tmp_path, monkeypatch):
+    """SIGTERM while `longstraw vllm-serve` waits stops the server and returns 0, as Ctrl-C does; the handler it
+    installs for that is the caller's again afterwards (called in-process, as here, it must not outlive the call)."""
+    import os
+    import signal
+
+    from longstraw.train import vllm_server
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    events = []
+
+    class Server:
+        url, log_path = "http://127.0.0.1:0", tmp_path / "log"
+
+        def alive(self):
+            events.append("alive")
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler stopping the job
+            return True
+
+        def log_tail(self):
+            return ""
+
+        def stop(self):
+            events.append("stop")
+
+    def mine(signum, frame):
+        raise AssertionError("the caller's SIGTERM handler ran while vllm-serve had its own")
+
+    monkeypatch.setattr(vllm_server, "ensure_environment", lambda: None)
+    monkeypatch.setattr(vllm_server, "start", lambda model, **kw: Server())
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert cli.main(["vllm-serve", str(folder)]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert events == ["alive", "stop"]
