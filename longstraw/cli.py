@@ -23,6 +23,7 @@ from .commands.tools import cmd_check, cmd_compare, cmd_plan, cmd_real, cmd_vllm
 from .commands.training import cmd_eval, cmd_train
 from .distributed import CollectiveError
 from .distributed.ranks import torch_collective_failure
+from .train.config import TrainConfig, closest
 from .train.rewards import RewardFunctionError
 
 
@@ -177,13 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     vs.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=int, default=4, help="vLLM's CPU KV cache (GiB)")
     vs.add_argument("--setup", action="store_true", help="only create the vLLM environment, then exit")
+    # flags exactly as written: argparse's default reads `--num_step` as `--num_steps` and `--lr 1e-4` as
+    # `--lr_scheduler 1e-4`
+    for parser in (ap, *sub.choices.values()):
+        parser.allow_abbrev = False
     return ap
+
+
+def unrecognized(extra: list[str], command: str) -> str:
+    """The error for arguments no flag takes, naming the config field a mistyped flag of `train` / `demo` means."""
+    hints = ""
+    for flag in (a.split("=", 1)[0] for a in extra if a.startswith("--") and command in ("train", "demo")):
+        field = closest(flag[2:], TrainConfig.field_names())
+        hints += f"; {flag}: did you mean --{field}?" if field else ""
+    return f"unrecognized arguments: {' '.join(extra)}{hints}"
 
 
 def main(argv=None) -> int:
     _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(unrecognized(extra, args.command))
     args.argv = argv
     try:
         return {

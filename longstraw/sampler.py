@@ -216,6 +216,8 @@ def sample(
     every row's own state, then decoding continues after them; returned tokens exclude the prefix.
     """
     parts = state.parts
+    # the longest response's positions, refused past the model's as `replay` refuses them
+    check_length(parts.config, state.prompt_length + (0 if prefix_ids is None else len(prefix_ids)) + max_new_tokens)
     options = SamplingOptions(temperature, top_p, top_k, stop_token_ids, allowed_token_ids)
     options.check(num, max_new_tokens, parts.config.vocab_size)
     device = state.last_token.device

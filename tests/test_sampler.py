@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import longstraw
-from longstraw.sampler import filter_logits
+from longstraw.sampler import filter_logits, sample
 
 from .conftest import ARCHS, make_model, tokens
 from .test_equivalence import FP32_GRAD_TOL
@@ -132,3 +132,20 @@ def test_sliding_window_layers_keep_only_the_window_while_decoding(monkeypatch):
     ref = model.generate(prompt[None], do_sample=False, max_new_tokens=40, min_new_tokens=40, eos_token_id=None,
                          pad_token_id=0)[0, 30:]
     assert torch.equal(greedy, ref)
+
+
+def test_sampling_past_the_positions_is_refused_as_replay_refuses_it():
+    """`sample` refuses a prompt (and prefix) + `max_new_tokens` past `max_position_embeddings` with the message
+    `replay` gives for a response of that length; up to the limit it samples (24 + 8 = 32 positions)."""
+    from longstraw.testing.models import tiny_model
+
+    state = longstraw.capture(tiny_model("llama", max_position_embeddings=32), tokens(24, 1), chunk_size=8)
+    with pytest.raises(ValueError, match=r"is 33 tokens but the model supports max_position_embeddings=32") as sampled:
+        state.sample(2, 9)
+    with pytest.raises(ValueError) as replayed:
+        state.replay(tokens(9, 2))
+    assert str(sampled.value) == str(replayed.value)
+    with pytest.raises(ValueError, match=r"is 33 tokens"):
+        sample(state, 2, 5, prefix_ids=tokens(4, 3))  # a turn after tool output: its prefix holds positions
+    out = state.sample(2, 8, generator=torch.Generator().manual_seed(0))
+    assert len(out.tokens) == 2 and all(1 <= t.numel() <= 8 for t in out.tokens)

@@ -14,7 +14,7 @@ from ..testing.models import TINY_CONFIGS
 from ..train.config import TrainConfig
 from ..train.devices import resolve_device
 from ..train.plots import plot_run
-from ..train.trainer import Trainer
+from ..train.trainer import Trainer, check_output_dir
 from .flags import config_overrides
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ def launch(args, cfg) -> int | None:
 
 def cmd_train(args) -> int:
     cfg = TrainConfig.from_yaml(args.config, config_overrides(args))  # checked before any rank starts
+    check_output_dir(cfg.output_dir)
     launched = launch(args, cfg)
     if launched is not None:
         return launched

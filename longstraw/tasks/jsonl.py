@@ -31,6 +31,10 @@ def _chat(tokenizer, messages, where: str) -> str:
         or not messages
     ):
         raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+    for i, m in enumerate(messages):  # an assistant turn that calls tools may have no text
+        blank = not m["content"] or (isinstance(m["content"], str) and not m["content"].strip())
+        if blank and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f'{where}: message {i} ({m["role"]}) has an empty "content": give its text or drop it')
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

@@ -7,6 +7,7 @@ help and default. Names follow TRL's `GRPOConfig` where TRL has the concept.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -525,7 +526,9 @@ class TrainConfig:
         values = from_verl(values)
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"config: unknown field(s) {unknown}; valid fields: {', '.join(cls.field_names())}")
+            hints = {k: closest(k, cls.field_names()) for k in unknown}
+            named = ", ".join(f"{k!r}" + (f" (did you mean {c!r}?)" if c else "") for k, c in hints.items())
+            raise ValueError(f"config: unknown field(s) {named}; valid fields: {', '.join(cls.field_names())}")
         return cls(**values)
 
     @classmethod
@@ -548,3 +551,10 @@ class TrainConfig:
             if step < end:
                 return int(length)
         return int(self.curriculum[-1])
+
+
+def closest(name: str, names: list[str]) -> str | None:
+    """The one of `names` a mistyped `name` most likely means (difflib's ratio ≥ 0.75), else None: `num_step` →
+    `num_steps`, while `lr` means no field (`lora` scores 0.67)."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+    return close[0] if close else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,19 @@ from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 from .vllm_client import VLLMClient
 
-__all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer"]
+__all__ = ["HELD_OUT_KEY", "RewardFunctionError", "Trainer", "build_model_and_tokenizer", "check_output_dir"]
+
+
+def check_output_dir(path: str | Path) -> None:
+    """Refuse an `output_dir` that cannot be a folder (a file, or a path under one), before any work is spent."""
+    folder = Path(path)
+    for p in (folder, *folder.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(
+                    f"output_dir {folder}: {p} is a file, not a folder; give a folder (a new one, or a run's to resume)"
+                )
+            return
 
 
 class Trainer:
@@ -94,6 +107,7 @@ class Trainer:
     ):
         self.cfg = cfg
         self.peft_config = peft_config
+        check_output_dir(cfg.output_dir)
         # one process, or a rank of a process group (the default group, or one started from torchrun's environment)
         self.ranks = setup_ranks(cfg.dist_timeout, resolve_device(cfg.device))
         if cfg.threads:
@@ -335,6 +349,15 @@ class Trainer:
             values = [x.extra[key] for x in r.responses if key in x.extra]
             if values:
                 m[f"agent/{key}"] = sum(values) / len(values)
+        # TRL's `frac_reward_zero_std`: the share of groups whose rewards are all equal, whose advantages are all 0
+        grouped = r.rewards.view(-1, self.cfg.num_generations)
+        m["frac_reward_zero_std"] = float(torch.isclose(grouped.std(dim=1), torch.zeros(())).float().mean())
+        if r.per_function.isnan().all():
+            warnings.warn(
+                f"step {step + 1}: every reward function returned None for all {r.per_function.shape[0]} completions: "
+                "the step trains on zero advantage; check the columns the reward functions read",
+                stacklevel=2,
+            )
         for f, name in enumerate(self.rewards.names):
             col = r.per_function[:, f]
             m[f"rewards/{name}/mean"] = float(col.nanmean())
@@ -463,10 +486,6 @@ class Trainer:
         holds the same values; rank 0 alone writes files)."""
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.load_checkpoint()
-        if self.ranks.main:
-            tmp = self.out / ".config.yaml.tmp"
-            tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-            os.replace(tmp, self.out / "config.yaml")
         done: list[dict] = []
         writer_cm = MetricsWriter(self.out, self.step if resumed else 0, self.cfg) if self.ranks.main else _NoWriter()
         try:
@@ -479,6 +498,8 @@ class Trainer:
         with writer_cm as writer:
             while self.step < self.cfg.num_steps:
                 m = self.train_step(self.step)
+                if not done:  # written once a step ran: a config that fails at its first step leaves the record
+                    self._write_config()
                 self.step += 1
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < self.cfg.num_steps:
                     m["eval"] = self.evaluate()
@@ -500,6 +521,13 @@ class Trainer:
             self.store.clear()
         if self.ranks.main:
             self.export()
+
+    def _write_config(self) -> None:
+        """`config.yaml`: the config of the run (rank 0)."""
+        if self.ranks.main:
+            tmp = self.out / ".config.yaml.tmp"
+            tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            os.replace(tmp, self.out / "config.yaml")
 
 
 class _NoWriter:

@@ -53,7 +53,7 @@ from ..tasks import Example
 from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
 from .config import TrainConfig
-from .trainer import Trainer
+from .trainer import Trainer, check_output_dir
 
 _LR_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 
@@ -326,6 +326,7 @@ class GRPOTrainer(Trainer):
             args = GRPOConfig.from_trl(args)
         if train_dataset is None:
             raise ValueError("GRPOTrainer: train_dataset is required (a Dataset, a list of rows, or a path)")
+        check_output_dir(args.output_dir or "trainer_output")
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):  # before any work
             raise ValueError(

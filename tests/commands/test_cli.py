@@ -162,3 +162,52 @@ def test_vllm_serve_stops_on_sigterm_and_puts_the_callers_handler_back(tmp_path,
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert events == ["alive", "stop"]
+
+
+TINY = ("model: llama\nprompt_length: 24\ntask_options: {num_pairs: 4, num_values: 8}\nnum_generations: 2\n"
+        "max_completion_length: 1\nprogress: false\nthreads: 1\nnum_steps: 1\n")
+
+
+def _no_run(cfg):
+    raise AssertionError("the run started")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        pytest.param(["--num_step", "3"], "unrecognized arguments: --num_step 3; --num_step: did you mean --num_steps?",
+                     id="abbreviated"),
+        pytest.param(["--lr", "1e-4"], "unrecognized arguments: --lr 1e-4", id="a-prefix-of-lr_scheduler"),
+        pytest.param(["--outputdir=x"], "unrecognized arguments: --outputdir=x; --outputdir: did you mean --output_dir?",
+                     id="misspelt"),
+    ],
+)
+def test_flags_are_taken_as_written_and_a_near_miss_names_the_field(tmp_path, monkeypatch, capsys, flags, message):
+    """argparse's default would read `--num_step 3` as `--num_steps 3` and `--lr 1e-4` as `--lr_scheduler 1e-4`:
+    each is refused before the run starts, naming the field a near miss means."""
+    from longstraw.commands import training
+
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY)
+    monkeypatch.setattr(training, "run_training", _no_run)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", str(config), *flags])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"longstraw: error: {message}"
+
+
+def test_an_unknown_config_field_names_the_field_it_is_near():
+    with pytest.raises(ValueError, match=r"unknown field\(s\) 'nonsense_x', 'num_step' \(did you mean 'num_steps'\?\);"):
+        TrainConfig.from_dict({"num_step": 3, "nonsense_x": 1})
+
+
+def test_an_output_dir_that_is_a_file_is_refused_in_one_line_before_the_run(tmp_path, monkeypatch, capsys):
+    from longstraw.commands import training
+
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY)
+    (tmp_path / "out").write_text("a file")
+    monkeypatch.setattr(training, "run_training", _no_run)
+    assert cli.main(["train", str(config), "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"longstraw: error: output_dir {tmp_path / 'out'}: {tmp_path / 'out'} is a file, "
+                                       "not a folder; give a folder (a new one, or a run's to resume)\n")

@@ -7,6 +7,7 @@ import pytest
 
 from longstraw import cli
 from longstraw.tasks import build_tokenizer
+from longstraw.tasks.jsonl import parse_row
 from longstraw.train.config import TrainConfig
 from longstraw.train.rewards import RewardFunctionError
 from longstraw.train.trainer import Trainer
@@ -144,3 +145,21 @@ def test_a_failing_reward_function_stops_the_run_naming_it_and_the_row(tmp_path,
     trainer = Trainer(_cfg(tmp_path, dataset=str(tmp_path / "text.jsonl"), reward_funcs=[f"{tmp_path / 'r.py'}:{name}"]))
     with pytest.raises(RewardFunctionError, match=match):
         trainer.train()
+
+
+@pytest.mark.parametrize("content", ["", "  ", []], ids=["empty", "blank", "no-parts"])
+def test_an_empty_chat_content_is_refused_before_the_first_step_naming_the_row(tmp_path, content):
+    """A chat message with no text is refused where the rows are read, naming the file, line and message; an
+    assistant turn that calls tools may have no text (TRL's tool-calling rows)."""
+    folder = _model_folder(tmp_path)
+    rows = _chat_rows(tmp_path / "chat.jsonl", 3)
+    rows[1]["messages"] = [{"role": "system", "content": "k1 v1"}, {"role": "user", "content": content}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r'chat\.jsonl:2: message 1 \(user\) has an empty "content": give its text'):
+        Trainer(_cfg(tmp_path, model=str(folder), dataset=str(tmp_path / "chat.jsonl")))
+    assert not (tmp_path / "run").exists()
+    calls = [{"role": "user", "content": "k1"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+             {"role": "tool", "content": "v1"}]
+    tok = build_tokenizer(num_keys=16, num_values=8)
+    tok.chat_template = CHAT_TEMPLATE
+    assert parse_row({"messages": calls}, "row", tok).messages == calls

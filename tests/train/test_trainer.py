@@ -214,3 +214,64 @@ def test_jsonl_evaluation_uses_held_out_rows(tmp_path):
     _jsonl(tmp_path / "one.jsonl", 1)
     with pytest.raises(ValueError, match="too few to hold out"):
         Trainer(_cfg(tmp_path, "one", dataset=str(tmp_path / "one.jsonl")))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A file as `output_dir` (or a path under one) is refused in one line before the model is built: the trainer,
+    `GRPOTrainer` and the command line (tests/commands/test_cli.py) all check it first."""
+    from longstraw import GRPOConfig, GRPOTrainer
+    from longstraw.train import trainer as trainer_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was built before output_dir was checked")
+
+    monkeypatch.setattr(trainer_module, "build_model_and_tokenizer", no_work)
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(ValueError, match=rf"output_dir {out}: {tmp_path / 'file'} is a file, not a folder; give"):
+            Trainer(_cfg(tmp_path, output_dir=str(out)))
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        GRPOTrainer(model="llama", reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                    args=GRPOConfig(output_dir=str(tmp_path / "file")), train_dataset=[{"prompt": "k1 v1 ? k1"}])
+
+
+def test_a_config_that_fails_at_its_first_step_leaves_the_runs_record(tmp_path):
+    """Resuming a run with a config that fails (prompt + response past the model's positions, found at the first
+    step) leaves the run's config.yaml and metrics.jsonl as they were; a config whose step runs is recorded."""
+    Trainer(_cfg(tmp_path, num_steps=1, sft_warmup_steps=0)).train()
+    run = tmp_path / "run"
+    before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    bad = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, prompt_length=40,
+                       model_overrides={"max_position_embeddings": 32}))
+    with pytest.raises(ValueError, match="max_position_embeddings=32"):
+        bad.train()
+    assert {name: (run / name).read_bytes() for name in before} == before
+    Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0)).train()
+    assert "num_steps: 2" in (run / "config.yaml").read_text().splitlines()
+
+
+def test_zero_std_groups_are_counted_and_a_step_of_none_rewards_warns(tmp_path):
+    """`frac_reward_zero_std` (TRL's name) is the share of a step's groups whose rewards are all equal, against the
+    share counted here from what the reward function returned; a step whose rewards are all None (every function
+    abstained) warns, once, naming the step."""
+    import warnings
+
+    returned = []
+
+    def reward(prompts, completions, **kw):
+        call = len(returned)  # steps 1 and 2 score 2 prompts each
+        values = [[1.0] * 4, [0.0, 1.0, 1.0, 2.0], [None] * 4, [None] * 4][call]
+        returned.append(values)
+        return values
+
+    trainer = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0), reward_funcs=[reward])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = trainer.train()
+    for step, row in enumerate(rows):
+        calls = returned[2 * step: 2 * step + 2]
+        assert row["frac_reward_zero_std"] == sum(len(set(v)) == 1 for v in calls) / len(calls)
+    assert [r["frac_reward_zero_std"] for r in rows] == [0.5, 1.0]
+    none = [str(w.message) for w in caught if "returned None" in str(w.message)]
+    assert none == ["step 2: every reward function returned None for all 8 completions: the step trains on zero "
+                    "advantage; check the columns the reward functions read"]
