@@ -74,7 +74,8 @@ def main(model: str = "smollm2", length: int = 2048, steps: int = 4, output_dir:
         ),
         train_dataset=Dataset.from_list(rows),
     )
-    return trainer.train()
+    trainer.train()
+    return trainer.state.log_history[:-1]  # each step's metrics (the last entry: the run's summary)
 
 
 if __name__ == "__main__":

@@ -49,13 +49,7 @@ def export_model(
         _save_transformers(base_model, tokenizer, out / "base")
         base_path = str((out / "base").resolve())
         written["base"] = out / "base"
-    config = model.peft_config[model.active_adapter]
-    previous, config.base_model_name_or_path = config.base_model_name_or_path, base_path
-    try:
-        model.save_pretrained(out / "adapter")
-    finally:
-        config.base_model_name_or_path = previous
-    tokenizer.save_pretrained(out / "adapter")
+    _save_adapter(model, tokenizer, out / "adapter", base_path)
     written["adapter"] = out / "adapter"
     if merge_adapter:
         # a copy: the trainer's model keeps its adapter (memory: the weights twice, once, at the end)
@@ -63,3 +57,29 @@ def export_model(
         _save_transformers(merged, tokenizer, out / "model")
         written["model"] = out / "model"
     return written
+
+
+def save_model_folder(model, tokenizer, path: Path, *, base_model=None, base_path: str | None = None) -> None:
+    """The model in the folder `path` itself, as TRL's `save_model` writes it: a transformers folder, or for a PEFT
+    model an adapter folder whose base is `base_path` (or `base_model`, written to `path/base`)."""
+    path = Path(path)
+    if not is_peft(model):
+        _save_transformers(model, tokenizer, path)
+        return
+    if base_path is None:
+        if base_model is None:
+            raise ValueError("a PEFT save needs the base model's folder or the base model itself")
+        _save_transformers(base_model, tokenizer, path / "base")
+        base_path = str((path / "base").resolve())
+    _save_adapter(model, tokenizer, path, base_path)
+
+
+def _save_adapter(model, tokenizer, path: Path, base_path: str) -> None:
+    """The adapter and the tokenizer in `path`, its config naming `base_path` (the live config left as it was)."""
+    config = model.peft_config[model.active_adapter]
+    previous, config.base_model_name_or_path = config.base_model_name_or_path, base_path
+    try:
+        model.save_pretrained(path)
+    finally:
+        config.base_model_name_or_path = previous
+    tokenizer.save_pretrained(path)

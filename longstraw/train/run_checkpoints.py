@@ -38,7 +38,7 @@ from .checkpoint import (
     save_sharded_checkpoint,
 )
 from .config import TrainConfig
-from .export import export_model
+from .export import export_model, save_model_folder
 from .precision import MasterWeights
 
 
@@ -101,10 +101,12 @@ class RunCheckpoints:
         """Whether the output folder holds a checkpoint to resume from."""
         return latest_name(self.root) is not None
 
-    def load(self) -> int | None:
-        """Load the latest checkpoint, if there is one; returns the step it resumes at (None: no checkpoint)."""
+    def load(self, name: str | None = None) -> int | None:
+        """Load the checkpoint `name` ("step-12"; default: the latest, if there is one); returns the step it resumes
+        at (None: no checkpoint)."""
         root = self.root
-        name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
+        if name is None:
+            name = self.ranks.from_main("resume: the latest checkpoint", lambda: latest_name(root))
 
         def load():
             if name is not None and self.parallel.partitioned:
@@ -135,6 +137,17 @@ class RunCheckpoints:
 
     def export(self, step: int) -> dict[str, Path]:
         """The final model folders of a run that ended at `step` (`longstraw.train.export`; rank 0)."""
+        merge = self.cfg.merge_adapter
+        return self._write(
+            step, lambda model, base: export_model(model, self.tokenizer, self.out, merge_adapter=merge, **base)
+        )
+
+    def save_model(self, path: Path, step: int) -> None:
+        """The model at `step` in the folder `path` itself, TRL's `save_model` (`save_model_folder`; rank 0)."""
+        self._write(step, lambda model, base: save_model_folder(model, self.tokenizer, path, **base))
+
+    def _write(self, step: int, write):
+        """`write(model, {"base_model", "base_path"})` with the model at `step` and its base (for an adapter)."""
         base_model = base_path = None
         if self.cfg.lora or self.peft_config is not None:
             if self.cfg.model in TINY_CONFIGS:
@@ -147,14 +160,7 @@ class RunCheckpoints:
         config = model.config
         before = dict(vars(config))
         try:
-            return export_model(
-                model,
-                self.tokenizer,
-                self.out,
-                merge_adapter=self.cfg.merge_adapter,
-                base_model=base_model,
-                base_path=base_path,
-            )
+            return write(model, dict(base_model=base_model, base_path=base_path))
         finally:
             for key in set(vars(config)) - set(before):
                 delattr(config, key)

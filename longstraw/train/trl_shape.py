@@ -34,24 +34,30 @@ spanning several optimizer steps, ...) is refused by name rather than ignored. H
 
 Datasets: a `datasets.Dataset`, a list of row dicts, or a path (any format of `longstraw.tasks.dataset_files`),
 rows as `longstraw.tasks.jsonl` describes them (TRL's conversational `prompt` included); reward functions: callables
-with TRL's signature, or longstraw's names and import paths. `train()` runs `Trainer.train` (resuming from the latest
-checkpoint in `output_dir`) and returns each step's metrics.
+with TRL's signature, or longstraw's names and import paths. As TRL's trainer: `train(resume_from_checkpoint=None |
+True | path)` (from the start, which an `output_dir` holding a run's checkpoints refuses; from the latest checkpoint;
+from one of `OUTPUT/checkpoints/step-N`) returns transformers' `TrainOutput`; `state.log_history` holds each step's
+metrics; `save_model(dir)` writes the adapter (or the model) into `dir` itself; `args` is the config as given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerState
+from transformers.trainer_utils import TrainOutput
 
 from ..tasks import Example
 from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
+from .checkpoint import latest_name
 from .config import TrainConfig
 from .trainer import Trainer, check_output_dir
 
@@ -320,6 +326,7 @@ class GRPOTrainer(Trainer):
         peft_config=None,
         rollout_func=None,
     ):
+        given = args
         if args is None:
             args = GRPOConfig()
         elif not isinstance(args, GRPOConfig):
@@ -359,6 +366,76 @@ class GRPOTrainer(Trainer):
             rows=rows,
             eval_rows=held,
         )
+        #: the config as given, TRL's `trainer.args` (a `trl.GRPOConfig` stays one)
+        self.args = args if given is None else given
+        #: transformers' `TrainerState`: `global_step`, `max_steps`, and `log_history` (each step's metrics, as in
+        #: metrics.jsonl, then the last `train()`'s summary)
+        self.state = TrainerState(
+            max_steps=cfg.num_steps,
+            save_steps=cfg.save_every,
+            is_local_process_zero=self.ranks.main,
+            is_world_process_zero=self.ranks.main,
+        )
+        #: the checkpoint `train` resumes from: None (none), "" (the latest) or a checkpoint's name ("step-2")
+        self._resume: str | None = None
+
+    def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:  # type: ignore[override]
+        """TRL's `train`: from the start (None or False), from the latest checkpoint in `output_dir` (True), or from
+        one of this run's checkpoint folders (`OUTPUT/checkpoints/step-N`). From the start in an `output_dir` that
+        holds a run's checkpoints is refused (TRL would train over them). Returns transformers' `TrainOutput`; each
+        step's metrics are in `state.log_history` (and metrics.jsonl)."""
+        root = self.checkpoints.root
+        latest = latest_name(root)
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            if latest is not None:
+                raise ValueError(
+                    f"GRPOTrainer.train: {self.out} holds a run's checkpoints (the latest: {latest}); pass "
+                    "resume_from_checkpoint=True to resume it, or give a new output_dir to start over"
+                )
+            self._resume = None
+        elif resume_from_checkpoint is True:
+            if latest is None:
+                raise ValueError(
+                    f"GRPOTrainer.train: resume_from_checkpoint=True but {root} holds no checkpoint; pass None to "
+                    "train from the start"
+                )
+            self._resume = ""
+        else:
+            path = Path(resume_from_checkpoint)
+            if path.resolve().parent != root.resolve() or not (path / "trainer_state.json").is_file():
+                raise ValueError(
+                    f"GRPOTrainer.train: resume_from_checkpoint {path} is not a checkpoint of this run: give one of "
+                    f"{root}/step-N, or True for the latest"
+                )
+            self._resume = path.name
+        start = time.perf_counter()
+        rows = super().train()
+        losses = [r["loss"] for r in rows if math.isfinite(r["loss"])]
+        summary = {"train_runtime": time.perf_counter() - start, "train_loss": sum(losses) / max(len(losses), 1)}
+        metrics = self.out / "metrics.jsonl"  # the whole run's, resumed steps included (rank 0 writes it)
+        history = [json.loads(line) for line in metrics.read_text().splitlines()] if self.ranks.main else rows
+        self.state.global_step = self.step
+        self.state.log_history = [*history, {**summary, "step": self.step}]
+        return TrainOutput(self.step, summary["train_loss"], summary)
+
+    def load_checkpoint(self) -> bool:
+        """The checkpoint `train(resume_from_checkpoint=...)` names (none: from the start)."""
+        if self._resume is None:
+            return False
+        step = self.checkpoints.load(self._resume or None)
+        if step is None:
+            raise ValueError(f"GRPOTrainer.train: {self.checkpoints.root} holds no checkpoint to resume from")
+        self.step = step
+        return True
+
+    def save_model(self, output_dir: str | Path | None = None) -> None:
+        """TRL's `save_model`: the model as trained so far in `output_dir` (default: `args.output_dir`) itself, a
+        PEFT adapter folder (`PeftModel.from_pretrained(base, output_dir)`) or, with full fine-tuning, a
+        transformers folder, with the tokenizer (rank 0 writes)."""
+        out = Path(output_dir) if output_dir is not None else self.out
+        check_output_dir(out)
+        if self.ranks.main:
+            self.checkpoints.save_model(out, self.step)
 
     @staticmethod
     def _model(model, args: GRPOConfig) -> tuple[str, Any]:

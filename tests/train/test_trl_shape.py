@@ -52,6 +52,12 @@ def _reference(tmp_path, name, **kw) -> list[dict]:
     return Trainer(TrainConfig(**cfg), reward_funcs=[reward_len]).train()
 
 
+def _steps(trainer) -> list[dict]:
+    """A `GRPOTrainer` run's metrics per step: `state.log_history` less its last entry (the run's summary)."""
+    trainer.train()
+    return trainer.state.log_history[:-1]
+
+
 def _same(a: list[dict], b: list[dict]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -79,7 +85,7 @@ def test_the_quick_start_script_runs_the_trainer_run_its_arguments_mean(tmp_path
         train_dataset=Dataset.from_list(ROWS),
     )
     assert trainer.cfg.prompts_per_step == 2  # 2 × 2 completions per step over G = 2
-    _same(trainer.train(), _reference(tmp_path, "ref", num_steps=3))
+    _same(_steps(trainer), _reference(tmp_path, "ref", num_steps=3))
     assert (tmp_path / "trl" / "model" / "config.json").is_file()  # no peft_config: full fine-tuning, as in TRL
 
 
@@ -99,7 +105,7 @@ def test_epochs_count_steps_over_the_dataset_and_a_list_of_rows_is_a_dataset(tmp
     )
     trainer = GRPOTrainer(model="llama", reward_funcs=[reward_len], args=args, train_dataset=ROWS)
     assert (trainer.cfg.num_steps, trainer.cfg.warmup_steps) == (3, 2)
-    _same(trainer.train(), _reference(tmp_path, "ref", num_steps=3, num_iterations=2, warmup_steps=2))
+    _same(_steps(trainer), _reference(tmp_path, "ref", num_steps=3, num_iterations=2, warmup_steps=2))
 
 
 def test_a_model_object_with_a_peft_config_trains_the_adapter_that_config_describes(tmp_path):
@@ -131,7 +137,7 @@ def test_a_model_object_with_a_peft_config_trains_the_adapter_that_config_descri
             longstraw=OWN,
         ),
     )
-    out = trainer.train()
+    out = _steps(trainer)
     ref = _reference(
         tmp_path,
         "ref",
@@ -239,7 +245,7 @@ def test_weighted_reward_callables_sum_as_trls_nansum(tmp_path):
         ),
         train_dataset=ROWS,
     )
-    rows = trainer.train()
+    rows = _steps(trainer)
     assert len(returned) == 4  # 2 steps × 2 prompts
     for step, row in enumerate(rows):
         want = [
@@ -263,3 +269,95 @@ def test_reward_weights_not_one_per_callable_are_refused_before_any_work(tmp_pat
             train_dataset=ROWS,
         )
     assert not (tmp_path / "trl").exists()
+
+
+def _args(tmp_path, name, **kw):
+    """4 steps of 2 prompts × G = 2, a checkpoint every 2 steps."""
+    base = dict(output_dir=str(tmp_path / name), learning_rate=1e-2, per_device_train_batch_size=4, num_generations=2,
+                max_completion_length=4, max_steps=4, save_steps=2, seed=7, longstraw=OWN)
+    return GRPOConfig(**{**base, **kw})
+
+
+def _weights(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_train_resumes_as_trl_says_and_its_state_holds_the_steps(tmp_path):
+    """`train(resume_from_checkpoint=True)` after a run stopped at step 3 (its reward raised; checkpoint step-2) ends
+    with the uninterrupted run's weights, bit for bit, and `state.log_history` holds the uninterrupted run's metrics
+    for the 4 steps (the resumed ones read back), then the summary; `train()` returns transformers' `TrainOutput`.
+    From the start (None) over those checkpoints is refused; True with none is refused; a checkpoint folder of this
+    run resumes from it (step-2 of the finished run: its steps 3 and 4 again, the same weights). A run from the start
+    would end with the same weights too: the resumed runs' reward counts the prompts they scored, 2 steps' worth."""
+    from transformers.trainer_utils import TrainOutput
+
+    scored = []
+
+    def counted(completions, **kw):
+        scored.append(1)
+        return reward_len(completions)
+
+    counted.__name__ = "reward_len"
+
+    full = GRPOTrainer(model="llama", reward_funcs=reward_len, args=_args(tmp_path, "full"), train_dataset=ROWS)
+    out = full.train()
+    assert isinstance(out, TrainOutput) and out.global_step == 4 and full.state.global_step == 4
+    assert full.args.max_steps == 4 and full.state.max_steps == 4
+
+    calls = []
+
+    def stops_at_step_3(completions, **kw):
+        calls.append(1)
+        if len(calls) == 5:  # 2 prompts a step: the first prompt of step 3
+            raise RuntimeError("stopped")
+        return reward_len(completions)
+
+    stops_at_step_3.__name__ = "reward_len"  # the same metric names as the uninterrupted run
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True but .*checkpoints holds no checkpoint"):
+        GRPOTrainer(model="llama", reward_funcs=reward_len, args=_args(tmp_path, "part"), train_dataset=ROWS).train(True)
+    part = GRPOTrainer(model="llama", reward_funcs=stops_at_step_3, args=_args(tmp_path, "part"), train_dataset=ROWS)
+    with pytest.raises(Exception, match="stopped"):
+        part.train()
+    again = GRPOTrainer(model="llama", reward_funcs=counted, args=_args(tmp_path, "part"), train_dataset=ROWS)
+    with pytest.raises(ValueError, match=r"holds a run's checkpoints \(the latest: step-2\); pass resume_from_checkp"):
+        again.train()
+    assert again.train(resume_from_checkpoint=True).global_step == 4 and len(scored) == 4  # steps 3 and 4
+    wa, wb = _weights(full), _weights(again)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    *steps, summary = again.state.log_history
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and set(summary) == {"train_runtime", "train_loss", "step"}
+    _same(steps, full.state.log_history[:-1])
+
+    ckpt = tmp_path / "full" / "checkpoints" / "step-2"
+    with pytest.raises(ValueError, match=r"is not a checkpoint of this run: give one of"):
+        again.train(resume_from_checkpoint=ckpt)  # another run's checkpoint
+    redo = GRPOTrainer(model="llama", reward_funcs=counted, args=_args(tmp_path, "full"), train_dataset=ROWS)
+    assert redo.train(resume_from_checkpoint=str(ckpt)).global_step == 4 and len(scored) == 8
+    wc = _weights(redo)
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert [m["step"] for m in redo.state.log_history[:-1]] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full-fine-tuning", "lora"])
+def test_save_model_writes_what_transformers_and_peft_load_where_trl_puts_it(tmp_path, peft):
+    """`save_model()` writes the trained model into `output_dir` itself (TRL's place), `save_model(dir)` into `dir`:
+    a transformers folder, or a PEFT adapter folder over the base; loaded back, the trained weights are equal."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None
+    trainer = GRPOTrainer(model="llama", reward_funcs=reward_len, args=_args(tmp_path, "run", max_steps=2),
+                          train_dataset=ROWS, peft_config=lora)
+    trainer.train()
+    trained = _weights(trainer)
+    for folder, call in ((tmp_path / "run", lambda: trainer.save_model()),
+                         (tmp_path / "saved", lambda: trainer.save_model(str(tmp_path / "saved")))):
+        call()
+        if peft:
+            loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder / "base"), folder)
+            got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+        else:
+            got = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+        assert set(got) >= set(trained) and len(trained) > 0
+        for n, p in trained.items():
+            torch.testing.assert_close(got[n], p, rtol=0, atol=0)
