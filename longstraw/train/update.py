@@ -190,12 +190,12 @@ def policy_update(
                 size = 1 if share.collective or share.lockstep else settings.batch(model, len(turns))
                 whole = [k for k in turns if k is not None and not _in_pieces(group.responses[k], settings)]
                 if size > 1 and len(whole) == len(turns):  # a row's responses replayed `size` at a time
-                    for start in range(0, len(turns), size):
-                        at_end = c == last_context and r == len(ctx.rows) - 1 and start + size >= len(turns)
+                    for start in range(0, len(whole), size):
+                        at_end = c == last_context and r == len(ctx.rows) - 1 and start + size >= len(whole)
                         _batch_backward(
                             row_state,
-                            [group.responses[k] for k in turns[start : start + size]],
-                            [offsets[b] + k for k in turns[start : start + size]],
+                            [group.responses[k] for k in whole[start : start + size]],
+                            [offsets[b] + k for k in whole[start : start + size]],
                             masks,
                             rollout.advantages,
                             norm,
@@ -310,8 +310,8 @@ def _response_backward(
 
 def _batch_backward(
     state,
-    responses: list[Response | None],
-    indices: list[int | None],
+    responses: list[Response],
+    indices: list[int],
     masks: list[torch.Tensor],
     advantages,
     norm,
@@ -323,25 +323,17 @@ def _batch_backward(
     suffix: torch.Tensor | None = None,
 ) -> None:
     """`_response_backward` for several responses of one row at once (`longstraw.replay.batched.replay_batch`): one
-    forward and one backward of their summed shares of the batch loss, each response's loss its own. A None response
-    (this rank has none left in the group, `StepShare.replays`) is a row of weight 0, as `_padding_backward` runs."""
-    present = [r for r in responses if r is not None]
-    filler = present[0] if present else None
-    if filler is None:
-        raise ValueError("_batch_backward: no response to replay")
-    rows = [filler if r is None else r for r in responses]
+    forward and one backward of their summed shares of the batch loss (`indices`: their places in the step), each
+    response's loss its own."""
     outs = replay_batch(
         state,
-        [r.tokens for r in rows],
+        [r.tokens for r in responses],
         temperature=settings.temperature,
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
     )
     losses, done = [], []
     for response, i, out in zip(responses, indices, outs):
-        if response is None or i is None:
-            losses.append(out.logprobs.sum() * 0.0)
-            continue
         loss, st = _response_loss(
             out, response, masks[i], float(advantages[i]), norm[i], entropy_scale, loss_fn, settings, totals
         )

@@ -217,7 +217,7 @@ def test_layer_major_replay_of_a_real_model_equals_its_own_cache_in_float64(name
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from .conftest import assert_grads_close
+    from ..conftest import assert_grads_close
 
     path = request.getfixturevalue(f"real_{name}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
