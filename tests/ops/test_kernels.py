@@ -149,6 +149,11 @@ def test_chosen_kernels(device):
     q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float64)
     assert kernels.choose(q, k, v, part).name == "blockwise"
     q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float32)
+    # a few query rows over keys every one sees: matrix products on the CPU
+    assert kernels.choose(q, k, v, part).name == {"cpu": "gemm_cpu", "cuda": "efficient_cuda"}[device]
+    # many query rows (a replay of G · R positions): the SIMD kernel
+    q = q.repeat(1, 1, 40, 1)
+    part = Part(part.q_start + 300, part.k_start, None, None, part.scale, part.block)
     fp32 = {"cpu": "simd_cpu" if KERNELS["simd_cpu"].available() else "flash_cpu", "cuda": "efficient_cuda"}
     assert kernels.choose(q, k, v, part).name == fp32[device]
 
@@ -245,3 +250,30 @@ def test_masked_cpu_tiles_split_to_bound_their_mask(name, monkeypatch):
     _close(lse, r_lse, TOL[torch.float32], "lse")
     for got, ref, what in zip(kernel.backward(g_out, q, k, v, merged, lse, part, True), want, ("dq", "dk", "dv")):
         _close(got, ref, GRAD_FACTOR * TOL[torch.float32], what)
+
+
+@pytest.mark.parametrize("name", ["full-gqa-odd", "full-mqa-long", "full-folded-seqs", "full-batch2"])
+def test_gemm_cpu_over_several_key_tiles(name, monkeypatch):
+    """`gemm_cpu` with tiles of a few keys (`TILE_ELEMENTS` lowered: 3-7 tiles, the last one short): the tiles'
+    outputs merged by log-sum-exp and their dq / dk / dv summed or placed give the float64 reference (`TOL`, the
+    gradients `GRAD_FACTOR` × it), as one tile does in `test_kernel_equals_reference`."""
+    from longstraw.ops.kernels import gemm
+
+    q, k, v, part, g_out, merged, _ = _inputs(name, "cpu", torch.float32)
+    rows = (q.shape[1] // k.shape[1]) * q.shape[2]
+    monkeypatch.setattr(gemm, "TILE_ELEMENTS", rows * max(1, k.shape[2] // 5))
+    kernel = KERNELS["gemm_cpu"]
+    assert kernel.why_not(q, k, v, part) is None
+    assert k.shape[2] > gemm.GemmCPU._tile(rows, k.shape[2])  # several tiles
+    out, lse = kernel.forward(q, k, v, part)
+    r_out, r_lse, _ = _ref(q, k, v, part, g_out, merged, None, False)
+    _close(out, r_out, TOL[torch.float32], "out")
+    _close(lse, r_lse, TOL[torch.float32], "lse")
+    for need_kv in (False, True):
+        got = kernel.backward(g_out, q, k, v, merged, lse, part, need_kv)
+        _, _, want = _ref(q, k, v, part, g_out, merged, None, need_kv)
+        for a, b, what in zip(got, want, ("dq", "dk", "dv")):
+            if b is None:
+                assert a is None
+                continue
+            _close(a, b, GRAD_FACTOR * TOL[torch.float32], f"{what} need_kv={need_kv}")

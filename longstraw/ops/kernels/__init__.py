@@ -10,6 +10,8 @@ log-sum-exp's gradient (attention sinks). No kernel keeps an R × T tensor for b
 Kernels (`KERNELS`):
 - `reference`: every score materialised (O(H·R·T)); any device; the tests' oracle.
 - `blockwise`: PyTorch, any device, every mask, softcap, float64, 8-bit and host-resident keys.
+- `gemm_cpu`: float32 parts every query sees whole (the prompt part) with at most `GEMM_MAX_ROWS` (256) query rows
+  per key head — a decode step's — as `torch.bmm` products per key tile (`kernels/gemm.py`); plain tensors only.
 - `simd_cpu`: longstraw's compiled float32 kernel for mask-free parts where every query sees every key (the
   prompt part), value dims a multiple of 16; built on first use (`kernels/native.py`); causal parts and
   backward are flash_cpu's.
@@ -26,6 +28,7 @@ The choice (`choose`), per part:
 | any    | float64                                       | float64      | blockwise        |
 | cpu    | window or attention chunk, consecutive query positions | fp32/bf16/fp16 | flash_cpu (masked) |
 | any    | window or attention chunk, elsewhere          | any          | blockwise        |
+| cpu    | mask-free, ≤ 256 query rows per key head, plain keys | fp32    | gemm_cpu         |
 | cpu    | mask-free, fp32, value dim a multiple of 16 ≤ 128 | fp32       | simd_cpu         |
 | cpu    | mask-free (prompt part; square causal own part) | fp32/bf16/fp16 | flash_cpu      |
 | cuda   | mask-free, head dim ≤ 256, multiple of 8      | bf16 / fp16  | flash_cuda       |
@@ -48,6 +51,7 @@ import torch
 from . import blockwise as _blockwise
 from . import reference as _reference
 from .fused import EFFICIENT_CUDA, FLASH_CPU, FLASH_CUDA, SIMD_CPU, FusedKernel
+from .gemm import GEMM_CPU
 from .part import TILE_ELEMENTS, Part, acc_dtype, mask_free_mode
 
 __all__ = [
@@ -82,10 +86,10 @@ class _Plain:
 REFERENCE = _Plain("reference", _reference)
 BLOCKWISE = _Plain("blockwise", _blockwise)
 KERNELS: dict[str, _Plain | FusedKernel] = {
-    k.name: k for k in (REFERENCE, BLOCKWISE, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)
+    k.name: k for k in (REFERENCE, BLOCKWISE, GEMM_CPU, SIMD_CPU, FLASH_CPU, FLASH_CUDA, EFFICIENT_CUDA)
 }
 #: fused kernels in order of preference per device type (first that applies wins)
-PREFERENCE = {"cpu": (SIMD_CPU, FLASH_CPU), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
+PREFERENCE = {"cpu": (GEMM_CPU, SIMD_CPU, FLASH_CPU), "cuda": (FLASH_CUDA, EFFICIENT_CUDA)}
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("longstraw_kernel", default=None)
 
