@@ -149,3 +149,45 @@ def test_sampling_past_the_positions_is_refused_as_replay_refuses_it():
         sample(state, 2, 5, prefix_ids=tokens(4, 3))  # a turn after tool output: its prefix holds positions
     out = state.sample(2, 8, generator=torch.Generator().manual_seed(0))
     assert len(out.tokens) == 2 and all(1 <= t.numel() <= 8 for t in out.tokens)
+
+
+def _chi_square_bound(df: int, z: float = 5.0) -> float:
+    """The chi-square statistic that `df` degrees of freedom exceed with probability ≈ Φ(−z) (z = 5: 3e-7), by the
+    Wilson–Hilferty cube-root normal approximation (accurate to a few percent of the bound at df ≥ 10)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a**0.5) ** 3
+
+
+@pytest.mark.parametrize("draw", ["inverse_transform", "multinomial"])
+def test_a_draw_follows_its_weights(draw):
+    """200,000 tokens drawn from one row of weights spread over four orders of magnitude, with zeros (banned or
+    filtered tokens): no token of weight 0, and the counts of the others pass Pearson's chi-square test at
+    p = 3e-7 (`_chi_square_bound`). `torch.multinomial` (`reference_draw`) passes the same test; a draw off by one
+    token or ignoring a row's total fails it."""
+    from longstraw.sampler import _draw, reference_draw
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.rand(40, generator=g) ** 4 * 1000 + 0.05
+    w[[0, 7, 19, 39]] = 0.0
+    n = 200_000
+    rows = w.expand(n, -1)
+    fn = _draw if draw == "inverse_transform" else reference_draw
+    chosen = fn(rows, torch.Generator().manual_seed(3))
+    counts = torch.bincount(chosen, minlength=w.numel()).double()
+    assert counts[w == 0].sum() == 0
+    expected = n * w.double() / w.double().sum()
+    on = w > 0
+    stat = float(((counts[on] - expected[on]) ** 2 / expected[on]).sum())
+    assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
+
+
+def test_rows_of_one_generator_draw_together_in_row_order():
+    """A batch whose rows draw from their own generators gives each generator's rows what they draw alone, in row
+    order (rows of one trajectory or one row's G samples reproduce whatever else is in the batch)."""
+    from longstraw.sampler import _draw
+
+    w = torch.rand(5, 30, generator=torch.Generator().manual_seed(1))
+    a, b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)
+    got = _draw(w, [a, b, a, b, a])
+    assert torch.equal(got[[0, 2, 4]], _draw(w[[0, 2, 4]], torch.Generator().manual_seed(4)))
+    assert torch.equal(got[[1, 3]], _draw(w[[1, 3]], torch.Generator().manual_seed(5)))
