@@ -221,7 +221,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
         lora_bytes = sum(x.numel() * x.element_size() for x in ar.lora)
         floors = dict(
             capture=cap_flops / rates["mm_capture"] + read / rates["copy"],
-            sample=dec_flops / rates["mm_decode"][q * g] + r * read / rates["copy"],
+            sample=dec_flops / rates["mm_decode"][q * g] + read / rates["copy"],
             replay=rep_flops / rates["mm_replay"][(g * r)] + read / rates["copy"],
             optimizer=7 * lora_bytes / rates["copy"],
         )
@@ -240,6 +240,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
                 R=r,
                 threads=args.threads,
                 state_mib=state_bytes / 2**20,
+                weight_mib=ar.weight_bytes / 2**20,
                 **{f"{k}_s": v for k, v in times.items()},
                 capture_s=capture,
                 step_capture_every_4_s=capture / 4 + shared,

@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks the routed experts are spread over",
     )
     pl.add_argument("--checkpoint-layers", dest="checkpoint_layers", action="store_true")
+    pl.add_argument(
+        "--replay-batch",
+        dest="replay_batch",
+        type=int,
+        default=1,
+        help="responses replayed together (the trainer's replay_batch): their graphs held at once",
+    )
     pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     vs = sub.add_parser(

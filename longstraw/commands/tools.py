@@ -116,6 +116,7 @@ def cmd_plan(args) -> int:
             checkpoint_layers=args.checkpoint_layers,
             device_memory_gib=args.device_memory_gib,
             row_suffix=args.row_suffix,
+            replay_batch=args.replay_batch,
         )
     )
     print(result.to_json() if args.json else result)

@@ -33,19 +33,23 @@ def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
     """(out `[B, H, R, Dv]` in q's dtype, lse `[B, H, R]` float) of q over keys `k` `[Bk, Hkv, T, D]` (Bk = B or 1)
     at positions `k_pos` `[Bk, T]`, `valid` `[Bk, T]`, for queries at `q_pos` `[B, R]`; lse −inf and out 0 for a query
     that sees no key. Keys of batch 1 shared by B > 1 rows are read once: the rows' queries folded into one row block
-    (`fold_batch`), each query masked by its own position."""
-    b, _, r, _ = q.shape
+    (`fold_batch`), each query masked by its own position. The query heads of one key head are rows of one product
+    (`[B, Hkv, g·R, D]`): the keys are never repeated per query head."""
+    b, h, r, _ = q.shape
     shared = k.shape[0] == 1 and b > 1
     if shared:
         q, q_pos = fold_batch(q), q_pos.reshape(1, b * r)
     acc = acc_dtype(q)
-    g = q.shape[1] // k.shape[1]
-    kf = read_block(k, 0, k.shape[2], acc, q.device).repeat_interleave(g, dim=1)
-    vf = read_block(v, 0, v.shape[2], acc, q.device).repeat_interleave(g, dim=1)
-    s = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    bq, _, rq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qg = q.reshape(bq, hkv, g * rq, d).to(acc)  # query head j·g + i of key head j: rows i·R … (i + 1)·R − 1
+    kf = read_block(k, 0, k.shape[2], acc, q.device)
+    vf = read_block(v, 0, v.shape[2], acc, q.device)
+    s = torch.matmul(qg, kf.transpose(-1, -2)) * scale  # [B, Hkv, g·R, T]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]  # [B, 1, R, 1], [Bk, 1, 1, T]
+    qp, kp = q_pos.repeat(1, g)[:, None, :, None], k_pos[:, None, None, :]  # [B, 1, g·R, 1], [Bk, 1, 1, T]
     vis = (kp <= qp) & valid[:, None, None, :]
     if window is not None:
         vis = vis & (kp > qp - window)
@@ -54,7 +58,8 @@ def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    out = torch.matmul(p, vf).to(q.dtype)
+    out = torch.matmul(p, vf).to(q.dtype).reshape(bq, h, rq, -1)
+    lse = lse.reshape(bq, h, rq)
     if shared:
         return unfold_batch(out, b), unfold_batch(lse, b)
     return out, lse

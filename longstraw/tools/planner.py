@@ -88,6 +88,8 @@ class PlanConfig:
     #: tokens a row adds after a prefix it shares with other rows (its question; `prompt_length` is then the shared
     #: prefix, captured once); 0: rows do not share
     row_suffix: int = 0
+    #: responses replayed together (the trainer's `replay_batch`, `longstraw.replay.batched`): their graphs at once
+    replay_batch: int = 1
 
     def __post_init__(self):
         def need(ok, msg):
@@ -103,6 +105,7 @@ class PlanConfig:
             "context_parallel",
             "fsdp",
             "expert_parallel",
+            "replay_batch",
         ):
             if name == "chunk_size" and self.chunk_size is None:
                 continue
@@ -200,7 +203,7 @@ class Plan:
             ("exact-mode state gradient", self.state_grad),
             ("capture transient (one chunk)", self.capture_transient),
             ("sampler", self.sampler),
-            ("one replay graph", self.replay_graph),
+            (f"replay graph ({self.config.get('replay_batch', 1)} at once)", self.replay_graph),
             ("step (state + largest transient)", self.step),
             ("predicted peak", self.peak),
         ]
@@ -286,6 +289,9 @@ def plan(pc: PlanConfig) -> Plan:
     graph = elem * (8 * d["h"] + 3 * d["q"] + 4 * d["kv"] + 6 * d["i"])
     replayed = r + pc.row_suffix if pc.prompt_grad == "exact" else r
     replay_graph = replay_graph_bytes(cfg, kinds, elem, replayed, r, pc.checkpoint_layers)
+    # k responses replayed together hold k graphs (the LM head's chunk once)
+    head_chunk = 4 * min(r, 1024) * min(d["vocab"], 32768)
+    replay_graph = min(pc.replay_batch, g) * (replay_graph - head_chunk) + head_chunk
     if pc.prompt_grad == "detached":
         replay_graph += branch
     # exact mode's reverse pass recomputes one chunk with autograd

@@ -191,3 +191,18 @@ def test_expert_parallel_divides_the_routed_experts(lora_rank):
         moments = adapters * 4 * 4 if lora_rank else routed * (4 + 8)
         assert one.optimizer - spread.optimizer == moments * (ep - 1) // ep
         assert spread.durable_state == one.durable_state and spread.sampler == one.sampler
+
+
+def test_replay_batch_holds_k_graphs_whatever_the_prompt():
+    """`replay_batch: k` holds k replay graphs, each what `replay_graph_bytes` gives for one response (its own K/V
+    and activations), the LM head's float32 chunk once; none of it grows with the prompt."""
+    from longstraw.model.chunking import ELEMENT_BYTES, dimensions, replay_graph_bytes
+    from longstraw.tools.planner import load_config
+
+    cfg = load_config("llama")
+    one = replay_graph_bytes(cfg, layer_plan(cfg), ELEMENT_BYTES["bf16"], 256, 256)
+    head = 4 * 256 * min(dimensions(cfg)["vocab"], 32768)
+    for p in (4096, 65536):
+        graphs = [plan(PlanConfig("llama", p, completion_length=256, replay_batch=k)).replay_graph for k in (1, 4)]
+        assert graphs == [one, 4 * (one - head) + head]
+    assert plan(PlanConfig("llama", 4096, num_generations=2, replay_batch=8)).replay_graph == 2 * (one - head) + head
