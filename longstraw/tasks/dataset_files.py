@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Example
-from .jsonl import load_jsonl, parse_row
+from .jsonl import load_jsonl, parse_or_drop
 
 #: the file suffixes read with `datasets`, and the loader of each
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -53,26 +53,30 @@ def _table(path: Path):
     return datasets.Dataset.from_file(str(path))
 
 
-def load_rows(path: str | Path, tokenizer=None) -> list[Example]:
+def load_rows(path: str | Path, tokenizer=None, dropped: list[str] | None = None) -> list[Example]:
     """The examples of a dataset: a JSONL file, a parquet or Arrow file, or a `save_to_disk` folder (module doc);
-    `tokenizer` formats `messages` rows."""
+    `tokenizer` formats `messages` rows; `dropped`: a list to which a refused row's reason is added instead of raising
+    (`drop_invalid_rows`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
     if path.is_file() and path.suffix not in TABLE_SUFFIXES:
-        return load_jsonl(path, tokenizer)
-    return table_rows(_table(path), f"dataset {path}", tokenizer)
+        return load_jsonl(path, tokenizer, dropped)
+    return table_rows(_table(path), f"dataset {path}", tokenizer, dropped)
 
 
-def table_rows(table, where: str, tokenizer=None) -> list[Example]:
+def table_rows(table, where: str, tokenizer=None, dropped: list[str] | None = None) -> list[Example]:
     """The examples of a `datasets.Dataset` (or any sequence of row dicts) in memory; `where` names it in errors
-    ("dataset data.parquet", "train_dataset")."""
+    ("dataset data.parquet", "train_dataset"); `dropped` as `load_rows`'."""
     columns = getattr(table, "column_names", None)
     if columns is not None and not any(c in columns for c in ("prompt", "messages")):
         raise ValueError(
             f'{where}: its columns are {columns}; a row needs a "prompt" (text or a chat) or "messages" (a chat) column'
         )
-    out = [parse_row(_present(row), f"{where} row {i}", tokenizer) for i, row in enumerate(table)]
+    parsed = [parse_or_drop(_present(row), f"{where} row {i}", tokenizer, dropped) for i, row in enumerate(table)]
+    out = [ex for ex in parsed if ex is not None]
+    if not out and dropped:
+        raise ValueError(f"{where}: every row was dropped (the first: {dropped[0]}): fix the rows")
     if not out:
         raise ValueError(f"{where} is empty")
     return out

@@ -62,8 +62,20 @@ def parse_row(row, where: str, tokenizer=None) -> Example:
     return Example(_chat(tokenizer, messages, where), answer, messages=messages, columns=columns, source=where)
 
 
-def load_jsonl(path: str | Path, tokenizer=None) -> list[Example]:
-    """Examples of a JSONL file (see the module doc); `tokenizer` formats `messages` rows."""
+def parse_or_drop(row, where: str, tokenizer, dropped: list[str] | None) -> Example | None:
+    """`parse_row`, or, with a `dropped` list (`drop_invalid_rows`), None for a row it refuses, its reason kept."""
+    if dropped is None:
+        return parse_row(row, where, tokenizer)
+    try:
+        return parse_row(row, where, tokenizer)
+    except ValueError as e:
+        dropped.append(str(e))
+        return None
+
+
+def load_jsonl(path: str | Path, tokenizer=None, dropped: list[str] | None = None) -> list[Example]:
+    """Examples of a JSONL file (see the module doc); `tokenizer` formats `messages` rows. `dropped`: a list to
+    which a refused row's reason is added instead of raising (`drop_invalid_rows`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
@@ -75,7 +87,11 @@ def load_jsonl(path: str | Path, tokenizer=None) -> list[Example]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        out.append(parse_row(row, f"{path}:{n}", tokenizer))
+        ex = parse_or_drop(row, f"{path}:{n}", tokenizer, dropped)
+        if ex is not None:
+            out.append(ex)
+    if not out and dropped:
+        raise ValueError(f"dataset {path}: every row was dropped (the first: {dropped[0]}): fix the rows")
     if not out:
         raise ValueError(f"dataset {path} is empty")
     return out

@@ -115,10 +115,10 @@ def apply_chat_format(
             gen.eos_token_id = eos
 
 
-def reward_set(cfg: TrainConfig, data, custom=None) -> RewardSet:
+def reward_set(cfg: TrainConfig, task=None, custom=None) -> RewardSet:
     """`custom` callables (TRL signature) if given, else the config's entries (names or import paths), else
-    the task's own reward."""
-    entries = list(custom or cfg.reward_funcs or [data.task.reward if data.task is not None else "exact_match"])
+    the built-in `task`'s own reward (`exact_match` for a dataset's rows: `task` None)."""
+    entries = list(custom or cfg.reward_funcs or [task.reward if task is not None else "exact_match"])
     funcs = [resolve_reward(e) for e in entries]
     return RewardSet(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
 

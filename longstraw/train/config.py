@@ -91,6 +91,12 @@ class TrainConfig:
         "rows (longstraw.tasks.token_cache): auto = $LONGSTRAW_CACHE/tokens (~/.cache/longstraw/tokens); null: "
         "tokenize a prompt at every step that draws it",
     )
+    drop_invalid_rows: bool = _f(
+        False,
+        "a dataset row that cannot train (its prompt + max_completion_length past the model's positions, a column its "
+        "reward function reads missing, a chat message without text) is dropped, named at the start with the count, "
+        "instead of stopping the run before step 1 (longstraw.train.row_check)",
+    )
     prompt_length: int = _f(256, "prompt length in tokens of built-in task examples (the last curriculum stage)")
     curriculum: list = _f(
         [],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..tasks import TASKS, Example
@@ -71,14 +72,31 @@ def split_rows(rows: list[Example], fraction: float, seed: int) -> tuple[list[Ex
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def build_data(cfg, tokenizer=None, rows: list[Example] | None = None, eval_rows: list[Example] | None = None) -> Data:
-    """The run's data; a dataset's rows are parsed (and chats formatted with `tokenizer`) here, before any step.
-    `rows`, `eval_rows`: examples parsed already (a `datasets.Dataset` handed to `longstraw.train.trl_shape`'s
-    `GRPOTrainer`), instead of the config's `dataset`, `eval_dataset`."""
+#: `check(rows, eval_rows, dropped)` → (rows, eval_rows): the rows that may train (`longstraw.train.row_check`);
+#: `dropped` holds the reasons of rows dropped while they were read
+RowCheck = Callable[[list[Example], list[Example] | None, list[str]], tuple[list[Example], list[Example] | None]]
+
+
+def build_data(
+    cfg,
+    tokenizer=None,
+    rows: list[Example] | None = None,
+    eval_rows: list[Example] | None = None,
+    check: RowCheck | None = None,
+    dropped: list[str] | None = None,
+) -> Data:
+    """The run's data; a dataset's rows are parsed (and chats formatted with `tokenizer`) and `check`ed here, before
+    any step. `rows`, `eval_rows`: examples parsed already (a `datasets.Dataset` handed to
+    `longstraw.train.trl_shape`'s `GRPOTrainer`), instead of the config's `dataset`, `eval_dataset`; `dropped`: the
+    reasons of the rows dropped while those were parsed (`drop_invalid_rows`)."""
     if rows is not None or cfg.dataset is not None:
-        rows = rows if rows is not None else load_rows(cfg.dataset, tokenizer)
+        dropped = list(dropped or [])
+        keep = dropped if cfg.drop_invalid_rows else None
+        rows = rows if rows is not None else load_rows(cfg.dataset, tokenizer, keep)
         if eval_rows is None and cfg.eval_dataset is not None:
-            eval_rows = load_rows(cfg.eval_dataset, tokenizer)
+            eval_rows = load_rows(cfg.eval_dataset, tokenizer, keep)
+        if check is not None:
+            rows, eval_rows = check(rows, eval_rows, dropped)
         q = cfg.rows_per_context
         if eval_rows is not None:
             return Data(None, rows if q is None else rows_by_context(rows, q), cfg.seed, eval_rows)

@@ -43,6 +43,7 @@ from ..distributed.fsdp import full_tensors
 from ..distributed.parallelize import parallelize
 from ..distributed.ranks import setup_ranks
 from ..losses import make_loss
+from ..model.positions import position_limit
 from ..paths import cache_dir
 from ..tasks import Example
 from ..tasks.token_cache import TokenCache
@@ -57,6 +58,7 @@ from .metrics import MetricsWriter
 from .precision import MasterWeights
 from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
+from .row_check import RowReport, RowRules, check_rows
 from .run_checkpoints import RunCheckpoints
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
@@ -104,6 +106,7 @@ class Trainer:
         peft_config=None,
         rows: list[Example] | None = None,
         eval_rows: list[Example] | None = None,
+        dropped: list[str] | None = None,
     ):
         self.cfg = cfg
         self.peft_config = peft_config
@@ -136,8 +139,18 @@ class Trainer:
                 f"replay_order: layers on {self.ranks.size} processes: layer-major replay runs in one process; "
                 "use replay_order: segments (segmented replay runs on N processes)"
             )
-        self.data = build_data(cfg, self.tok, rows, eval_rows)
-        self.rewards = reward_set(cfg, self.data, reward_funcs)
+        hook = rollout_func is not None or bool(cfg.rollout_func) or bool(cfg.environment)
+        dataset_run = rows is not None or cfg.dataset is not None
+        rewards = reward_set(cfg, None, reward_funcs) if dataset_run else None
+        self._cache: TokenCache | None = None
+        #: what the start found in the dataset's rows (None: a built-in task), printed by rank 0
+        self.row_report: RowReport | None = None
+
+        def check(train: list[Example], held: list[Example] | None, dropped_early: list[str]):
+            return self._check_rows(train, held, dropped_early, None if hook or rewards is None else rewards, hook)
+
+        self.data = build_data(cfg, self.tok, rows, eval_rows, check=check, dropped=dropped)
+        self.rewards = rewards if rewards is not None else reward_set(cfg, self.data.task, reward_funcs)
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
@@ -473,12 +486,36 @@ class Trainer:
         return self.checkpoints.export(self.step)
 
     def _token_cache(self) -> TokenCache | None:
-        """The dataset's prompts tokenized once (`token_cache`; None for a built-in task, whose prompts are drawn)."""
-        if self.cfg.token_cache is None or self.data.rows is None:
-            return None
-        folder = cache_dir("tokens") if self.cfg.token_cache == "auto" else Path(self.cfg.token_cache)
-        texts = [ex.prompt for ex in [*self.data.rows, *(self.data.eval_rows or [])]]
-        return TokenCache(folder, self.tok, texts, progress=self.cfg.progress and self.ranks.main)
+        """The dataset's prompts tokenized once (`token_cache`; None for a built-in task, whose prompts are drawn),
+        built by the row check (`_check_rows`)."""
+        return self._cache
+
+    def _check_rows(
+        self, rows: list[Example], eval_rows: list[Example] | None, dropped: list[str], rewards, hook: bool
+    ) -> tuple[list[Example], list[Example] | None]:
+        """Every row tokenized once (into the token cache, when the run has one) and checked before step 1
+        (`longstraw.train.row_check`); rank 0 prints what it found. `dropped`: rows dropped while they were read."""
+        cfg = self.cfg
+        if cfg.token_cache is not None:
+            folder = cache_dir("tokens") if cfg.token_cache == "auto" else Path(cfg.token_cache)
+            texts = [ex.prompt for ex in [*rows, *(eval_rows or [])] if ex.prompt]
+            self._cache = TokenCache(folder, self.tok, texts, progress=cfg.progress and self.ranks.main)
+        cache = self._cache
+
+        def encode(text: str) -> torch.Tensor:
+            ids = cache.ids(text) if cache is not None else None
+            return ids if ids is not None else torch.tensor(self.tok(text, add_special_tokens=False)["input_ids"])
+
+        # a rollout hook's trajectories stop at the positions: its prompt needs one position left
+        completion = 1 if hook else cfg.max_completion_length
+        funcs = None if rewards is None else rewards.funcs
+        rules = RowRules(position_limit(self.model.config), completion, funcs, cfg.drop_invalid_rows)
+        kept, held, report = check_rows(rows, eval_rows, encode, rules, cfg.min_shared_prefix)
+        report.dropped = [*dropped, *report.dropped]
+        self.row_report = report
+        if self.ranks.main:
+            print("\n".join(report.lines()), flush=True)
+        return kept, held
 
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:

@@ -299,15 +299,16 @@ def _report_to(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def dataset_rows(dataset, tokenizer, where: str) -> list[Example]:
-    """A `datasets.Dataset`, a list of row dicts or a path, as examples."""
+def dataset_rows(dataset, tokenizer, where: str, dropped: list[str] | None = None) -> list[Example]:
+    """A `datasets.Dataset`, a list of row dicts or a path, as examples; `dropped`: a list to which a refused row's
+    reason is added instead of raising (`drop_invalid_rows`)."""
     if isinstance(dataset, str | Path):
-        return load_rows(dataset, tokenizer)
+        return load_rows(dataset, tokenizer, dropped)
     if isinstance(dataset, dict):
         raise TypeError(f"{where}: a DatasetDict (or a dict): give one split, e.g. dataset['train']")
     if not hasattr(dataset, "__len__"):
         raise TypeError(f"{where}: an iterable dataset has no end to train epochs over: give a Dataset or a list")
-    return table_rows(dataset, where, tokenizer)
+    return table_rows(dataset, where, tokenizer, dropped)
 
 
 class GRPOTrainer(Trainer):
@@ -344,8 +345,9 @@ class GRPOTrainer(Trainer):
         tok = processing_class
         if tok is None and folder not in TINY_CONFIGS:
             tok = AutoTokenizer.from_pretrained(folder)
-        rows = dataset_rows(train_dataset, tok, "train_dataset")
-        held = None if eval_dataset is None else dataset_rows(eval_dataset, tok, "eval_dataset")
+        dropped: list[str] | None = [] if args.longstraw.get("drop_invalid_rows") else None
+        rows = dataset_rows(train_dataset, tok, "train_dataset", dropped)
+        held = None if eval_dataset is None else dataset_rows(eval_dataset, tok, "eval_dataset", dropped)
         lora = None
         if peft_config is not None:
             targets = peft_config.target_modules
@@ -365,6 +367,7 @@ class GRPOTrainer(Trainer):
             peft_config=peft_config,
             rows=rows,
             eval_rows=held,
+            dropped=dropped,
         )
         #: the config as given, TRL's `trainer.args` (a `trl.GRPOConfig` stays one)
         self.args = args if given is None else given
