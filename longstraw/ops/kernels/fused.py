@@ -311,8 +311,8 @@ class FlashCPU(FusedKernel):
 
 class SimdCPU(FlashCPU):
     """longstraw's compiled float32 kernel (`native.py`) for the 'full' parts — the prompt part, every query over
-    every key, tile by tile from a compressed state; causal own parts and every backward go to PyTorch's flash
-    kernel (the log-sum-exp it returns is the same quantity)."""
+    every key, tile by tile from a compressed state — and their dq-only backward (a detached replay); causal own
+    parts and every other backward go to PyTorch's flash kernel (the log-sum-exp it returns is the same quantity)."""
 
     name = "simd_cpu"
     dtypes = (torch.float32,)
@@ -333,6 +333,17 @@ class SimdCPU(FlashCPU):
         if causal:
             return super().raw_forward(q, k, v, causal, scale)
         return native.attend_full(q, k, v, scale)
+
+    def backward(self, g_out, q, k, v, out, lse, part: Part, need_kv: bool):
+        """dq alone of a 'full' part whose keys are a plain tensor (a detached replay's prompt part) by the compiled
+        kernel (`native.attend_full_dq`: 1.5 × the forward's products, where the flash backward also computes the
+        keys' and values' gradients); every other backward as `flash_cpu`."""
+        mode = mask_free_mode(part, q.shape[2], k.shape[2])
+        if mode != "full" or need_kv or not _plain(k, q.device) or q.shape[-1] % native.VALUE_DIM_MULTIPLE:
+            return super().backward(g_out, q, k, v, out, lse, part, need_kv)
+        hkv = k.shape[1]
+        dq = native.attend_full_dq(_fold(q, hkv), k, v, _fold(g_out, hkv), _fold(out, hkv), _fold(lse, hkv), part.scale)
+        return dq.reshape(q.shape), None, None
 
     def pieces(self, qf, k, v, part):
         """An 8-bit state in host memory: its whole blocks read in place by one call (decoded tile by tile inside the

@@ -115,6 +115,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.longstraw_attend_full_8bit
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 14 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.longstraw_attend_full_dq
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 15 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
     fn = lib.longstraw_exp2_neg
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn.restype = ctypes.c_int
@@ -265,3 +268,57 @@ def attend_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
         if rc != 0:
             raise RuntimeError(f"longstraw_attend_full refused q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out, lse
+
+
+def attend_full_dq(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """dq `[B, H, R, D]` of `attend_full`'s attention with the keys and values constants: queries `q` `[B, H, R, D]`,
+    keys `k` `[B, H, T, D]`, values `v` `[B, H, T, Dv]`, the incoming gradient `g` and the merged output `o`
+    `[B, H, R, Dv]` (the softmax correction's rowsum(dO ∘ O)), the part's log-sum-exp `lse` `[B, H, R]`; float32 CPU
+    tensors, D and Dv multiples of 16. dq_i = scale · Σ_j p_ij (dO_i · v_j − dO_i · O_i) k_j: 1.5 × the forward's
+    products, where the flash backward computes the keys' and values' gradients too (2.5 ×)."""
+    lib = _loaded()
+    if any(x.dtype != torch.float32 for x in (q, k, v, g, o)):
+        raise ValueError("float32 only")
+    b, h, r, d = q.shape
+    t, dv = k.shape[2], v.shape[-1]
+    if d % VALUE_DIM_MULTIPLE or dv % VALUE_DIM_MULTIPLE or t < 1 or k.shape[-1] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: head and value dims must be "
+            f"multiples of {VALUE_DIM_MULTIPLE}, at least one key"
+        )
+    q, k, v, g, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, o))
+    lse = lse.float().contiguous()
+    dq = torch.empty(b, h, r, d)
+    threads = torch.get_num_threads()
+    for i in range(b):
+        rc = lib.longstraw_attend_full_dq(
+            q[i].data_ptr(),
+            k[i].data_ptr(),
+            v[i].data_ptr(),
+            g[i].data_ptr(),
+            o[i].data_ptr(),
+            lse[i].data_ptr(),
+            dq[i].data_ptr(),
+            h,
+            r,
+            t,
+            d,
+            dv,
+            q.stride(1),
+            q.stride(2),
+            k.stride(1),
+            k.stride(2),
+            v.stride(1),
+            v.stride(2),
+            g.stride(1),
+            g.stride(2),
+            o.stride(1),
+            o.stride(2),
+            float(scale),
+            threads,
+        )
+        if rc != 0:
+            raise RuntimeError(f"longstraw_attend_full_dq refused q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return dq

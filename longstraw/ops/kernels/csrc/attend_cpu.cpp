@@ -197,6 +197,109 @@ void worker(const Args& a, int w, int nw) {
     }
 }
 
+// The gradient of the queries alone (the keys and values constants: a detached replay's prompt part), rows r0 .. r0
+// + nr of head b: dq_i = scale * sum_j p_ij (dp_ij - delta_i) k_j with p_ij = exp(q_i . k_j * scale - lse_i), dp_ij =
+// dO_i . v_j and delta_i = dO_i . O_i (O the merged output). Per tile of KT keys, keys and values transposed once;
+// the scores and dO . v of MR rows x 32 keys in registers as in the forward; dq accumulated over the tile's keys,
+// MR rows x 16 head dims per vector. d must be a multiple of 16.
+struct GradArgs {
+    const float *q, *k, *v, *g, *o, *lse;
+    float* dq;
+    int64_t bh, rows, t, d, dv;
+    int64_t qh, qr, kh, kr, vh, vr, gh, gr, oh, orr;
+    float scale;
+};
+
+void dq_rows(const GradArgs& a, int64_t b, int64_t r0, int64_t nr) {
+    const int64_t d = a.d, dv = a.dv, t = a.t;
+    std::vector<float> kt(d * KT), vt(dv * KT), sbuf(MR * KT), qs((nr + MR) * d, 0.0f), gs((nr + MR) * dv, 0.0f);
+    std::vector<float> m(nr + MR, 0.0f), delta(nr + MR, 0.0f);
+    float* s = sbuf.data();
+    const float c = a.scale * 1.4426950408889634f;  // scores in base 2
+    for (int64_t i = 0; i < nr; ++i) {  // rows past the last stay zero
+        const float* qi = a.q + b * a.qh + (r0 + i) * a.qr;
+        const float* gi = a.g + b * a.gh + (r0 + i) * a.gr;
+        const float* oi = a.o + b * a.oh + (r0 + i) * a.orr;
+        for (int64_t cc = 0; cc < d; ++cc) qs[i * d + cc] = qi[cc] * c;
+        float dl = 0.0f;
+        for (int64_t e = 0; e < dv; ++e) {
+            gs[i * dv + e] = gi[e];
+            dl += gi[e] * oi[e];
+        }
+        delta[i] = dl;
+        m[i] = a.lse[b * a.rows + r0 + i] * 1.4426950408889634f;  // the log-sum-exp in base 2
+    }
+    float* dq = a.dq + (b * a.rows + r0) * d;
+    std::memset(dq, 0, sizeof(float) * nr * d);
+    for (int64_t j0 = 0; j0 < t; j0 += KT) {
+        const int64_t n = t - j0 < KT ? t - j0 : KT;
+        const int64_t np = (n + 2 * VL - 1) / (2 * VL) * (2 * VL);
+        const float* k = a.k + b * a.kh + j0 * a.kr;
+        const float* v = a.v + b * a.vh + j0 * a.vr;
+        for (int64_t j = 0; j < n; ++j) {
+            for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = k[j * a.kr + cc];
+            for (int64_t e = 0; e < dv; ++e) vt[e * KT + j] = v[j * a.vr + e];
+        }
+        for (int64_t j = n; j < np; ++j) {
+            for (int64_t cc = 0; cc < d; ++cc) kt[cc * KT + j] = 0.0f;
+            for (int64_t e = 0; e < dv; ++e) vt[e * KT + j] = 0.0f;
+        }
+        for (int64_t i0 = 0; i0 < nr; i0 += MR) {
+            const int64_t mr = nr - i0 < MR ? nr - i0 : MR;
+            const float* qb = qs.data() + i0 * d;
+            const float* gb = gs.data() + i0 * dv;
+            for (int64_t j = 0; j < np; j += 2 * VL) {
+                vf sc[MR][2], dp[MR][2];
+                for (int i = 0; i < MR; ++i) sc[i][0] = sc[i][1] = dp[i][0] = dp[i][1] = vf{};
+                for (int64_t cc = 0; cc < d; ++cc) {
+                    const vf k0 = load(kt.data() + cc * KT + j), k1 = load(kt.data() + cc * KT + j + VL);
+                    for (int i = 0; i < MR; ++i) {
+                        const float qv = qb[i * d + cc];
+                        sc[i][0] += qv * k0;
+                        sc[i][1] += qv * k1;
+                    }
+                }
+                for (int64_t e = 0; e < dv; ++e) {
+                    const vf v0 = load(vt.data() + e * KT + j), v1 = load(vt.data() + e * KT + j + VL);
+                    for (int i = 0; i < MR; ++i) {
+                        const float gv = gb[i * dv + e];
+                        dp[i][0] += gv * v0;
+                        dp[i][1] += gv * v1;
+                    }
+                }
+                for (int i = 0; i < MR; ++i) {
+                    const float mi = m[i0 + i], di = delta[i0 + i];
+                    for (int h = 0; h < 2; ++h)  // padding keys' columns are never read (dq sums j < n)
+                        store(s + i * KT + j + h * VL, exp2_neg(sc[i][h] - mi) * (dp[i][h] - di));
+                }
+            }
+            // dq[i] += sum_j ds[i][j] k_j, MR rows x 16 head dims in registers
+            for (int64_t e = 0; e < d; e += VL) {
+                vf acc[MR];
+                for (int i = 0; i < MR; ++i) acc[i] = i < mr ? load(dq + (i0 + i) * d + e) : vf{};
+                for (int64_t j = 0; j < n; ++j) {
+                    const vf kj = load(k + j * a.kr + e);
+                    for (int i = 0; i < MR; ++i) acc[i] += s[i * KT + j] * kj;
+                }
+                for (int i = 0; i < mr; ++i) store(dq + (i0 + i) * d + e, acc[i]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nr * d; ++i) dq[i] *= a.scale;
+}
+
+void dq_worker(const GradArgs& a, int w, int nw) {
+    const int64_t blocks = (a.rows + MR - 1) / MR, items = a.bh * blocks;
+    const int64_t lo = items * w / nw, hi = items * (w + 1) / nw;
+    for (int64_t i = lo; i < hi;) {
+        const int64_t b = i / blocks, first = i % blocks;
+        const int64_t last = std::min(blocks, first + (hi - i));
+        const int64_t r0 = first * MR;
+        dq_rows(a, b, r0, std::min(a.rows, last * MR) - r0);
+        i += last - first;
+    }
+}
+
 // all workers over `a`: the calling thread and threads - 1 more
 int run(const Args& a, int threads) {
     const int64_t blocks = a.bh * ((a.rows + MR - 1) / MR);
@@ -241,6 +344,29 @@ extern "C" int longstraw_attend_full_8bit(const float* q, const uint8_t* kc, con
     a.ksh = ksh;
     a.vsh = vsh;
     return run(a, threads);
+}
+
+// dq of `longstraw_attend_full`'s attention (see `dq_rows`): q [bh, rows, d], k [bh, t, d], v [bh, t, dv], the
+// incoming gradient g and the merged output o [bh, rows, dv] (any head and row strides, last dims contiguous), lse
+// [bh, rows] contiguous (natural log), dq [bh, rows, d] contiguous. d and dv multiples of 16.
+extern "C" int longstraw_attend_full_dq(const float* q, const float* k, const float* v, const float* g, const float* o,
+                                        const float* lse, float* dq, int64_t bh, int64_t rows, int64_t t, int64_t d,
+                                        int64_t dv, int64_t qh, int64_t qr, int64_t kh, int64_t kr, int64_t vh,
+                                        int64_t vr, int64_t gh, int64_t gr, int64_t oh, int64_t orr, float scale,
+                                        int threads) {
+    if (dv % VL != 0 || d % VL != 0 || t < 1 || threads < 1) return 1;
+    const GradArgs a{q, k, v, g, o, lse, dq, bh, rows, t, d, dv, qh, qr, kh, kr, vh, vr, gh, gr, oh, orr, scale};
+    const int64_t blocks = a.bh * ((a.rows + MR - 1) / MR);
+    const int nw = blocks < threads ? (int)blocks : threads;
+    if (nw <= 1) {
+        dq_worker(a, 0, 1);
+        return 0;
+    }
+    std::vector<std::thread> pool;
+    for (int w = 1; w < nw; ++w) pool.emplace_back(dq_worker, std::cref(a), w, nw);
+    dq_worker(a, 0, nw);
+    for (auto& th : pool) th.join();
+    return 0;
 }
 
 // The kernel's 2^x on n floats (n a multiple of 16, every x <= 0), for its tests.
