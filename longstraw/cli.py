@@ -67,7 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
             "torch thread on the CPU); several machines: torchrun -m longstraw train ...",
         )
         add_config_flags(p)
+    t.add_argument(
+        "--force-resume",
+        dest="force_resume",
+        action="store_const",
+        const="true",
+        default=argparse.SUPPRESS,
+        help="resume an output_dir whose record names other data, model or model_overrides, or whose schedule ended "
+        "(the config field force_resume: true)",
+    )
     e = sub.add_parser("eval", help="held-out accuracy per context length of a run's latest checkpoint")
+    e.add_argument(
+        "--dataset",
+        default=None,
+        help="the rows the run trained on, in a file (for a run given its rows in memory; checked against the "
+        "fingerprint the run recorded)",
+    )
+    e.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="module:function or path/to/file.py:function, once per reward function of the run in order (for a run "
+        "whose reward functions were callables without an import path)",
+    )
     e.add_argument("run", help="the run's output folder")
     e.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default: the run's)")
     e.add_argument("--examples", type=int, default=None, help="held-out prompts per length (default: the run's)")

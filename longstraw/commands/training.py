@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from ..distributed.ranks import launch_local
 from ..testing.models import TINY_CONFIGS
 from ..train.config import TrainConfig
 from ..train.devices import resolve_device
 from ..train.plots import plot_run
+from ..train.run_record import eval_refusal
 from ..train.trainer import Trainer, check_output_dir
 from .flags import config_overrides
 
@@ -143,11 +146,28 @@ def cmd_eval(args) -> int:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise SystemExit(f"{run} holds no config.yaml: not a longstraw run folder")
-    overrides = {"output_dir": str(run), "progress": False}
+    record = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("record")
+    dataset, rewards = getattr(args, "dataset", None), getattr(args, "reward", None)
+    refusal = None if record is None else eval_refusal(run, record, dataset, rewards)
+    if refusal is not None:
+        raise SystemExit(refusal)
+    overrides: dict = {"output_dir": str(run), "progress": False}
     if args.state_dtype is not None:
         overrides["state_dtype"] = None if args.state_dtype == "none" else args.state_dtype
+    if dataset is not None:
+        overrides.update(dataset=dataset, eval_dataset=None, eval_fraction=0.0)
+    if rewards is not None:
+        overrides["reward_funcs"] = rewards
     cfg = TrainConfig.from_yaml(run / "config.yaml", overrides)
     trainer = Trainer(cfg)
+    if record is not None and "sha256" in record.get("data", {}):
+        was, now = record["data"], trainer.record["data"]
+        if was["sha256"] != now["sha256"]:
+            raise SystemExit(
+                f"{run} trained on {was['source']} ({was['rows']} rows, sha256 {was['sha256'][:12]}); "
+                f"{now['source']} holds other rows ({now['rows']} rows, sha256 {now['sha256'][:12]}): pass "
+                "--dataset FILE holding the rows it trained on"
+            )
     if not trainer.load_checkpoint():
         raise SystemExit(f"{run} holds no checkpoint to evaluate")
     accuracy = trainer.evaluate(args.lengths, args.examples)

@@ -91,6 +91,12 @@ class TrainConfig:
         "rows (longstraw.tasks.token_cache): auto = $LONGSTRAW_CACHE/tokens (~/.cache/longstraw/tokens); null: "
         "tokenize a prompt at every step that draws it",
     )
+    force_resume: bool = _f(
+        False,
+        "resume an output_dir whose record (config.yaml) names other data, another model or other model_overrides, "
+        "or whose learning-rate schedule has ended (the command line's --force-resume); such a resume is refused "
+        "otherwise (longstraw.train.run_record)",
+    )
     drop_invalid_rows: bool = _f(
         False,
         "a dataset row that cannot train (its prompt + max_completion_length past the model's positions, a column its "
@@ -539,9 +545,12 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """The config of a YAML file; a run's `config.yaml` has a `record:` of what ran beside the fields
+        (`longstraw.train.run_record`), which is not a setting and is left out here."""
         values = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a config file must hold a mapping of field: value")
+        values.pop("record", None)
         return cls.from_dict({**values, **(overrides or {})})
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import warnings
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,15 @@ from .rewards import RewardFunctionError, resolve_callable
 from .rollout import Policy, RolloutStage, SamplingSettings
 from .row_check import RowReport, RowRules, check_rows
 from .run_checkpoints import RunCheckpoints
+from .run_record import (
+    IN_MEMORY,
+    data_record,
+    describe_reward,
+    importable,
+    model_fingerprint,
+    resume_problem,
+    schedule_over,
+)
 from .staleness import StateStore, kv_drift_probe
 from .update import UpdateSettings, policy_update, prompt_length_metrics, sft_update
 from .vllm_client import VLLMClient
@@ -107,6 +117,7 @@ class Trainer:
         rows: list[Example] | None = None,
         eval_rows: list[Example] | None = None,
         dropped: list[str] | None = None,
+        data_source: str | None = None,
     ):
         self.cfg = cfg
         self.peft_config = peft_config
@@ -145,12 +156,22 @@ class Trainer:
         self._cache: TokenCache | None = None
         #: what the start found in the dataset's rows (None: a built-in task), printed by rank 0
         self.row_report: RowReport | None = None
+        #: what `config.yaml` records beside the config fields (`longstraw.train.run_record`)
+        self.record: dict[str, Any] = {
+            "data": {"source": f"the built-in task {cfg.task}"},
+            "reward_funcs": [describe_reward(e) for e in (reward_funcs or cfg.reward_funcs or [])],
+            "model": {"source": cfg.model, "sha256": model_fingerprint(cfg.model)},
+        }
+        self._source = data_source or cfg.dataset or IN_MEMORY[1]
+        self._custom_rewards = bool(reward_funcs)
 
         def check(train: list[Example], held: list[Example] | None, dropped_early: list[str]):
             return self._check_rows(train, held, dropped_early, None if hook or rewards is None else rewards, hook)
 
         self.data = build_data(cfg, self.tok, rows, eval_rows, check=check, dropped=dropped)
         self.rewards = rewards if rewards is not None else reward_set(cfg, self.data.task, reward_funcs)
+        if not self.record["reward_funcs"]:  # the task's own, or exact_match
+            self.record["reward_funcs"] = list(self.rewards.names)
         if rollout_func is None and cfg.rollout_func:
             rollout_func = resolve_callable(cfg.rollout_func, "rollout_func")
         if rollout_func is None and cfg.environment:
@@ -513,6 +534,15 @@ class Trainer:
         kept, held, report = check_rows(rows, eval_rows, encode, rules, cfg.min_shared_prefix)
         report.dropped = [*dropped, *report.dropped]
         self.row_report = report
+        self.record["data"] = data_record(self._source, rows)
+        if eval_rows is not None and eval_rows is not rows:
+            self.record["eval_data"] = data_record(cfg.eval_dataset or self._source, eval_rows)
+        median = statistics.median(report.lengths)
+        self.record["prompt_tokens"] = {
+            "min": min(report.lengths),
+            "median": int(median) if median == int(median) else float(median),
+            "max": max(report.lengths),
+        }
         if self.ranks.main:
             print("\n".join(report.lines()), flush=True)
         return kept, held
@@ -524,6 +554,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.load_checkpoint()
         done: list[dict] = []
+        if resumed and not self._resume_checked():
+            self.close()
+            return done
         writer_cm = MetricsWriter(self.out, self.step if resumed else 0, self.cfg) if self.ranks.main else _NoWriter()
         try:
             self._run(writer_cm, done, on_step)
@@ -559,11 +592,52 @@ class Trainer:
         if self.ranks.main:
             self.export()
 
+    def _resume_checked(self) -> bool:
+        """After loading a checkpoint: refuse a run that is not the recorded one (its data, model or
+        `model_overrides` changed) unless `force_resume`, and a schedule that ended; False when the run is finished
+        (nothing to train). The learning rate is set from the schedule at the resumed step (the checkpoint's is the
+        last step's, 0.0 at the end of a decayed schedule)."""
+        path = self.out / "config.yaml"
+        old = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+        record, cfg = old.get("record") or {}, self.cfg
+        problem = resume_problem(record, self.record, old.get("model_overrides"), cfg.model_overrides)
+        if problem is not None and not cfg.force_resume:
+            raise ValueError(
+                f"resume: {self.out} is another run: {problem}; give a new output_dir, or pass --force-resume "
+                "(force_resume: true) to resume it anyway"
+            )
+        if self.step >= cfg.num_steps:
+            if self.ranks.main:
+                print(
+                    f"{self.out}: finished at step {self.step} of num_steps {cfg.num_steps}: nothing to train; raise "
+                    "num_steps (max_steps) to train further",
+                    flush=True,
+                )
+            return False
+        if old and schedule_over(old, self.step) and not cfg.force_resume:
+            raise ValueError(
+                f"resume: {self.out} finished its {old['lr_scheduler']} schedule at step {old['num_steps']} (learning "
+                f"rate 0.0); to train on to num_steps {cfg.num_steps} from its model start a new run, or pass "
+                f"--force-resume (force_resume: true) to follow the schedule of num_steps {cfg.num_steps}"
+            )
+        # the schedule of this config at the resumed step (the same as the checkpoint's when the config is the same)
+        lrs = [base * f(self.sched.last_epoch) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
+        for group, lr in zip(self.opt.param_groups, lrs):
+            group["lr"] = lr
+        self.sched._last_lr = lrs  # what get_last_lr() reports
+        return True
+
     def _write_config(self) -> None:
-        """`config.yaml`: the config of the run (rank 0)."""
+        """`config.yaml`: the config of the run and its record (`longstraw.train.run_record`; rank 0)."""
         if self.ranks.main:
+            values = self.cfg.to_dict()
+            values["force_resume"] = False  # a setting of one resume, not of the run
+            if self._custom_rewards:  # callables: their import paths, when every one has one
+                names = self.record["reward_funcs"]
+                values["reward_funcs"] = names if all(importable(n) for n in names) else []
+            values["record"] = self.record
             tmp = self.out / ".config.yaml.tmp"
-            tmp.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            tmp.write_text(yaml.safe_dump(values, sort_keys=False))
             os.replace(tmp, self.out / "config.yaml")
 
 

@@ -59,6 +59,7 @@ from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
 from .checkpoint import latest_name
 from .config import TrainConfig
+from .run_record import IN_MEMORY, non_default_fields
 from .trainer import Trainer, check_output_dir
 
 _LR_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
@@ -311,6 +312,11 @@ def dataset_rows(dataset, tokenizer, where: str, dropped: list[str] | None = Non
     return table_rows(dataset, where, tokenizer, dropped)
 
 
+def _in_memory(dataset) -> str:
+    """How the record names rows handed over in memory."""
+    return IN_MEMORY[0] if type(dataset).__name__ == "Dataset" else IN_MEMORY[1]
+
+
 class GRPOTrainer(Trainer):
     """`Trainer` built from TRL's arguments (module doc). `model`: a local folder, a built-in tiny name, or a
     transformers model object (trained as it is; its folder, or a copy saved to `OUTPUT/source_model` when it has
@@ -358,6 +364,10 @@ class GRPOTrainer(Trainer):
                 train_embeddings=bool(peft_config.modules_to_save),
             )
         cfg = args.train_config(folder, len(rows), lora)
+        given_data = (("dataset", train_dataset), ("eval_dataset", eval_dataset))
+        files: dict[str, Any] = {k: str(v) for k, v in given_data if isinstance(v, str | Path)}
+        if files:  # the files themselves, which `longstraw eval RUN` reads again
+            cfg = dataclasses.replace(cfg, **files)
         super().__init__(
             cfg,
             reward_funcs=funcs,
@@ -368,7 +378,9 @@ class GRPOTrainer(Trainer):
             rows=rows,
             eval_rows=held,
             dropped=dropped,
+            data_source=files.get("dataset") or _in_memory(train_dataset),
         )
+        self.record["trl_config"] = non_default_fields(args if given is None else given)
         #: the config as given, TRL's `trainer.args` (a `trl.GRPOConfig` stays one)
         self.args = args if given is None else given
         #: transformers' `TrainerState`: `global_step`, `max_steps`, and `log_history` (each step's metrics, as in

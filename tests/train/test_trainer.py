@@ -241,12 +241,12 @@ def test_a_config_that_fails_at_its_first_step_leaves_the_runs_record(tmp_path):
     Trainer(_cfg(tmp_path, num_steps=1, sft_warmup_steps=0)).train()
     run = tmp_path / "run"
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
-    bad = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, prompt_length=40,
-                       model_overrides={"max_position_embeddings": 32}))
+    bad = Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, prompt_length=40, force_resume=True,
+                       model_overrides={"max_position_embeddings": 32}))  # forced: other overrides are refused
     with pytest.raises(ValueError, match="max_position_embeddings=32"):
         bad.train()
     assert {name: (run / name).read_bytes() for name in before} == before
-    Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0)).train()
+    Trainer(_cfg(tmp_path, num_steps=2, sft_warmup_steps=0, force_resume=True)).train()  # its schedule had ended
     assert "num_steps: 2" in (run / "config.yaml").read_text().splitlines()
 
 
