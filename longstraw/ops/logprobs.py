@@ -55,7 +55,7 @@ def _logits(h, w, b, temperature, softcap, scale=None):
     if softcap is not None:
         t = torch.tanh(u / softcap)
         u = t * softcap
-    return u / temperature, t
+    return (u if temperature == 1.0 else u / temperature), t  # x / 1 is x: no pass over the tile for it
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -84,13 +84,13 @@ class ChunkedLogprobs(torch.autograd.Function):
                 )
                 m_new = torch.maximum(m, z.amax(-1))
                 alpha = torch.exp(m - m_new)
-                e = torch.exp(z - m_new[:, None])
-                l = l * alpha + e.sum(-1)
-                s = s * alpha + (e * z).sum(-1)
-                m = m_new
                 inside = (y >= v0) & (y < v0 + z.shape[1])
                 idx = (y - v0).clamp(0, z.shape[1] - 1)
                 zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
+                e = torch.sub(z, m_new[:, None]).exp_()
+                l = l * alpha + e.sum(-1)
+                s = s * alpha + e.mul_(z).sum(-1)  # e · z in e's place: e is not read again
+                m = m_new
             lse_c = m + torch.log(l)
             lse[t0 : t0 + n] = lse_c
             logp[t0 : t0 + n] = zy - lse_c
@@ -118,17 +118,23 @@ class ChunkedLogprobs(torch.autograd.Function):
                 w = weight[v0 : v0 + vocab_chunk]
                 b = None if bias is None else bias[v0 : v0 + vocab_chunk]
                 z, tanh = _logits(h, w, b, temperature, softcap, scale)
-                logp_tile = z - lse[sl, None]
+                logp_tile = z.sub_(lse[sl, None])  # z is not read again
                 p = torch.exp(logp_tile)
-                dz = torch.zeros_like(z)
+                # dz = −p · (g_logp + g_ent · (log p + H)) + g_logp at the target, written into p's and log p's place
+                if gen is not None:
+                    coef = logp_tile.add_(ent[sl, None]).mul_(gen[:, None])
+                    if glp is not None:
+                        coef.add_(glp[:, None])
+                    dz = p.mul_(coef).neg_()
+                elif glp is not None:
+                    dz = p.mul_(glp[:, None]).neg_()
+                else:
+                    dz = p.zero_()
                 if glp is not None:  # (no data-dependent indexing: nothing waits on the device)
-                    dz -= glp[:, None] * p
                     inside = (y >= v0) & (y < v0 + z.shape[1])
                     idx = (y - v0).clamp(0, z.shape[1] - 1)
                     dz.scatter_add_(1, idx[:, None], torch.where(inside, glp, torch.zeros_like(glp))[:, None])
-                if gen is not None:
-                    dz -= gen[:, None] * p * (logp_tile + ent[sl, None])
-                du = dz / temperature
+                du = dz if temperature == 1.0 else dz / temperature
                 if tanh is not None:
                     du = du * (1 - tanh * tanh)
                 if scale is not None:
