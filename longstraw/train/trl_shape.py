@@ -216,8 +216,10 @@ class GRPOConfig:
 
     @classmethod
     def from_trl(cls, args) -> GRPOConfig:
-        """This config read from a `trl.GRPOConfig` (or any object with its attribute names)."""
+        """This config read from a `trl.GRPOConfig` (or any object with its attribute names); a field set off its
+        default that is neither mapped nor moot is refused by name (`refuse_unmapped`)."""
         _refuse(args, "trl.GRPOConfig")
+        refuse_unmapped(args)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values.pop("longstraw", None)
         scheduler = values.get("lr_scheduler_type", "linear")
@@ -243,6 +245,165 @@ REFUSED = {
     "off_policy_mask_threshold": None,
     "multi_objective_aggregation": "sum_then_normalize",
 }
+
+#: `trl.GRPOConfig` fields that change nothing longstraw does, by why (docs/training.md, "TRL's fields"): accepted at
+#: any value. Any other field that is neither a `GRPOConfig` field here (mapped) nor in `REFUSED` is refused by name
+#: when set off its default (`refuse_unmapped`).
+MOOT: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "logging_strategy",
+            "logging_first_step",
+            "log_on_each_node",
+            "logging_nan_inf_filter",
+            "include_num_input_tokens_seen",
+            "log_level",
+            "log_level_replica",
+            "disable_tqdm",
+            "run_name",
+            "project",
+            "trackio_space_id",
+            "trackio_bucket_id",
+            "trackio_static_space_id",
+            "log_multimodal",
+            "log_unique_prompts",
+            "skip_memory_metrics",
+            "debug",
+        ),
+        "logging: metrics.jsonl gets every step's metrics",
+    ),
+    **dict.fromkeys(
+        (
+            "dataloader_drop_last",
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "dataloader_persistent_workers",
+            "dataloader_prefetch_factor",
+            "dataloader_multiprocessing_context",
+            "dataloader_in_order",
+            "remove_unused_columns",
+            "label_names",
+            "length_column_name",
+            "accelerator_config",
+            "do_train",
+            "do_eval",
+            "do_predict",
+            "resume_from_checkpoint",
+            "local_rank",
+            "ddp_find_unused_parameters",
+            "ddp_bucket_cap_mb",
+            "ddp_broadcast_buffers",
+            "ddp_static_graph",
+            "restore_callback_states_from_checkpoint",
+        ),
+        "data loading and launching: rows are drawn from (seed, step), an incomplete last batch of an epoch dropped, "
+        "every column reaches the reward functions; `train(resume_from_checkpoint=...)` decides a resume",
+    ),
+    **dict.fromkeys(
+        (
+            "eval_steps",
+            "eval_delay",
+            "per_device_eval_batch_size",
+            "prediction_loss_only",
+            "eval_do_concat_batches",
+            "eval_use_gather_object",
+            "eval_accumulation_steps",
+            "include_for_metrics",
+            "batch_eval_metrics",
+            "metric_for_best_model",
+            "greater_is_better",
+        ),
+        "evaluation details, read only with an eval_strategy (which is refused)",
+    ),
+    **dict.fromkeys(
+        ("hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision"),
+        "the Hub, read only with push_to_hub (which is refused)",
+    ),
+    **dict.fromkeys(
+        (
+            "activation_checkpointing",
+            "activation_checkpointing_kwargs",
+            "gradient_checkpointing_kwargs",
+            "use_cache",
+            "cache_implementation",
+            "torch_empty_cache_steps",
+            "pad_to_multiple_of",
+            "ds3_gather_for_generation",
+            "use_transformers_continuous_batching",
+            "transformers_continuous_batching_config",
+            "use_transformers_paged",
+        ),
+        "the engine: longstraw's own replay checkpointing (gradient_checkpointing) and sampler from one captured state",
+    ),
+    **{
+        name: "read only with use_vllm (which is refused)"
+        for name in (
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+            "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_cap",
+        )
+    },
+    **dict.fromkeys(
+        ("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg"),
+        "read only by a loss_type longstraw refuses (sapo, vespo)",
+    ),
+    "vespo_lambda_neg": "read only by a loss_type longstraw refuses (sapo, vespo)",
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), "read only with sync_ref_model (refused)"),
+    **dict.fromkeys(
+        ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+        "read only with use_adaptive_entropy (refused)",
+    ),
+}
+
+#: values of a field that mean what longstraw does anyway (taken as its default)
+_SAME: dict[str, tuple] = {"optim": ("adamw_torch", "adamw_torch_fused")}
+
+
+def _declared_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def refuse_unmapped(args, what: str = "trl.GRPOConfig") -> None:
+    """Refuse, in one line naming them, the fields of a TRL config (a dataclass) set off their declared defaults
+    that are neither mapped (`GRPOConfig`'s fields), refused already (`REFUSED`) nor moot (`MOOT`)."""
+    if not dataclasses.is_dataclass(args):
+        return
+    ours = {f.name for f in dataclasses.fields(GRPOConfig)}
+    off = {}
+    for f in dataclasses.fields(args):
+        if f.name in ours or f.name in REFUSED or f.name in MOOT or not hasattr(args, f.name):
+            continue
+        value, default = getattr(args, f.name), _declared_default(f)
+        empty: tuple = (None, "", [], {})
+        if value == default or (value in empty and default in empty) or value in _SAME.get(f.name, ()):
+            continue
+        off[f.name] = (value, default)
+    if off:
+        named = ", ".join(f"{k}={v!r}" for k, (v, _) in off.items())
+        back = ", ".join(f"{k}={d!r}" for k, (_, d) in off.items())
+        raise ValueError(
+            f'{what}: {named}: not done by longstraw (neither mapped nor moot; docs/training.md, "TRL\'s fields"); '
+            f"leave {back}"
+        )
+
 
 #: TrainConfig fields set through TRL's names or GRPOTrainer's arguments → that name
 _SET_BY_TRL = {
