@@ -24,14 +24,18 @@ class LiveBytes(TorchDispatchMode):
 
     A storage is counted once however many tensors view it, from the operator that made it until Python's reference
     to it is released (views, in-place results and outputs that alias an input add nothing). Kernels' internal
-    workspaces are not tensors the dispatcher sees and are not counted. Tensors on `device` only."""
+    workspaces are not tensors the dispatcher sees and are not counted. Tensors on `device` only.
 
-    def __init__(self, device: str = "cpu"):
+    `existing`: tensors made before (the weights, a captured state) whose storages an operator inside may return
+    again (`alias`, a transpose of a weight): not counted. Without it such a storage counts as new."""
+
+    def __init__(self, device: str = "cpu", existing=()):
         super().__init__()
         self.device = torch.device(device).type
         self.now = 0
         self.peak = 0
         self._live: dict[int, int] = {}
+        self._old = {t.untyped_storage().data_ptr() for t in existing if isinstance(t, torch.Tensor)}
 
     def _release(self, ptr: int) -> None:
         self.now -= self._live.pop(ptr)
@@ -43,7 +47,7 @@ class LiveBytes(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr == 0 or ptr in self._live:
+            if ptr == 0 or ptr in self._live or ptr in self._old:
                 continue
             self._live[ptr] = storage.nbytes()
             self.now += storage.nbytes()
