@@ -598,7 +598,10 @@ class Trainer:
         (nothing to train). The learning rate is set from the schedule at the resumed step (the checkpoint's is the
         last step's, 0.0 at the end of a decayed schedule)."""
         path = self.out / "config.yaml"
-        old = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+        # rank 0's record, on every rank: all ranks decide alike (another node may not see rank 0's files)
+        old = self.ranks.from_main(
+            "resume: the run's record", lambda: (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+        )
         record, cfg = old.get("record") or {}, self.cfg
         problem = resume_problem(record, self.record, old.get("model_overrides"), cfg.model_overrides)
         if problem is not None and not cfg.force_resume:
