@@ -542,18 +542,31 @@ class GRPOTrainer(Trainer):
             data_source=files.get("dataset") or _in_memory(train_dataset),
         )
         self.record["trl_config"] = non_default_fields(args if given is None else given)
+        if len(self.data.rows or []) != len(rows):  # rows dropped by the check (`drop_invalid_rows`)
+            self._recount(args.train_config(folder, len(self.data.rows or []), lora))
         #: the config as given, TRL's `trainer.args` (a `trl.GRPOConfig` stays one)
         self.args = args if given is None else given
         #: transformers' `TrainerState`: `global_step`, `max_steps`, and `log_history` (each step's metrics, as in
         #: metrics.jsonl, then the last `train()`'s summary)
         self.state = TrainerState(
-            max_steps=cfg.num_steps,
+            max_steps=self.cfg.num_steps,
             save_steps=cfg.save_every,
             is_local_process_zero=self.ranks.main,
             is_world_process_zero=self.ranks.main,
         )
         #: the checkpoint `train` resumes from: None (none), "" (the latest) or a checkpoint's name ("step-2")
         self._resume: str | None = None
+
+    def _recount(self, counted: TrainConfig) -> None:
+        """The step counts of `counted` (epochs over the rows that train, and a warm-up ratio of them) in the run's
+        config, which the schedule reads, and the first step's learning rate from it."""
+        if (counted.num_steps, counted.warmup_steps) == (self.cfg.num_steps, self.cfg.warmup_steps):
+            return
+        self.cfg.num_steps, self.cfg.warmup_steps = counted.num_steps, counted.warmup_steps
+        lrs = [base * f(0) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
+        for group, lr in zip(self.opt.param_groups, lrs):
+            group["lr"] = lr
+        self.sched._last_lr = lrs
 
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:  # type: ignore[override]
         """TRL's `train`: from the start (None or False), from the latest checkpoint in `output_dir` (True), or from

@@ -142,3 +142,20 @@ def test_a_grpo_trainer_dataset_row_is_named_before_step_1(tmp_path):
     with pytest.raises(ValueError, match=r"train_dataset row 5: reward function 'needs_level' reads the column"):
         GRPOTrainer(model="llama", reward_funcs=[needs_level], args=args, train_dataset=rows).train()
     _nothing_trained(tmp_path)
+
+
+def test_epochs_count_the_rows_left_after_dropping(tmp_path):
+    """`num_train_epochs` counts steps over the rows that train: 6 rows less 2 dropped, 2 prompts a step, is 2 steps
+    an epoch (⌊4 / 2⌋), not 3."""
+    rows = [dict(r) for r in ROWS]
+    del rows[1]["level"], rows[3]["level"]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, num_train_epochs=1, warmup_ratio=0.5,
+                      longstraw=dict(threads=1, chunk_size=8, progress=False, token_cache=None, drop_invalid_rows=True))
+    trainer = GRPOTrainer(model="llama", reward_funcs=[needs_level], args=args, train_dataset=rows)
+    assert len(trainer.data.rows) == 4
+    assert trainer.state.max_steps == trainer.cfg.num_steps == 2 and trainer.cfg.warmup_steps == 1
+    trainer.train()
+    assert [m["step"] for m in trainer.state.log_history[:-1]] == [1, 2]
+    # the warm-up of 1 step over 2: the first step at half the learning rate (lr_lambda: (0 + 1) / (1 + 1))
+    assert trainer.state.log_history[0]["lr"] == 1e-6 * 0.5
