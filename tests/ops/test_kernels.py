@@ -20,6 +20,9 @@ PARTS = {
     "full-mqa-long": (1, 8, 1, 5, 300, 64, 64, 300, 0, None, None, None, None, 64),
     "full-folded-seqs": (1, 4, 2, 12, 50, 32, 32, 50, 0, None, None, None, 4, 16),
     "full-batch2": (2, 4, 4, 3, 19, 8, 8, 19, 0, None, None, None, None, 4),
+    # decode steps: one position per sequence (8 sequences folded, or one), over keys every query sees
+    "decode-folded": (1, 4, 2, 8, 300, 16, 16, 300, 0, None, None, None, 1, 32),
+    "decode-one": (2, 6, 2, 1, 37, 32, 32, 40, 0, None, None, None, None, 8),
     "causal-own-gqa": (1, 6, 2, 9, 9, 16, 16, 40, 40, None, None, None, None, 4),
     "causal-d128": (2, 2, 2, 33, 33, 128, 128, 7, 7, None, None, None, None, 16),
     "window": (1, 4, 2, 6, 20, 16, 16, 20, 0, 8, None, None, None, 4),
@@ -148,14 +151,14 @@ def test_chosen_kernels(device):
         assert kernels.choose(q, k, v, part).name == want, name
     q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float64)
     assert kernels.choose(q, k, v, part).name == "blockwise"
-    q, k, v, part, *_ = _inputs("full-gqa-odd", device, torch.float32)
-    # a few query rows over keys every one sees: matrix products on the CPU
+    q, k, v, part, *_ = _inputs("decode-folded", device, torch.float32)
+    # a decode step's few query rows over keys every one sees: matrix products on the CPU
     assert kernels.choose(q, k, v, part).name == {"cpu": "gemm_cpu", "cuda": "efficient_cuda"}[device]
-    # many query rows (a replay of G · R positions): the SIMD kernel
-    q = q.repeat(1, 1, 40, 1)
-    part = Part(part.q_start + 300, part.k_start, None, None, part.scale, part.block)
+    # a replay's positions, or a decode step of more than 256 rows per key head: the SIMD kernel
     fp32 = {"cpu": "simd_cpu" if KERNELS["simd_cpu"].available() else "flash_cpu", "cuda": "efficient_cuda"}
-    assert kernels.choose(q, k, v, part).name == fp32[device]
+    q2, k2, v2, part2, *_ = _inputs("full-gqa-odd", device, torch.float32)
+    assert kernels.choose(q2, k2, v2, part2).name == fp32[device]
+    assert kernels.choose(q.repeat(1, 1, 40, 1), k, v, part).name == fp32[device]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -252,19 +255,19 @@ def test_masked_cpu_tiles_split_to_bound_their_mask(name, monkeypatch):
         _close(got, ref, GRAD_FACTOR * TOL[torch.float32], what)
 
 
-@pytest.mark.parametrize("name", ["full-gqa-odd", "full-mqa-long", "full-folded-seqs", "full-batch2"])
+@pytest.mark.parametrize("name", ["decode-folded", "decode-one"])
 def test_gemm_cpu_over_several_key_tiles(name, monkeypatch):
-    """`gemm_cpu` with tiles of a few keys (`TILE_ELEMENTS` lowered: 3-7 tiles, the last one short): the tiles'
+    """`gemm_cpu` with tiles of a few keys (`TILE_ELEMENTS` lowered: 5-6 tiles, the last one short): the tiles'
     outputs merged by log-sum-exp and their dq / dk / dv summed or placed give the float64 reference (`TOL`, the
     gradients `GRAD_FACTOR` × it), as one tile does in `test_kernel_equals_reference`."""
     from longstraw.ops.kernels import gemm
 
     q, k, v, part, g_out, merged, _ = _inputs(name, "cpu", torch.float32)
-    rows = (q.shape[1] // k.shape[1]) * q.shape[2]
-    monkeypatch.setattr(gemm, "TILE_ELEMENTS", rows * max(1, k.shape[2] // 5))
+    rows, heads = (q.shape[1] // k.shape[1]) * q.shape[2], q.shape[0] * k.shape[1]
+    monkeypatch.setattr(gemm, "TILE_ELEMENTS", heads * rows * max(1, k.shape[2] // 5))
     kernel = KERNELS["gemm_cpu"]
     assert kernel.why_not(q, k, v, part) is None
-    assert k.shape[2] > gemm.GemmCPU._tile(rows, k.shape[2])  # several tiles
+    assert k.shape[2] > gemm.GemmCPU._tile(heads, rows, k.shape[2], part.block)  # several tiles
     out, lse = kernel.forward(q, k, v, part)
     r_out, r_lse, _ = _ref(q, k, v, part, g_out, merged, None, False)
     _close(out, r_out, TOL[torch.float32], "out")

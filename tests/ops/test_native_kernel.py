@@ -103,10 +103,10 @@ def test_chosen_for_prompt_parts_and_refused_where_it_cannot():
     if native.why_unavailable() is not None:
         pytest.skip(native.why_unavailable())
     part = Part(q_start=40, k_start=0, window=None, softcap=None, scale=0.25, block=16)
-    # 2 × 150 query rows per key head (a replay's many rows; a decode step's few are gemm_cpu's)
-    q, k, v = torch.randn(1, 4, 150, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    # a replay's 5 positions (a decode step's single position is gemm_cpu's)
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     assert kernels.choose(q, k, v, part).name == "simd_cpu"
-    assert kernels.choose(q[:, :, :5], k, v, part).name == "gemm_cpu"
+    assert kernels.choose(q[:, :, :1], k, v, part).name == "gemm_cpu"
     assert kernels.choose(q.bfloat16(), k.bfloat16(), v.bfloat16(), part).name == "flash_cpu"
     with pytest.raises(ValueError, match="simd_cpu"), kernels.use("simd_cpu"):
         kernels.part_forward(q[..., :12], k[..., :12], v[..., :12], part)  # value dim 12: not a multiple of 16
@@ -115,7 +115,7 @@ def test_chosen_for_prompt_parts_and_refused_where_it_cannot():
 def test_without_it_the_choice_falls_back_to_pytorch():
     code = ("import torch; from longstraw.ops import kernels; from longstraw.ops.kernels import native; "
             "from longstraw.ops.kernels.part import Part; "
-            "p = Part(40, 0, None, None, 0.25, 16); q = torch.randn(1, 2, 300, 16); k = torch.randn(1, 2, 40, 16); "
+            "p = Part(40, 0, None, None, 0.25, 16); q = torch.randn(1, 2, 3, 16); k = torch.randn(1, 2, 40, 16); "
             "print(native.why_unavailable()); print(kernels.choose(q, k, k, p).name)")
     env = {**os.environ, "LONGSTRAW_NATIVE": "0"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

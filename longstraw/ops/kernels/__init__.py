@@ -10,8 +10,9 @@ log-sum-exp's gradient (attention sinks). No kernel keeps an R × T tensor for b
 Kernels (`KERNELS`):
 - `reference`: every score materialised (O(H·R·T)); any device; the tests' oracle.
 - `blockwise`: PyTorch, any device, every mask, softcap, float64, 8-bit and host-resident keys.
-- `gemm_cpu`: float32 parts every query sees whole (the prompt part) with at most `GEMM_MAX_ROWS` (256) query rows
-  per key head — a decode step's — as `torch.bmm` products per key tile (`kernels/gemm.py`); plain tensors only.
+- `gemm_cpu`: a decode step's float32 parts every query sees whole (the prompt part: one position per sequence, at
+  most `GEMM_MAX_ROWS` (256) query rows per key head) as `torch.bmm` products per key tile (`kernels/gemm.py`);
+  plain tensors only.
 - `simd_cpu`: longstraw's compiled float32 kernel for mask-free parts where every query sees every key (the
   prompt part), value dims a multiple of 16; built on first use (`kernels/native.py`); causal parts and
   backward are flash_cpu's.
@@ -28,7 +29,7 @@ The choice (`choose`), per part:
 | any    | float64                                       | float64      | blockwise        |
 | cpu    | window or attention chunk, consecutive query positions | fp32/bf16/fp16 | flash_cpu (masked) |
 | any    | window or attention chunk, elsewhere          | any          | blockwise        |
-| cpu    | mask-free, ≤ 256 query rows per key head, plain keys | fp32    | gemm_cpu         |
+| cpu    | mask-free decode step, ≤ 256 query rows per key head, plain keys | fp32 | gemm_cpu     |
 | cpu    | mask-free, fp32, value dim a multiple of 16 ≤ 128 | fp32       | simd_cpu         |
 | cpu    | mask-free (prompt part; square causal own part) | fp32/bf16/fp16 | flash_cpu      |
 | cuda   | mask-free, head dim ≤ 256, multiple of 8      | bf16 / fp16  | flash_cuda       |

@@ -1,18 +1,21 @@
-"""`gemm_cpu`: a part that every query sees whole (the prompt part) as batched matrix products, for few query rows.
+"""`gemm_cpu`: a decode step's part that every query sees whole (the prompt part) as batched matrix products.
 
-A decode step attends with a few query rows per key head (G samples × the query heads of one key head: 24 at G = 8
-on SmolLM2, 192 for a ragged batch of 64 rows) over the whole prompt. There the compiled SIMD kernel (`native.py`)
-spends as long transposing each key tile as scoring it, and hands the work between its own threads and PyTorch's
-thread pool at every layer; two `torch.bmm` calls per key tile (scores, then probabilities × values) run in the
-pool at the rate of the machine's matrix products. Measured on SmolLM2 at a 6K prompt, 2 threads: a decode step of
-8 rows 278 → 155 ms, of 64 rows 599 → 460 ms (bench/README.md, "The step at its floor").
+A decode step (one new position per sequence) attends with a few query rows per key head (G samples × the query
+heads of one key head: 24 at G = 8 on SmolLM2, 192 for a ragged batch of 64 rows) over the whole prompt. There the
+compiled SIMD kernel (`native.py`) spends as long transposing each key tile as scoring it, and hands the work
+between its own threads and PyTorch's thread pool at every layer; two `torch.bmm` calls per key tile (scores, then
+probabilities × values) run in the pool at the rate of the machine's matrix products. Measured on SmolLM2 at a 6K
+prompt, 2 threads: a decode step of 8 rows 278 → 155 ms, of 64 rows 599 → 460 ms (bench/README.md, "The step at its
+floor").
 
 Forward, per key tile of at most `TILE_ELEMENTS` scores: S = q kᵀ · scale `[B·Hkv, g·R, n]`, its row maxima, P =
 exp(S − max), the tile's output P v and log-sum-exp, merged across tiles by log-sum-exp (one tile for a prompt of
-up to 2^21 / (g·R) keys). Backward, per tile: P = exp(q kᵀ · scale − lse), dP = dO vᵀ, dS = P ∘ (dP − rowsum(dO ∘
+up to 2^21 / (B·Hkv·g·R) keys). Backward, per tile: P = exp(q kᵀ · scale − lse), dP = dO vᵀ, dS = P ∘ (dP − rowsum(dO ∘
 O)), dq += dS k · scale; dk = dSᵀ q · scale and dv = Pᵀ dO only when the keys' gradients are wanted (exact mode).
 float32 only (the scores are a product's output: in bf16 they would round to 8 bits). Memory: one tile of scores
-and probabilities (2 × 8 MiB).
+(`TILE_ELEMENTS` floats, 8 MiB) at a time. Replays (several positions per sequence) keep to `simd_cpu` / `flash_cpu`,
+whose backward keeps its score tiles in cache: measured no faster as products, and their transient scores would grow
+with a segmented replay's trajectory.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class GemmCPU(FusedKernel):
             return "keys that are not a plain tensor on the queries' device (8-bit or host state: simd_cpu's)"
         if k.shape[0] != q.shape[0]:
             return f"key batch {k.shape[0]} is not the query batch {q.shape[0]} (fold the queries first)"
+        if q.shape[2] != 1 and part.q_period != 1:
+            return "more than one query position per sequence (a replay's: simd_cpu's, whose backward tiles its scores)"
         rows = (q.shape[1] // k.shape[1]) * q.shape[2]
         if rows > GEMM_MAX_ROWS:
             return f"{rows} query rows per key head, more than {GEMM_MAX_ROWS}: simd_cpu's"
@@ -65,14 +70,15 @@ class GemmCPU(FusedKernel):
         )
 
     @staticmethod
-    def _tile(rows: int, t: int) -> int:
-        return max(1, min(t, TILE_ELEMENTS // max(rows, 1)))
+    def _tile(heads: int, rows: int, t: int, block: int) -> int:
+        """Keys per tile: the scores of all `heads` × `rows` within `TILE_ELEMENTS`, at least one key block."""
+        return max(1, min(t, max(block, TILE_ELEMENTS // max(heads * rows, 1))))
 
     def forward(self, q, k, v, part: Part):
         b, h, r, _ = q.shape
         qf, kf, vf = self._flat(q, k, v)
         t = kf.shape[1]
-        n = self._tile(qf.shape[1], t)
+        n = self._tile(qf.shape[0], qf.shape[1], t, part.block)
         out = lse = None
         for s0 in range(0, t, n):
             s = torch.bmm(qf, kf[:, s0 : s0 + n].transpose(1, 2)).mul_(part.scale)
@@ -100,7 +106,7 @@ class GemmCPU(FusedKernel):
         dq = torch.zeros_like(qf)
         dk = torch.empty_like(kf) if need_kv else None
         dv = torch.empty_like(vf) if need_kv else None
-        n = self._tile(rows, t)
+        n = self._tile(hkv, rows, t, part.block)
         for s0 in range(0, t, n):
             kb, vb = kf[:, s0 : s0 + n], vf[:, s0 : s0 + n]
             p = torch.bmm(qf, kb.transpose(1, 2)).mul_(part.scale).sub_(lf).exp_()
