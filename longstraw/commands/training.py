@@ -160,13 +160,15 @@ def cmd_eval(args) -> int:
         overrides["reward_funcs"] = rewards
     cfg = TrainConfig.from_yaml(run / "config.yaml", overrides)
     trainer = Trainer(cfg)
-    if record is not None and "sha256" in record.get("data", {}):
-        was, now = record["data"], trainer.record["data"]
-        if was["sha256"] != now["sha256"]:
+    for key, flag in (
+        ("data", "--dataset FILE holding the rows it trained on"),
+        ("eval_data", "eval_dataset back the rows it held out"),
+    ):
+        was, now = (record or {}).get(key) or {}, trainer.record.get(key) or {}
+        if "sha256" in was and "sha256" in now and was["sha256"] != now["sha256"]:
             raise SystemExit(
-                f"{run} trained on {was['source']} ({was['rows']} rows, sha256 {was['sha256'][:12]}); "
-                f"{now['source']} holds other rows ({now['rows']} rows, sha256 {now['sha256'][:12]}): pass "
-                "--dataset FILE holding the rows it trained on"
+                f"{run} ran on {was['source']} ({was['rows']} rows, sha256 {was['sha256'][:12]}); "
+                f"{now['source']} holds other rows ({now['rows']} rows, sha256 {now['sha256'][:12]}): give {flag}"
             )
     if not trainer.load_checkpoint():
         raise SystemExit(f"{run} holds no checkpoint to evaluate")

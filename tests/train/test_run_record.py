@@ -182,3 +182,14 @@ def test_a_finished_schedule_is_named_not_trained_at_learning_rate_zero(tmp_path
     steps = Trainer(_cfg(tmp_path, data, lr_scheduler="linear", num_steps=4, force_resume=True)).train()
     # the schedule of num_steps 4 at steps 3 and 4: 1e-2 · (1 - 2/4), 1e-2 · (1 - 3/4)
     assert [m["lr"] for m in steps] == [1e-2 * 0.5, 1e-2 * 0.25]
+
+
+def test_eval_refuses_held_out_rows_that_changed_since_the_run(tmp_path):
+    data, held = _jsonl(tmp_path / "rows.jsonl", ROWS), _jsonl(tmp_path / "held.jsonl", ROWS[:2])
+    Trainer(_cfg(tmp_path, data, eval_dataset=str(held))).train()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["record"]["eval_data"] == {
+        "source": str(held), "rows": 2, "sha256": _sha256_of(ROWS[:2])}
+    assert cli.main(["eval", str(tmp_path / "run")]) == 0
+    _jsonl(held, ROWS[2:4])
+    with pytest.raises(SystemExit, match=r"held\.jsonl holds other rows \(2 rows"):
+        cli.main(["eval", str(tmp_path / "run")])
