@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import FusedKernel, _plain
+from .fused import FusedKernel
 from .part import TILE_ELEMENTS, Part, mask_free_mode
 
 #: query rows per key head (folded: G sequences × the query heads of one key head × their positions) up to which
@@ -47,7 +47,7 @@ class GemmCPU(FusedKernel):
             return reason
         if mask_free_mode(part, q.shape[2], k.shape[2]) != "full":
             return "a part some query does not see whole (a square causal block: flash_cpu's)"
-        if not _plain(k, q.device):
+        if not (isinstance(k, torch.Tensor) and k.device == q.device):
             return "keys that are not a plain tensor on the queries' device (8-bit or host state: simd_cpu's)"
         if k.shape[0] != q.shape[0]:
             return f"key batch {k.shape[0]} is not the query batch {q.shape[0]} (fold the queries first)"
