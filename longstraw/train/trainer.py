@@ -550,7 +550,8 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def train(self, on_step=None) -> list[dict]:
         """Run (or resume) to `num_steps`, then export the model. Returns this call's metrics (every rank's list
-        holds the same values; rank 0 alone writes files)."""
+        holds the same values; rank 0 alone writes files). `on_step(metrics)`, after each step (and its checkpoint):
+        True stops the run there, its model exported."""
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self.load_checkpoint()
         done: list[dict] = []
@@ -585,8 +586,8 @@ class Trainer:
                         self.store.clear()  # states are not saved: a resumed run captures afresh, as this one now
                     self.save_checkpoint()
                 done.append(m)
-                if on_step is not None:
-                    on_step(m)
+                if on_step is not None and on_step(m):  # True: stop after this step (a callback's request)
+                    break
         if self.store is not None:
             self.store.clear()
         if self.ranks.main:

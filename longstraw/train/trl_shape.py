@@ -37,7 +37,9 @@ rows as `longstraw.tasks.jsonl` describes them (TRL's conversational `prompt` in
 with TRL's signature, or longstraw's names and import paths. As TRL's trainer: `train(resume_from_checkpoint=None |
 True | path)` (from the start, which an `output_dir` holding a run's checkpoints refuses; from the latest checkpoint;
 from one of `OUTPUT/checkpoints/step-N`) returns transformers' `TrainOutput`; `state.log_history` holds each step's
-metrics; `save_model(dir)` writes the adapter (or the model) into `dir` itself; `args` is the config as given.
+metrics (with TRL's names as well: `longstraw.train.callbacks.trl_logs`); `save_model(dir)` writes the adapter (or the
+model) into `dir` itself; `args` is the config as given; transformers' `TrainerCallback`s (`callbacks=[...]`,
+`add_callback`) are called as transformers' trainer calls them (`longstraw.train.callbacks`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, TrainerState
+from transformers import AutoTokenizer, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
 
 from ..tasks import Example
 from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
+from .callbacks import Callbacks, trl_logs
 from .checkpoint import latest_name
 from .config import TrainConfig
 from .run_record import IN_MEMORY, non_default_fields
@@ -493,6 +496,7 @@ class GRPOTrainer(Trainer):
         processing_class=None,
         peft_config=None,
         rollout_func=None,
+        callbacks=None,
     ):
         given = args
         if args is None:
@@ -556,6 +560,48 @@ class GRPOTrainer(Trainer):
         )
         #: the checkpoint `train` resumes from: None (none), "" (the latest) or a checkpoint's name ("step-2")
         self._resume: str | None = None
+        #: transformers' callbacks (`longstraw.train.callbacks`) and the `TrainerControl` they share
+        self.callback_handler = Callbacks(callbacks or [], self.model, tok, self.opt, self.sched)
+        self.control = TrainerControl()
+        self._saved = False  # whether the step that just ended wrote a checkpoint (`on_save`)
+        self.control = self._event("on_init_end")
+
+    def _event(self, name: str, **kwargs) -> TrainerControl:
+        return self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
+
+    def add_callback(self, callback) -> None:
+        """transformers' `add_callback`: a `TrainerCallback` class or instance, called after those given."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """transformers' `pop_callback`: remove and return the callback (a class: its first instance)."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        """transformers' `remove_callback`."""
+        self.callback_handler.remove_callback(callback)
+
+    def train_step(self, step: int) -> dict:
+        self.control = self._event("on_step_begin")
+        return super().train_step(step)
+
+    def save_checkpoint(self) -> Path | None:
+        path = super().save_checkpoint()
+        self._saved = True
+        return path
+
+    def _after_step(self, m: dict) -> bool:
+        """Each step's events: `on_step_end`, `on_log` (the step's metrics under TRL's names as well, appended to
+        `state.log_history`), `on_save` when the step wrote a checkpoint; True when a callback asked to stop."""
+        self.state.global_step = self.step
+        logs = trl_logs(m)
+        self.state.log_history.append(logs)
+        self.control = self._event("on_step_end")
+        self.control = self._event("on_log", logs=logs)
+        if self._saved:
+            self._saved = False
+            self.control = self._event("on_save")
+        return bool(self.control.should_training_stop)
 
     def _recount(self, counted: TrainConfig) -> None:
         """The step counts of `counted` (epochs over the rows that train, and a warm-up ratio of them) in the run's
@@ -598,13 +644,17 @@ class GRPOTrainer(Trainer):
                 )
             self._resume = path.name
         start = time.perf_counter()
-        rows = super().train()
+        self.state.log_history = []
+        self.control = TrainerControl()
+        self.control = self._event("on_train_begin")
+        rows = super().train(on_step=self._after_step)
         losses = [r["loss"] for r in rows if math.isfinite(r["loss"])]
         summary = {"train_runtime": time.perf_counter() - start, "train_loss": sum(losses) / max(len(losses), 1)}
         metrics = self.out / "metrics.jsonl"  # the whole run's, resumed steps included (rank 0 writes it)
         history = [json.loads(line) for line in metrics.read_text().splitlines()] if self.ranks.main else rows
         self.state.global_step = self.step
-        self.state.log_history = [*history, {**summary, "step": self.step}]
+        self.state.log_history = [*(trl_logs(m) for m in history), {**summary, "step": self.step}]
+        self.control = self._event("on_train_end")
         return TrainOutput(self.step, summary["train_loss"], summary)
 
     def load_checkpoint(self) -> bool:
