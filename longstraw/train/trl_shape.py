@@ -36,9 +36,10 @@ Datasets: a `datasets.Dataset`, a list of row dicts, or a path (any format of `l
 rows as `longstraw.tasks.jsonl` describes them (TRL's conversational `prompt` included); reward functions: callables
 with TRL's signature, or longstraw's names and import paths. As TRL's trainer: `train(resume_from_checkpoint=None |
 True | path)` (from the start, which an `output_dir` holding a run's checkpoints refuses; from the latest checkpoint;
-from one of `OUTPUT/checkpoints/step-N`) returns transformers' `TrainOutput`; `state.log_history` holds each step's
-metrics (with TRL's names as well: `longstraw.train.callbacks.trl_logs`); `save_model(dir)` writes the adapter (or the
-model) into `dir` itself; `args` is the config as given; transformers' `TrainerCallback`s (`callbacks=[...]`,
+from `OUTPUT/checkpoint-N` or `OUTPUT/checkpoints/step-N`) returns transformers' `TrainOutput`; each checkpoint
+also writes the model where TRL writes it, `OUTPUT/checkpoint-N` (`save_checkpoint`); `state.log_history` holds each
+step's metrics (with TRL's names as well: `longstraw.train.callbacks.trl_logs`); `save_model(dir)` writes the adapter
+(or the model) into `dir` itself; `args` is the config as given; transformers' `TrainerCallback`s (`callbacks=[...]`,
 `add_callback`) are called as transformers' trainer calls them (`longstraw.train.callbacks`).
 """
 
@@ -48,6 +49,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,7 +588,13 @@ class GRPOTrainer(Trainer):
         return super().train_step(step)
 
     def save_checkpoint(self) -> Path | None:
+        """The run's checkpoint (`OUTPUT/checkpoints/step-N`, what a resume reads) and, where TRL writes its
+        checkpoints, the model at this step in `OUTPUT/checkpoint-N`: a PEFT adapter folder
+        (`PeftModel.from_pretrained(base, OUTPUT/checkpoint-N)`; a built-in tiny base is written beside it in
+        `checkpoint-N/base`) or, with full fine-tuning, a transformers folder (rank 0 writes)."""
         path = super().save_checkpoint()
+        if self.ranks.main:
+            self.checkpoints.save_model(self.out / f"checkpoint-{self.step}", self.step)
         self._saved = True
         return path
 
@@ -616,9 +624,9 @@ class GRPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:  # type: ignore[override]
         """TRL's `train`: from the start (None or False), from the latest checkpoint in `output_dir` (True), or from
-        one of this run's checkpoint folders (`OUTPUT/checkpoints/step-N`). From the start in an `output_dir` that
-        holds a run's checkpoints is refused (TRL would train over them). Returns transformers' `TrainOutput`; each
-        step's metrics are in `state.log_history` (and metrics.jsonl)."""
+        one of this run's checkpoints (`OUTPUT/checkpoint-N`, TRL's folder, or `OUTPUT/checkpoints/step-N`). From the
+        start in an `output_dir` that holds a run's checkpoints is refused (TRL would train over them). Returns
+        transformers' `TrainOutput`; each step's metrics are in `state.log_history` (and metrics.jsonl)."""
         root = self.checkpoints.root
         latest = latest_name(root)
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
@@ -637,10 +645,12 @@ class GRPOTrainer(Trainer):
             self._resume = ""
         else:
             path = Path(resume_from_checkpoint)
+            if path.resolve().parent == self.out.resolve() and re.fullmatch(r"checkpoint-\d+", path.name):
+                path = root / f"step-{path.name.split('-')[1]}"  # TRL's folder of a step: the run's checkpoint of it
             if path.resolve().parent != root.resolve() or not (path / "trainer_state.json").is_file():
                 raise ValueError(
                     f"GRPOTrainer.train: resume_from_checkpoint {path} is not a checkpoint of this run: give one of "
-                    f"{root}/step-N, or True for the latest"
+                    f"{self.out}/checkpoint-N, {root}/step-N, or True for the latest"
                 )
             self._resume = path.name
         start = time.perf_counter()
@@ -664,7 +674,7 @@ class GRPOTrainer(Trainer):
         step = self.checkpoints.load(self._resume or None)
         if step is None:
             raise ValueError(f"GRPOTrainer.train: {self.checkpoints.root} holds no checkpoint to resume from")
-        self.step = step
+        self.step = self.state.global_step = step
         return True
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
