@@ -12,7 +12,10 @@ checked:
   `**kwargs`, is read where present and cannot be checked). A keyword no row has refuses the function itself. With
   a rollout hook the columns come from the hook too, and only exist when it runs: not checked;
 - its prompt has tokens (an empty chat `content` is refused where the rows are read,
-  `longstraw.tasks.jsonl.parse_row`).
+  `longstraw.tasks.jsonl.parse_row`);
+- at most half of its prompt's tokens are the tokenizer's unknown token (`unk_token_id`): a tokenizer that does not
+  cover the text (the built-in tiny tokenizer's vocabulary is the toy task's, and turns English into `[UNK]`) trains
+  on prompts it cannot read.
 
 The first failure stops the run naming the file and row (`data.jsonl:7`, `train_dataset row 6`); with
 `drop_invalid_rows: true` each failing row is dropped and named, and the count reported. Memory: one row's ids at a
@@ -53,12 +56,14 @@ def required_columns(fn: Callable) -> list[str]:
 class RowRules:
     """What every row must satisfy. `limit`: the model's positions (None: unbounded); `completion`: the positions a
     response may add after the prompt; `rewards`: (name, function) of the run's reward functions, None when their
-    columns cannot be known before a step (a rollout hook adds its own)."""
+    columns cannot be known before a step (a rollout hook adds its own); `unk`: the tokenizer's unknown token id
+    (None: it has none)."""
 
     limit: int | None
     completion: int
     rewards: list[tuple[str, Callable]] | None
     drop: bool = False
+    unk: int | None = None
 
 
 @dataclass
@@ -109,6 +114,13 @@ def row_problem(ex: Example, ids: torch.Tensor, rules: RowRules) -> str | None:
             f"{where}: prompt of {p} tokens + max_completion_length {rules.completion} = {p + rules.completion} "
             f"positions, past the model's max_position_embeddings={rules.limit}; shorten the row, lower "
             f"max_completion_length, set RoPE scaling (model_overrides), or set drop_invalid_rows: true"
+        )
+    unknown = int((ids == rules.unk).sum()) if rules.unk is not None else 0
+    if 2 * unknown > p:
+        return (
+            f"{where}: {unknown} of the prompt's {p} tokens are the tokenizer's unknown token (id {rules.unk}): the "
+            "tokenizer does not cover this text; use a tokenizer made for it (the model's own: processing_class, or "
+            "the model folder's), or set drop_invalid_rows: true"
         )
     if rules.rewards is not None:
         columns = ex.reward_columns()

@@ -530,7 +530,8 @@ class Trainer:
         # a rollout hook's trajectories stop at the positions: its prompt needs one position left
         completion = 1 if hook else cfg.max_completion_length
         funcs = None if rewards is None else rewards.funcs
-        rules = RowRules(position_limit(self.model.config), completion, funcs, cfg.drop_invalid_rows)
+        unk = getattr(self.tok, "unk_token_id", None)
+        rules = RowRules(position_limit(self.model.config), completion, funcs, cfg.drop_invalid_rows, unk)
         kept, held, report = check_rows(rows, eval_rows, encode, rules, cfg.min_shared_prefix)
         report.dropped = [*dropped, *report.dropped]
         self.row_report = report

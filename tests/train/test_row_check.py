@@ -159,3 +159,25 @@ def test_epochs_count_the_rows_left_after_dropping(tmp_path):
     assert [m["step"] for m in trainer.state.log_history[:-1]] == [1, 2]
     # the warm-up of 1 step over 2: the first step at half the learning rate (lr_lambda: (0 + 1) / (1 + 1))
     assert trainer.state.log_history[0]["lr"] == 1e-6 * 0.5
+
+
+def test_a_row_the_tokenizer_reads_as_mostly_unknown_is_refused_before_step_1(tmp_path):
+    """The built-in tiny tokenizer knows the toy task's vocabulary only: an English question encodes to its `[UNK]`
+    mostly. Such a row (row 2 here) stops the run naming it, with the counts the tokenizer itself gives; a row with a
+    few unknown tokens (1 of 48) is kept, and with `drop_invalid_rows` the English row is dropped, named."""
+    tok = build_tokenizer()
+    english = "What is the value of the key in this document? Answer briefly. k3"
+    ids = tok(english, add_special_tokens=False)["input_ids"]
+    unknown = ids.count(tok.unk_token_id)
+    assert 2 * unknown > len(ids) and unknown < len(ids)  # mostly, not only, unknown: the threshold is what decides
+    rows = [dict(r) for r in ROWS]
+    rows[1]["prompt"] = ROWS[1]["prompt"] + " Hello"  # one unknown token of 48
+    rows[2]["prompt"] = english
+    data = _write(tmp_path / "data.jsonl", rows)
+    with pytest.raises(ValueError, match=rf"data.jsonl:3: {unknown} of the prompt's {len(ids)} tokens are the "
+                                         r"tokenizer's unknown token .*use a tokenizer made for it"):
+        Trainer(_cfg(tmp_path, data)).train()
+    _nothing_trained(tmp_path)
+    trainer = Trainer(_cfg(tmp_path, data, drop_invalid_rows=True))
+    assert [ex.prompt for ex in trainer.data.rows] == [r["prompt"] for i, r in enumerate(rows) if i != 2]
+    assert len(trainer.row_report.dropped) == 1 and "data.jsonl:3" in trainer.row_report.dropped[0]
