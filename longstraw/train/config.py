@@ -304,8 +304,9 @@ class TrainConfig:
     )
     report_to: list = _f(
         [],
-        "extra metric sinks besides metrics.jsonl: [tensorboard] (needs the tensorboard "
-        "package; event files in OUTPUT/tensorboard)",
+        "extra metric sinks besides metrics.jsonl: tensorboard (needs the tensorboard package; event files in "
+        "OUTPUT/tensorboard), wandb (needs the wandb package; its run files in OUTPUT/wandb, WANDB_MODE=offline "
+        "keeps them there)",
     )
     log_completions: bool = _f(
         True,
@@ -475,7 +476,10 @@ class TrainConfig:
             "replay_order: layers needs importance_sampling_level: token (each policy segment's loss is taken apart), "
             "the own sampler (a vLLM trajectory's old log-probs are its first replay's) and no fsdp (one process)",
         )
-        need(set(self.report_to) <= {"tensorboard"}, "report_to may only hold 'tensorboard'")
+        need(
+            set(self.report_to) <= {"tensorboard", "wandb"},
+            f"report_to {self.report_to}: it may hold 'tensorboard' and 'wandb'",
+        )
         need(self.num_completions_to_print >= 0, "num_completions_to_print must be ≥ 0")
         # with no `reward_funcs` here the functions come from elsewhere (callables passed to the trainer, or the
         # task's own reward): `RewardSet` checks the weights against those

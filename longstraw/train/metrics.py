@@ -1,4 +1,5 @@
-"""Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard (`report_to`); and what the
+"""Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard and Weights & Biases
+(`report_to`); and what the
 model wrote: `completions/step-N.jsonl` per GRPO step (`log_completions`), a few of them on the console
 (`num_completions_to_print`), TensorBoard text.
 
@@ -6,15 +7,24 @@ model wrote: `completions/step-N.jsonl` per GRPO step (`log_completions`), a few
 checkpoint (written by the interrupted run, to be redone) are dropped first. TensorBoard event files go
 to `OUTPUT/tensorboard/` when `report_to: [tensorboard]` and `torch.utils.tensorboard` can be imported
 (the `tensorboard` package; not a dependency of longstraw).
+
+`report_to: [wandb]` (the `wandb` package; not a dependency either) logs each step's numbers as transformers' wandb
+callback does for TRL: under `train/<name>`, TRL's names included (`longstraw.train.callbacks.trl_logs`), at wandb step
+= the optimizer step. Its run files go to `OUTPUT/wandb/` (`WANDB_MODE=offline` keeps them there, for `wandb sync`
+later); the project is `WANDB_PROJECT` (default "longstraw"), the run's name `output_dir`'s folder name, and a resumed
+run continues the same wandb run (its id kept in `OUTPUT/wandb/run_id`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 from tqdm import tqdm
+
+from .callbacks import trl_logs
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -51,6 +61,7 @@ class MetricsWriter:
         self.to_print = cfg.num_completions_to_print
         trim_metrics(self.path, resumed_step)
         self.bar = self.tb = None
+        self.wandb = _wandb_run(Path(out), cfg) if "wandb" in cfg.report_to else None
         if cfg.progress:
             self.bar = tqdm(
                 total=cfg.num_steps, initial=resumed_step, desc="longstraw", unit="step", dynamic_ncols=True
@@ -74,6 +85,10 @@ class MetricsWriter:
                     self.tb.add_scalar(f"{m['phase']}/{key}" if key in ("loss",) else key, value, m["step"])
             for length, acc in m.get("eval", {}).items():
                 self.tb.add_scalar(f"eval/accuracy/{length}", acc, m["step"])
+        if self.wandb is not None:
+            logs = {f"train/{k}": v for k, v in trl_logs(m).items() if _number(v)}
+            logs.update({f"eval/accuracy/{length}": acc for length, acc in m.get("eval", {}).items()})
+            self.wandb.log(logs, step=m["step"])
         if self.bar is not None:
             self.bar.update(1)
             post = {"loss": f"{m['loss']:.3f}", "len": m["prompt_length"]}
@@ -109,6 +124,33 @@ class MetricsWriter:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _wandb_run(out: Path, cfg):
+    """The wandb run of `out` (module doc): a new one, or on resume the one whose id `out/wandb/run_id` holds."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("report_to: wandb needs the `wandb` package (pip install wandb)") from None
+    folder = out / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / "run_id"
+    if not id_file.is_file():
+        id_file.write_text(uuid.uuid4().hex[:8])
+    return wandb.init(
+        dir=str(out),
+        project=os.environ.get("WANDB_PROJECT", "longstraw"),
+        name=out.resolve().name,
+        id=id_file.read_text().strip(),
+        resume="allow",
+        config=cfg.to_dict(),
+    )
 
 
 def _one_line(text: str) -> str:

@@ -140,8 +140,11 @@ class GRPOConfig:
                 f"GRPOConfig: lr_scheduler_type {self.lr_scheduler_type!r}: one of {sorted(_LR_SCHEDULERS)} here"
             )
         reports = _report_to(self.report_to)
-        if not set(reports) <= {"tensorboard"}:
-            raise ValueError(f"GRPOConfig: report_to {self.report_to!r}: only 'tensorboard' (or 'none') here")
+        if not set(reports) <= {"tensorboard", "wandb"}:
+            raise ValueError(
+                f"GRPOConfig: report_to {self.report_to!r}: 'tensorboard', 'wandb' (or 'none') here, named ('all' "
+                "is not read)"
+            )
         if isinstance(self.save_steps, float) and self.save_steps < 1:
             raise ValueError("GRPOConfig: save_steps as a fraction of the run is not done here: give a step count")
         self.prompts_per_step(1)  # the batch arithmetic is checked now
