@@ -14,8 +14,6 @@ from longstraw import GRPOTrainer
 
 from .test_trl_shape import ROWS, _args, reward_len
 
-wandb = pytest.importorskip("wandb")
-
 
 def history(run_file: Path) -> tuple[str, list[dict]]:
     """(the run's id, its history rows) from a `.wandb` file: a 7-byte header (":W&B", magic, version), then
@@ -53,13 +51,24 @@ class StopAt2(TrainerCallback):
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
+    """wandb offline with its settings under tmp_path; the process as it was after (wandb's `init` leaves its
+    exception hook and import hook installed, and importing it wraps the console streams' `write`)."""
+    streams = [(s, vars(s).get("write")) for s in (sys.stdout, sys.stderr) if hasattr(s, "__dict__")]
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    wandb = pytest.importorskip("wandb")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
-    yield
+    yield wandb
     wandb.teardown()  # the wandb-core service this process started
+    for stream, write in streams:
+        if write is None:
+            vars(stream).pop("write", None)
+        else:
+            stream.write = write
 
 
 def test_report_to_wandb_logs_every_step_under_trls_names_and_a_resume_continues_the_run(tmp_path, offline):
