@@ -1,7 +1,6 @@
 """Where a step's metrics go: `metrics.jsonl` (always), a progress bar, TensorBoard and Weights & Biases
-(`report_to`); and what the
-model wrote: `completions/step-N.jsonl` per GRPO step (`log_completions`), a few of them on the console
-(`num_completions_to_print`), TensorBoard text.
+(`report_to`); what the model wrote: `completions/step-N.jsonl` per GRPO step (`log_completions`), a few of them on
+the console (`num_completions_to_print`), TensorBoard text; and TRL's names of the metrics TRL logs alike (`trl_logs`).
 
 `metrics.jsonl` holds one JSON object per optimizer step. On resume, rows of steps after the
 checkpoint (written by the interrupted run, to be redone) are dropped first. TensorBoard event files go
@@ -9,7 +8,7 @@ to `OUTPUT/tensorboard/` when `report_to: [tensorboard]` and `torch.utils.tensor
 (the `tensorboard` package; not a dependency of longstraw).
 
 `report_to: [wandb]` (the `wandb` package; not a dependency either) logs each step's numbers as transformers' wandb
-callback does for TRL: under `train/<name>`, TRL's names included (`longstraw.train.callbacks.trl_logs`), at wandb step
+callback does for TRL: under `train/<name>`, TRL's names included (`trl_logs`), at wandb step
 = the optimizer step. Its run files go to `OUTPUT/wandb/` (`WANDB_MODE=offline` keeps them there, for `wandb sync`
 later); the project is `WANDB_PROJECT` (default "longstraw"), the run's name `output_dir`'s folder name, and a resumed
 run continues the same wandb run (its id kept in `OUTPUT/wandb/run_id`).
@@ -24,7 +23,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .callbacks import trl_logs
+#: longstraw's metric name -> TRL 1.16's (`GRPOTrainer._metrics`), where TRL logs the same quantity
+TRL_NAMES = {
+    "completion_length": "completions/mean_length",
+    "truncated_frac": "completions/clipped_ratio",
+    "clip_ratio": "clip_ratio/region_mean",
+    "lr": "learning_rate",
+}
+
+
+def trl_logs(metrics: dict) -> dict:
+    """A step's metrics (a metrics.jsonl row) with TRL's names as well: each of `TRL_NAMES` also under TRL's name;
+    `reward`, `reward_std`, `frac_reward_zero_std`, `kl`, `entropy`, `loss`, `grad_norm` and
+    `rewards/<name>/mean|std` are TRL's names already; longstraw's own (`time_*`, `durable_bytes`, ...) as they are."""
+    return {**metrics, **{TRL_NAMES[k]: v for k, v in metrics.items() if k in TRL_NAMES}}
 
 
 def trim_metrics(path: Path, last_step: int) -> None:

@@ -38,9 +38,17 @@ with TRL's signature, or longstraw's names and import paths. As TRL's trainer: `
 True | path)` (from the start, which an `output_dir` holding a run's checkpoints refuses; from the latest checkpoint;
 from `OUTPUT/checkpoint-N` or `OUTPUT/checkpoints/step-N`) returns transformers' `TrainOutput`; each checkpoint
 also writes the model where TRL writes it, `OUTPUT/checkpoint-N` (`save_checkpoint`); `state.log_history` holds each
-step's metrics (with TRL's names as well: `longstraw.train.callbacks.trl_logs`); `save_model(dir)` writes the adapter
-(or the model) into `dir` itself; `args` is the config as given; transformers' `TrainerCallback`s (`callbacks=[...]`,
-`add_callback`) are called as transformers' trainer calls them (`longstraw.train.callbacks`).
+step's metrics (with TRL's names as well: `longstraw.train.metrics.trl_logs`); `save_model(dir)` writes the adapter
+(or the model) into `dir` itself; `args` is the config as given.
+
+transformers' `TrainerCallback`s (`callbacks=[...]`, `add_callback`, `pop_callback`, `remove_callback`) are called as
+transformers' trainer calls them: `on_init_end` (built), `on_train_begin`; each step `on_step_begin`, `on_step_end`,
+`on_log` (`logs`: the step's metrics, with TRL's names, `trl_logs`), `on_save` after a checkpoint; `on_train_end`.
+Each gets transformers' `(args, state, control, **kwargs)`: `args` the config as given, `state` the trainer's
+`TrainerState` (`global_step` the steps done, `log_history` the logs so far), kwargs `model`, `processing_class`,
+`optimizer`, `lr_scheduler`. `control.should_training_stop` set by a callback ends the run after that step (its
+checkpoint written), as in transformers; the other `control` flags are moot (every step is logged, checkpoints follow
+`save_steps`).
 """
 
 from __future__ import annotations
@@ -56,14 +64,15 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
 from ..tasks import Example
 from ..tasks.dataset_files import load_rows, table_rows
 from ..testing.models import TINY_CONFIGS
-from .callbacks import Callbacks, trl_logs
 from .checkpoint import latest_name
 from .config import TrainConfig
+from .metrics import trl_logs
 from .run_record import IN_MEMORY, non_default_fields
 from .trainer import Trainer, check_output_dir
 
@@ -486,6 +495,22 @@ def _in_memory(dataset) -> str:
     return IN_MEMORY[0] if type(dataset).__name__ == "Dataset" else IN_MEMORY[1]
 
 
+class _Callbacks(CallbackHandler):
+    """transformers' `CallbackHandler` (its `call_event`, `add_callback`, `pop_callback`, `remove_callback`) without
+    its warning about a missing `DefaultFlowCallback`: the run's loop decides logging and saving itself."""
+
+    def __init__(self, callbacks, model, processing_class, optimizer, lr_scheduler):
+        self.callbacks = []
+        for cb in callbacks:
+            self.add_callback(cb)
+        self.model = model
+        self.processing_class = processing_class
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.train_dataloader = None
+        self.eval_dataloader = None
+
+
 class GRPOTrainer(Trainer):
     """`Trainer` built from TRL's arguments (module doc). `model`: a local folder, a built-in tiny name, or a
     transformers model object (trained as it is; its folder, or a copy saved to `OUTPUT/source_model` when it has
@@ -565,8 +590,8 @@ class GRPOTrainer(Trainer):
         )
         #: the checkpoint `train` resumes from: None (none), "" (the latest) or a checkpoint's name ("step-2")
         self._resume: str | None = None
-        #: transformers' callbacks (`longstraw.train.callbacks`) and the `TrainerControl` they share
-        self.callback_handler = Callbacks(callbacks or [], self.model, tok, self.opt, self.sched)
+        #: transformers' callbacks (module doc) and the `TrainerControl` they share
+        self.callback_handler = _Callbacks(callbacks or [], self.model, tok, self.opt, self.sched)
         self.control = TrainerControl()
         self._saved = False  # whether the step that just ended wrote a checkpoint (`on_save`)
         self.control = self._event("on_init_end")

@@ -58,9 +58,9 @@ class StopAt2(TrainerCallback):
 
 
 def test_callbacks_are_called_in_transformers_order_with_the_steps_metrics_under_trls_names(tmp_path):
-    """4 steps of a LoRA adapter, a checkpoint every 2 (beta > 0: a KL term). Given in `callbacks=[...]` (an instance) and by
-    `add_callback` (a class): both see the same events; `on_log`'s logs equal metrics.jsonl's rows value for value,
-    with TRL's names for what TRL logs alike."""
+    """4 steps of a LoRA adapter, a checkpoint every 2 (beta > 0: a KL term). Given in `callbacks=[...]` (an
+    instance) and by `add_callback` (a class): both see the same events; `on_log`'s logs equal metrics.jsonl's rows
+    value for value, with TRL's names for what TRL logs alike."""
     from peft import LoraConfig
 
     rec = Recorder()
