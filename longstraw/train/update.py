@@ -124,6 +124,9 @@ class _Totals:
     clipped: float = 0.0
     entropy: float = 0.0
     tokens: int = 0
+    #: the clipped tokens by side, TRL's `clip_ratio/low_mean` and `clip_ratio/high_mean`
+    low: float = 0.0
+    high: float = 0.0
     #: an external sampler's mismatch, summed over tokens (`SamplerCorrection.stats`); empty with the own sampler
     sampler: dict = field(default_factory=dict)
 
@@ -239,10 +242,11 @@ def policy_update(
         for b in ctx.rows:
             rollout.groups[b].state = None
     sums = share.sum_floats(
-        "policy_update: loss metrics", [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens]
+        "policy_update: loss metrics",
+        [totals.loss, totals.kl, totals.clipped, totals.entropy, totals.tokens, totals.low, totals.high],
     )
     sampler = totals.sampler
-    totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]))
+    totals = _Totals(sums[0], sums[1], sums[2], sums[3], int(sums[4]), low=sums[5], high=sums[6])
     if settings.sampler_correction is not None:  # every rank, whether it replayed a sampled response or not
         keys = ("abs_diff", "kl", "weight", "changed", "tokens")
         summed = share.sum_floats("policy_update: sampler metrics", [float(sampler.get(k, 0)) for k in keys])
@@ -251,6 +255,8 @@ def policy_update(
             totals.sampler = {**dict(zip(keys, summed)), "max_abs_diff": worst[0]}
     n = max(totals.tokens, 1)
     metrics = dict(loss=totals.loss, entropy=totals.entropy / n, clip_ratio=totals.clipped / n)
+    metrics["clip_ratio/low_mean"] = totals.low / n
+    metrics["clip_ratio/high_mean"] = totals.high / n
     if totals.sampler:  # TRL's sampling/* metrics of an external sampler
         t = max(totals.sampler["tokens"], 1)
         metrics.update(
@@ -451,6 +457,8 @@ def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch
     totals.tokens += int(on.sum())
     totals.entropy += float(entropy.detach()[on].sum())
     totals.clipped += float((st.low_clipped | st.high_clipped).expand_as(mask)[on].sum())
+    totals.low += float(st.low_clipped.expand_as(mask)[on].sum())
+    totals.high += float(st.high_clipped.expand_as(mask)[on].sum())
     if st.kl is not None:
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
 

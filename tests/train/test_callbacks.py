@@ -85,7 +85,8 @@ def test_callbacks_are_called_in_transformers_order_with_the_steps_metrics_under
            "clip_ratio/region_mean": "clip_ratio", "learning_rate": "lr", "reward": "reward",
            "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std", "kl": "kl",
            "entropy": "entropy", "loss": "loss", "grad_norm": "grad_norm", "rewards/reward_len/mean":
-           "rewards/reward_len/mean"}
+           "rewards/reward_len/mean", "clip_ratio/low_mean": "clip_ratio/low_mean",
+           "clip_ratio/high_mean": "clip_ratio/high_mean"}
     for logs, row in zip(rec.logs, rows):
         assert logs["step"] == row["step"]
         for name, ours in trl.items():

@@ -113,7 +113,7 @@ def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, monkeypatch
 
     for p in params:
         p.grad = None
-    trainer.update(rollout)
+    metrics = trainer.update(rollout)
     got = [p.grad.clone() for p in params]
     assert batches == ([] if replay_batch == 1 else [3, 1, 3, 1])  # G = 4 responses a row: 3, then 1
 
@@ -138,9 +138,20 @@ def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, monkeypatch
         ratio = torch.exp(logp - old)
         clipped = ((ratio < 1 - EPS) & (adv[:, None] < 0)) | ((ratio > 1 + EPS) & (adv[:, None] > 0))
         assert int((clipped * mask).sum()) > 0  # clipping is active
+        # TRL's clip metrics (its `clip_ratio/low_mean`, `high_mean`, `region_mean`: clipped tokens over the tokens)
+        low = ((ratio < 1 - EPS) & (adv[:, None] < 0)).float()
+        high = ((ratio > 1 + EPS) & (adv[:, None] > 0)).float()
+        seen.update({"clip_ratio/low_mean": int((low * mask).sum()), "clip_ratio/high_mean": int((high * mask).sum()),
+                     "clip_ratio": int((clipped * mask).sum()), "tokens": int(mask.sum())})
         return _plain_grpo_loss(loss_type, logp, ent, mask, old, ref, adv, 4)
 
+    seen: dict = {}
     want = grads(plain)
+    # the step's clip metrics count the clipped tokens the reference counts (each side; the same tokens clipped is
+    # also what the gradients below compare)
+    assert seen["clip_ratio/low_mean"] > 0 and seen["clip_ratio/high_mean"] > 0
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio"):
+        assert round(metrics[key] * seen["tokens"]) == seen[key], (key, metrics[key], seen)
     # the reference's own float32 rounding: its distance from the same loss on a float64 copy of the model (same
     # inputs), per parameter and for the concatenation
     m64 = copy.deepcopy(model).double()
