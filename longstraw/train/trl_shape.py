@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, TrainerControl, TrainerState
+from transformers import AutoTokenizer, TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
@@ -599,15 +599,15 @@ class GRPOTrainer(Trainer):
     def _event(self, name: str, **kwargs) -> TrainerControl:
         return self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
 
-    def add_callback(self, callback) -> None:
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         """transformers' `add_callback`: a `TrainerCallback` class or instance, called after those given."""
         self.callback_handler.add_callback(callback)
 
-    def pop_callback(self, callback):
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
         """transformers' `pop_callback`: remove and return the callback (a class: its first instance)."""
         return self.callback_handler.pop_callback(callback)
 
-    def remove_callback(self, callback) -> None:
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         """transformers' `remove_callback`."""
         self.callback_handler.remove_callback(callback)
 
