@@ -156,6 +156,10 @@ def policy_update(
         offsets.append(offsets[-1] + len(group.responses))
     own = range(len(rollout.contexts)) if rollout.own_contexts is None else rollout.own_contexts
     last_context = own[-1] if len(own) else -1
+    # responses of a row replayed together, chosen once for the step; one at a time where every forward is a
+    # collective (context parallel, sharded layers, spread experts)
+    most = max((len(g.responses) for g in rollout.groups), default=1)
+    size = 1 if share.collective or share.lockstep else settings.batch(model, most)
     for c in own:
         ctx = rollout.contexts[c]
         head = rollout.groups[ctx.rows[0]]
@@ -189,8 +193,6 @@ def policy_update(
                         branch.extend(suffix)
                     row_state, suffix = branch, None
                 turns = share.replays(len(group.responses))
-                # one at a time where every forward is a collective (context parallel, sharded layers, spread experts)
-                size = 1 if share.collective or share.lockstep else settings.batch(model, len(turns))
                 whole = [k for k in turns if k is not None and not _in_pieces(group.responses[k], settings)]
                 if size > 1 and len(whole) == len(turns):  # a row's responses replayed `size` at a time
                     for start in range(0, len(whole), size):
