@@ -63,7 +63,21 @@ SOURCE_MODULES = (
     "string",
     "tempfile",
 )
+#: more modules, read only when a document outgrows `SOURCE_MODULES`' text (~54K Gemma 3 tokens; with these ~136K):
+#: documents that fit the first pool are the same as before these were added
+MORE_MODULES = tuple(
+    "os re socket ssl sqlite3 multiprocessing concurrent.futures unittest.mock importlib ast configparser optparse "
+    "pydoc doctest mailbox imaplib smtplib ftplib xmlrpc.client http.server http.cookiejar urllib.request calendar "
+    "locale gettext codecs selectors queue sched heapq bisect random numbers operator copy pprint reprlib weakref "
+    "types abc traceback warnings glob fnmatch filecmp gzip bz2 lzma hashlib hmac secrets base64 binascii "
+    "html.parser plistlib netrc platform sysconfig zipapp trace tracemalloc pdb cProfile pstats timeit tomllib wave "
+    "colorsys ipaddress uuid socketserver wsgiref.handlers xml.dom.minidom xml.sax shlex cmd code codeop dis "
+    "tokenize pickletools zoneinfo graphlib contextvars signal struct io getopt getpass urllib.robotparser "
+    "http.cookies logging.handlers logging.config".split()
+)
 ARCHIVES = ("northern", "harbor", "granite", "willow", "copper", "meadow", "falcon", "cedar", "silver", "orchid")
+#: archives a document of more than 10 questions also names (one of 10 or fewer draws from `ARCHIVES` alone)
+MORE_ARCHIVES = ("juniper", "basalt", "lantern", "tundra", "sparrow", "quartz", "maple", "onyx", "heron", "aspen")
 VARIANTS = ("needle", "distractors")
 
 
@@ -72,10 +86,17 @@ def paragraphs() -> list[str]:
     return [text for _, text in named_paragraphs()]
 
 
-def named_paragraphs() -> list[tuple[str, str]]:
+def more_paragraphs() -> list[str]:
+    """Docstrings of `MORE_MODULES` (the same rule as `paragraphs()`), none of them in `paragraphs()`: the text a
+    document past the first pool's length goes on with."""
+    first = set(paragraphs())
+    return [text for _, text in named_paragraphs(MORE_MODULES) if text not in first]
+
+
+def named_paragraphs(modules: tuple[str, ...] = SOURCE_MODULES) -> list[tuple[str, str]]:
     """`paragraphs()` with the module each comes from: (module name, docstring)."""
     seen, out = set(), []
-    for name in SOURCE_MODULES:
+    for name in modules:
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -129,9 +150,10 @@ def make_document_rows(
 ) -> list[dict]:
     """`questions` chat rows of one document of about `length` tokens of `tokenizer`: the same text (Q access-code
     sentences at random depths) and each its own question, last; `context`: `document`, the rows' shared name."""
-    if not 1 <= questions <= len(ARCHIVES):
-        raise ValueError(f"questions must be in [1, {len(ARCHIVES)}] (one archive each)")
-    names = rng.sample(ARCHIVES, questions)
+    pool = ARCHIVES if questions <= len(ARCHIVES) else ARCHIVES + MORE_ARCHIVES
+    if not 1 <= questions <= len(pool):
+        raise ValueError(f"questions must be in [1, {len(ARCHIVES + MORE_ARCHIVES)}] (one archive each)")
+    names = rng.sample(pool, questions)
     codes = rng.sample(range(1000, 10000), questions)
     asks = [f"\n\nQuestion: what is the access code for the {n} archive? Answer with the code." for n in names]
     budget = length - max(prompt_tokens(tokenizer, q) for q in asks) - 24 * questions
@@ -156,7 +178,17 @@ def make_document_rows(
 
 
 def _fill(tokenizer, paras: list[str], budget: int, rng: random.Random) -> list[str]:
-    """Paragraphs in a seeded order, as many as fit in `budget` tokens."""
+    """Paragraphs in a seeded order, as many as fit in `budget` tokens; past `paras`' text, `more_paragraphs()` in a
+    seeded order (a document that `paras` fills draws from `rng` exactly as before those were added)."""
+    body, used = _take(tokenizer, paras, budget, rng)
+    if budget - used >= 40:
+        more, _ = _take(tokenizer, more_paragraphs(), budget - used, rng)
+        body += more
+    return body
+
+
+def _take(tokenizer, paras: list[str], budget: int, rng: random.Random) -> tuple[list[str], int]:
+    """(paragraphs of `paras` in a seeded order that fit in `budget` tokens, the tokens they take)."""
     order = rng.sample(range(len(paras)), len(paras))
     body, used = [], 0
     for i in order:
@@ -167,7 +199,7 @@ def _fill(tokenizer, paras: list[str], budget: int, rng: random.Random) -> list[
         used += n
         if budget - used < 40:
             break
-    return body
+    return body, used
 
 
 def write_document_task(

@@ -58,3 +58,28 @@ def test_document_rows_share_the_document_and_ask_each_their_own_question(real_s
         assert 0.95 * 2048 <= ids[-1].numel() <= 2048
     (ctx,) = shared_contexts(ids, keys=[r["context"] for r in rows])
     assert ctx.rows == (0, 1, 2, 3) and ctx.length >= min(i.numel() for i in ids) - 30
+
+
+@pytest.mark.real
+def test_a_document_past_the_first_texts_length_goes_on_with_more_text(real_smollm2, monkeypatch):
+    """A 100K-token document (past the ~54K tokens of `SOURCE_MODULES`' docstrings) reaches its length with
+    `MORE_MODULES`' text, no paragraph twice, 16 questions on 16 archives; a document the first text fills is the one
+    made without the more text (the same rows for the same seed: earlier benchmarks' documents are unchanged)."""
+    from transformers import AutoTokenizer
+
+    from longstraw.tasks import documents
+    from longstraw.tasks.documents import make_document_rows
+
+    tok = AutoTokenizer.from_pretrained(real_smollm2)
+    rows = make_document_rows(tok, paragraphs(), 100_000, 16, random.Random(1), "long")
+    assert len({r["answer"] for r in rows}) == 16
+    assert len({r["messages"][0]["content"].rsplit(" archive?", 1)[0].rsplit(" ", 1)[-1] for r in rows}) == 16
+    n = prompt_tokens(tok, rows[0]["messages"][0]["content"])
+    assert 0.95 * 100_000 <= n <= 100_000
+    text = rows[0]["messages"][0]["content"]
+    more = documents.more_paragraphs()
+    assert max(text.count(p) for p in paragraphs() + more) == 1
+    assert sum(p in text for p in more) > 100
+    short = make_document_rows(tok, paragraphs(), 4096, 4, random.Random(2), "short")
+    monkeypatch.setattr(documents, "MORE_MODULES", ())
+    assert make_document_rows(tok, paragraphs(), 4096, 4, random.Random(2), "short") == short
