@@ -191,6 +191,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="responses replayed together (the trainer's replay_batch): their graphs held at once",
     )
     pl.add_argument("--device-memory-gib", dest="device_memory_gib", type=float, default=None)
+    pl.add_argument(
+        "--Q",
+        type=int,
+        default=None,
+        help="questions (rows) per document, decoded and replayed per step (implies --time)",
+    )
+    pl.add_argument(
+        "--recapture-every",
+        dest="recapture_every",
+        type=int,
+        default=None,
+        help="steps a document's captured state serves (implies --time)",
+    )
+    pl.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (implies --time)")
+    pl.add_argument(
+        "--gpu",
+        choices=["h100", "h200", "a100"],
+        default=None,
+        help="predict time from this GPU's published peak rates (an estimate) instead of measuring this machine",
+    )
+    pl.add_argument(
+        "--time",
+        action="store_true",
+        help="also predict the capture, step and run time (`longstraw.tools.step_time`; this machine's rates are "
+        "measured once, a few seconds, and cached)",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     vs = sub.add_parser(
         "vllm-serve",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from longstraw.model.oracles import full_sequence_logprobs
 from longstraw.testing.models import TINY_CONFIGS, TINY_MULTIMODAL, tiny_model
 from longstraw.tools.compare import bench_model, format_table, measure_in_fresh_process
 from longstraw.tools.planner import PlanConfig, plan
+from longstraw.tools.step_time import calibrate, predict_time, published_rates
 
 from ..model.positions import coverage, position_note
 from ..tools.real_models import model_path
@@ -119,8 +121,45 @@ def cmd_plan(args) -> int:
             replay_batch=args.replay_batch,
         )
     )
-    print(result.to_json() if args.json else result)
+    timed = None
+    if args.time or args.gpu or args.Q or args.recapture_every or args.steps:
+        timed = _plan_time(args)
+    if args.json:
+        data = json.loads(result.to_json())
+        if timed is not None:
+            data["time"] = json.loads(timed.to_json())
+        print(json.dumps(data, indent=1))
+    else:
+        print(result)
+        if timed is not None:
+            print(timed)
     return 1 if result.fits is False else 0
+
+
+def _plan_time(args):
+    """`longstraw plan`'s time prediction: this machine's rates (measured once, cached) or a GPU's published ones."""
+    if args.gpu:
+        rates = published_rates(args.gpu)
+    else:
+        print("longstraw: this machine's rates (measured once for these widths, then cached) ...", file=sys.stderr)
+        rates = calibrate(args.model, args.dtype)
+    pc = PlanConfig(
+        args.model,
+        args.P,
+        num_generations=args.G,
+        completion_length=args.R,
+        prompt_grad=args.prompt_grad,
+        dtype=args.dtype,
+        state_dtype=args.state_dtype,
+        lora_rank=args.lora_rank,
+        chunk_size=args.chunk_size,
+        context_parallel=args.context_parallel,
+        fsdp=args.fsdp,
+        expert_parallel=args.expert_parallel,
+        row_suffix=args.row_suffix,
+        replay_batch=args.replay_batch,
+    )
+    return predict_time(pc, rates, args.Q or 1, args.recapture_every or 1, args.steps or 1)
 
 
 def cmd_real(args) -> int:

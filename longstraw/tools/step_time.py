@@ -1,0 +1,319 @@
+"""How long a run takes: a GRPO step's stages from the model's arithmetic and this machine's measured rates.
+
+`predict_time(PlanConfig, Rates, questions=Q, recapture_every=k, steps=n)` counts, from a transformers config alone,
+the matrix-product FLOPs of each stage and divides them by the rate this machine reaches on that stage's products:
+
+- `capture` (the document, P tokens, once per `recapture_every` steps): the decoder's linear layers, 2 FLOPs per
+  weight and token (`linear_per_token`), and attention, 4 × query width per (query, key) pair, each query seeing every
+  earlier key on a full-attention layer and `window` keys on a sliding one (`keys_seen`); no LM head;
+- `sample` (Q questions × G responses decoded together, R steps): per step the linear layers and the LM head of the
+  Q·G rows, their attention over P + t keys, and one read of the prompt state (its bytes at the copy rate: a decode
+  step reads the whole state once, whatever its arithmetic);
+- `replay` (the Q·G responses with autograd): forward and backward of the linear layers with frozen base weights
+  (2 × forward: the input gradient only), the LM head three times (forward, the chunked log-probs' recompute, the
+  input gradient), attention forward (4 per pair) and its query-only backward (6 per pair: the scores again, dP, dQ);
+- `optimizer`: AdamW over the trainable parameters (a read and write of weights, gradients and two moments).
+
+`step` = capture / recapture_every + sample + replay + optimizer; `run` = steps × step. The rates (`Rates`) come from
+`calibrate()`: `torch.mm` on each stage's linear shape and longstraw's own attention kernels
+(`longstraw.ops.attention.prompt_forward` / `prompt_backward`) on the stage's attention shape at the model's widths,
+and `Tensor.copy_` for memory — a few seconds, cached per machine, threads, dtype and widths
+(`~/.cache/longstraw/rates/`). `published_rates("h100")` gives a GPU's published peak rates instead: its times are
+an estimate (a lower bound: real kernels reach a fraction of the peak). Layers without attention over the prompt
+(linear attention, state-space) count their projections only. What a step spends outside the products (Python,
+small ops) is not counted: measured stages ran 1.2–3× these floors before the kernels reached them
+(`bench/step_anatomy.py`); `bench/plan_time.py` compares predictions with measured runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..model.capability import layer_plan
+from ..model.chunking import auto_chunk_size, config_value, dimensions
+from ..ops.attention import Part, prompt_backward, prompt_forward
+from ..paths import cache_dir
+from .planner import PlanConfig, load_config, plan
+
+STAGES = ("capture", "sample", "replay")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """FLOP/s of the linear layers' products (`matmul`) and of attention (`attention`; `attention_backward` for the
+    replay's query-only backward) per stage, and bytes/s of a memory copy. `source`: where they come from."""
+
+    matmul: dict
+    attention: dict
+    attention_backward: float
+    copy: float
+    source: str
+    measured: bool = True
+
+    def __post_init__(self):
+        for name in ("matmul", "attention"):
+            got = getattr(self, name)
+            if set(got) != set(STAGES) or not all(v > 0 for v in got.values()):
+                raise ValueError(f"Rates.{name} needs a positive rate for each of {STAGES}; got {got}")
+        if not (self.attention_backward > 0 and self.copy > 0):
+            raise ValueError("Rates: attention_backward and copy must be > 0")
+
+
+#: published dense peak rates (FLOP/s for bf16 tensor cores, bytes/s of HBM) of the GPUs a plan can be asked about
+PUBLISHED = {
+    "h100": (989e12, 3.35e12, "NVIDIA H100 SXM, published bf16 dense peak 989 TFLOP/s, HBM3 3.35 TB/s"),
+    "h200": (989e12, 4.8e12, "NVIDIA H200, published bf16 dense peak 989 TFLOP/s, HBM3e 4.8 TB/s"),
+    "a100": (312e12, 2.0e12, "NVIDIA A100 80GB, published bf16 dense peak 312 TFLOP/s, HBM2e 2.0 TB/s"),
+}
+
+
+def published_rates(gpu: str) -> Rates:
+    """A GPU's published peak rates for every stage: times from them are estimates (lower bounds)."""
+    if gpu not in PUBLISHED:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {sorted(PUBLISHED)}")
+    flops, bw, what = PUBLISHED[gpu]
+    every = {s: flops for s in STAGES}
+    return Rates(every, dict(every), flops, bw, f"{what} (estimate: peak rates)", measured=False)
+
+
+# ----------------------------------------------------------------------------------------------- the arithmetic
+
+
+def linear_per_token(cfg) -> int:
+    """Weights of the decoder's linear layers one token passes through (MoE: the routed experts it uses and the
+    shared ones), summed over layers: a token's forward costs 2 FLOPs per weight."""
+    d = dimensions(cfg)
+    attn = 2 * d["h"] * d["q"] + 2 * d["h"] * d["kv"]
+    return d["layers"] * (attn + 3 * d["h"] * d["i"])
+
+
+def windows(cfg) -> list[int | None]:
+    """Per layer: None for attention over every earlier key, an int for a window of that many keys, 0 for a layer
+    that reads no keys (linear attention, state-space: its cost is its projections)."""
+    out: list[int | None] = []
+    window = config_value(cfg, "sliding_window", None)
+    for kind in layer_plan(cfg):
+        if kind in ("sliding_attention", "sliding_attention_sinks"):
+            out.append(int(window) if window else None)
+        elif "attention" in kind or kind in ("mla", "dsa", "compressed_attention"):
+            out.append(None)
+        else:
+            out.append(0)
+    return out
+
+
+def keys_seen(cfg, first: int, last: int) -> int:
+    """Σ over layers and over queries at positions first..last − 1 of the keys each sees (itself included)."""
+    total = 0
+    for w in windows(cfg):
+        if w == 0:
+            continue
+        full = (last * (last + 1) - first * (first + 1)) // 2
+        if w is None:
+            total += full
+        else:
+            # positions below w see p + 1 keys, the rest w
+            ramp_end = min(max(first, w - 1), last)
+            ramp = ((ramp_end * (ramp_end + 1)) - first * (first + 1)) // 2 if ramp_end > first else 0
+            total += ramp + w * (last - max(first, ramp_end))
+    return total
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per stage, per step and per run, with the FLOPs they came from."""
+
+    capture: float
+    sample: float
+    replay: float
+    optimizer: float
+    step: float
+    run: float
+    flops: dict
+    rates: str
+    estimate: bool
+    settings: dict
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def __str__(self) -> str:
+        label = "estimate from published peak rates" if self.estimate else "this machine's measured rates"
+        k, n = self.settings["recapture_every"], self.settings["steps"]
+        lines = [
+            f"{'time':>34}: {label} ({self.rates})",
+            f"{'capture (once per document)':>34}: {_span(self.capture)}",
+            f"{'sample':>34}: {_span(self.sample)}",
+            f"{'replay':>34}: {_span(self.replay)}",
+            f"{'optimizer':>34}: {_span(self.optimizer)}",
+            f"{f'step (capture every {k})':>34}: {_span(self.step)}",
+            f"{f'run ({n} steps)':>34}: {_span(self.run)}",
+        ]
+        return "\n".join(lines)
+
+
+def _span(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:10.2f} ms"
+    if s < 120:
+        return f"{s:10.2f} s"
+    if s < 7200:
+        return f"{s / 60:10.1f} min"
+    return f"{s / 3600:10.2f} h"
+
+
+def predict_time(
+    pc: PlanConfig, rates: Rates, questions: int = 1, recapture_every: int = 1, steps: int = 1
+) -> StepTime:
+    """Seconds of each stage of a GRPO step of `pc` (one document, `questions` rows of it, G responses each; see the
+    module docstring) at `rates`."""
+    if questions < 1 or recapture_every < 1 or steps < 1:
+        raise ValueError("plan: questions, recapture_every and steps must be >= 1")
+    cfg = load_config(pc.model)
+    d = dimensions(cfg)
+    p, r, g = pc.prompt_length, pc.completion_length, pc.num_generations
+    rows = questions * g
+    lin = linear_per_token(cfg)
+    ranks = pc.context_parallel * pc.fsdp
+    # capture: the prompt's linear layers and attention (context parallel: each rank a 1 / CP slice)
+    cap_lin = 2 * lin * p
+    cap_att = 4 * d["q"] * keys_seen(cfg, 0, p)
+    capture = (cap_lin / rates.matmul["capture"] + cap_att / rates.attention["capture"]) / pc.context_parallel
+    # sampling: R decode steps of Q·G rows (the questions' own tokens read first, as a short capture of each)
+    suffix = pc.row_suffix * questions
+    dec_lin = 2 * lin * rows * r + 2 * d["h"] * d["vocab"] * rows * r + 2 * lin * suffix
+    pairs = rows * keys_seen(cfg, p + pc.row_suffix, p + pc.row_suffix + r)
+    dec_att = 4 * d["q"] * (pairs + keys_seen(cfg, p, p + pc.row_suffix) * questions)
+    state = plan(pc).durable_state
+    sample = (dec_lin / rates.matmul["sample"] + dec_att / rates.attention["sample"] + r * state / rates.copy) / ranks
+    # replay: forward and input-gradient backward of every response
+    tokens = rows * r
+    rep_lin = 2 * (2 * lin * tokens) + 3 * (2 * d["h"] * d["vocab"] * tokens)
+    batches = math.ceil(rows / max(1, pc.replay_batch))
+    replay = (
+        rep_lin / rates.matmul["replay"]
+        + 4 * d["q"] * pairs / rates.attention["replay"]
+        + 6 * d["q"] * pairs / rates.attention_backward
+        + 2 * batches * state / rates.copy
+    ) / ranks
+    trainable = plan(pc).optimizer  # bytes of the trainable weights, their gradients and moments
+    optimizer = 2 * trainable / rates.copy
+    step = capture / recapture_every + sample + replay + optimizer
+    settings = {
+        "questions": questions,
+        "recapture_every": recapture_every,
+        "steps": steps,
+        "prompt_length": p,
+        "num_generations": g,
+        "completion_length": r,
+        "replay_batch": pc.replay_batch,
+    }
+    flops = {"capture": cap_lin + cap_att, "sample": dec_lin + dec_att, "replay": rep_lin + 10 * d["q"] * pairs}
+    return StepTime(
+        capture, sample, replay, optimizer, step, steps * step, flops, rates.source, not rates.measured, settings
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the calibration
+
+
+def _best(fn, reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192) -> Rates:
+    """This machine's rates at `model`'s widths (a config, folder or tiny family name) in `dtype`, with torch's
+    current threads: `torch.mm` on each stage's linear shape (capture: a chunk of tokens; sample: the Q·G = 64 rows
+    of a decode step, through the LM head; replay: 8 × 16 response tokens) and the attention kernels on `keys` prompt
+    keys (capture: a 1,024-query chunk; sample: 64 rows of one query; replay: 8 × 16 queries, forward and the
+    query-only backward); `Tensor.copy_` of 256 MiB. Cached in `cache_dir("rates")` by CPU, threads, torch, dtype and
+    widths."""
+    cfg = load_config(model)
+    d = dimensions(cfg)
+    heads = config_value(cfg, "num_attention_heads", 1)
+    head_dim = d["q"] // heads
+    kv_heads = max(1, d["kv"] // head_dim)
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    threads = torch.get_num_threads()
+    key = (
+        f"{_cpu_name()}|{threads}|{torch.__version__}|{dtype}|{d['h']}-{d['q']}-{d['kv']}-{d['i']}-{d['vocab']}|{keys}"
+    )
+    path = cache_dir("rates") / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json") if cache else None
+    if path is not None and path.is_file():
+        got = json.loads(path.read_text())
+        if got.get("key") == key:
+            return Rates(**got["rates"])
+
+    def mm(m, k, n):
+        a, b = torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype)
+        return 2 * m * k * n / _best(lambda: torch.mm(a, b))
+
+    chunk = min(auto_chunk_size(cfg, 4 * keys, dtype), 2048)
+    matmul = {
+        "capture": mm(chunk, d["h"], d["i"]),
+        "sample": mm(64, d["h"], min(d["vocab"], 65536)),
+        "replay": mm(128, d["h"], d["i"]),
+    }
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(tdtype)
+    v = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(tdtype)
+    scale = head_dim**-0.5
+
+    def att(b, q_rows, backward=False):
+        q = torch.randn(b, heads, q_rows, head_dim, generator=g).to(tdtype)
+        part = Part(
+            q_start=keys,
+            k_start=0,
+            window=None,
+            softcap=None,
+            scale=scale,
+            block=1024,
+            q_period=q_rows if b > 1 else None,
+        )
+        flops = 4 * b * heads * q_rows * keys * head_dim
+        if not backward:
+            return flops / _best(lambda: prompt_forward(q, k, v, part))
+        out, lse = prompt_forward(q, k, v, part)
+        grad = torch.randn_like(out)
+        return 1.5 * flops / _best(lambda: prompt_backward(grad, q, k, v, out, lse, part, False, None))
+
+    with torch.no_grad():
+        attention = {"capture": att(1, 1024), "sample": att(64, 1), "replay": att(8, 16)}
+        attention_backward = att(8, 16, backward=True)
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    copy = src.numel() * 4 / _best(lambda: dst.copy_(src))
+    rates = Rates(
+        matmul,
+        attention,
+        attention_backward,
+        copy,
+        f"{_cpu_name()}, {threads} threads, torch {torch.__version__}, {dtype}, measured",
+    )
+    if path is not None:
+        path.write_text(json.dumps({"key": key, "rates": asdict(rates)}, indent=1))
+    return rates
