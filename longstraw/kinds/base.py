@@ -423,6 +423,14 @@ def layer_config(config, layer_idx: int):
     return per_layer[layer_idx] if per_layer is not None else config
 
 
+def head_dim(config) -> int:
+    """A (layer's) config's attention head width: `head_dim`, or `hidden_size / num_attention_heads` where the config
+    sets none, as transformers' attention modules read it (transformers 5.24's `Qwen2Config` has no `head_dim`: a
+    Qwen2 / Qwen2.5 checkpoint's config.json names none)."""
+    d = getattr(config, "head_dim", None)
+    return int(d) if d else config.hidden_size // config.num_attention_heads
+
+
 def grown_bytes(tokens: int, heads: int, width: int, elem: int, state_dtype) -> int:
     """Bytes of `tokens` × `heads` rows of `width` values, full precision or 8-bit with block scales."""
     if state_dtype is None:

@@ -23,7 +23,15 @@ from ..ops.attention import split_attention
 from ..ops.quant import QuantizedTokens, host_or_device
 from ..ops.ragged_attention import ragged_attention
 from . import base
-from .base import LayerState, PromptBranchLayer, grown_bytes, layer_config, register_layer_kind, repeat_rows
+from .base import (
+    LayerState,
+    PromptBranchLayer,
+    grown_bytes,
+    head_dim,
+    layer_config,
+    register_layer_kind,
+    repeat_rows,
+)
 
 #: the least room a copy makes (tokens), however few it has yet
 ROOM_MIN = 256
@@ -413,7 +421,7 @@ class KVState(LayerState):
     def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
         """Keys and values of every prompt token: 2 × tokens × Hkv × D."""
         c = layer_config(config, layer_idx)
-        return 2 * grown_bytes(tokens, c.num_key_value_heads, c.head_dim, elem, state_dtype)
+        return 2 * grown_bytes(tokens, c.num_key_value_heads, head_dim(c), elem, state_dtype)
 
     def __init__(self, config, layer_idx: int, capacity: int):
         super().__init__(config, layer_idx, capacity)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import layer_config, register_layer_kind
+from .base import head_dim, layer_config, register_layer_kind
 from .full_attention import AttentionBranchLayer, KVState
 
 
@@ -32,7 +32,7 @@ class SlidingKVState(KVState):
     def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
         """The last W − 1 prompt tokens' keys and values (full precision)."""
         c = layer_config(config, layer_idx)
-        return 2 * min(tokens, int(config.sliding_window) - 1) * c.num_key_value_heads * c.head_dim * elem
+        return 2 * min(tokens, int(config.sliding_window) - 1) * c.num_key_value_heads * head_dim(c) * elem
 
     def prefix_kv(self, n: int) -> None:
         """Only the prompt's last window is kept."""
@@ -134,7 +134,7 @@ class ChunkedKVState(SlidingKVState):
     def durable_bytes(cls, config, layer_idx: int, tokens: int, elem: int, state_dtype=None) -> int:
         """Keys and values of the unfinished chunk: tokens mod C of them."""
         c = layer_config(config, layer_idx)
-        return 2 * (tokens % int(config.attention_chunk_size)) * c.num_key_value_heads * c.head_dim * elem
+        return 2 * (tokens % int(config.attention_chunk_size)) * c.num_key_value_heads * head_dim(c) * elem
 
     def __init__(self, config, layer_idx: int, capacity: int):
         KVState.__init__(self, config, layer_idx, capacity)
