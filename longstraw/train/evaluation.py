@@ -70,7 +70,7 @@ class Evaluation:
         completion_ids, reward} per example (eval mode is the caller's)."""
         out = []
         for ex, ids in zip(examples, self.greedy_completions(examples, bar)):
-            text = self.policy.tokenizer.decode(ids, skip_special_tokens=False)
+            text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)  # as training's rewards read it
             score = float(combine_rewards(self.rewards.score(ex, [text], [ids]), self.rewards.weights)[0])
             out.append(dict(prompt=ex.prompt, completion=text, completion_ids=ids, reward=score))
         return out

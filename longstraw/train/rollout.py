@@ -568,7 +568,8 @@ class RolloutStage:
         result or error on every rank)."""
 
         def score():
-            texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=False)
+            # the text without special tokens (the end token's text), as TRL's GRPOTrainer decodes completions
+            texts = self.policy.tokenizer.batch_decode([r.tokens for r in responses], skip_special_tokens=True)
             keys = sorted({k for r in responses for k in r.extra})
             extra = {k: [r.extra.get(k) for r in responses] for k in keys}
             return self.rewards.score(ex, texts, [r.tokens.tolist() for r in responses], extra)
