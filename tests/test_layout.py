@@ -395,6 +395,7 @@ TOP_LEVEL_TESTS = {
     "test_readme.py",
     "test_layout.py",
     "test_examples.py",
+    "test_trl_examples.py",
     "test_second_pass.py",
 }
 TESTS = ROOT / "tests"
