@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from ..api import capture
 from ..branch import Branch
@@ -343,6 +344,26 @@ def _same_suffix(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or (a.shape == b.shape and torch.equal(a, b))
 
 
+#: prompts at least this long show a progress bar while they are captured (minutes on a CPU past ~32K tokens)
+LONG_CAPTURE = 16_384
+
+
+def capture_bar(tokens: int) -> Callable[[int, int], None] | None:
+    """A `capture(progress=...)` callback drawing a tqdm bar of the tokens captured ("capture: 12,288/65,000 tok"),
+    closed when the capture ends; None for a prompt shorter than `LONG_CAPTURE`."""
+    if tokens < LONG_CAPTURE:
+        return None
+    bar = tqdm(total=tokens - 1, desc="capture", unit="tok", unit_scale=True, dynamic_ncols=True)
+
+    def show(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return show
+
+
 @dataclass
 class RolloutStage:
     """The rollout stage of a run: `collect(examples, step)` → `Rollout`.
@@ -372,6 +393,8 @@ class RolloutStage:
     store: StateStore | None = None
     #: the vLLM server that samples the responses (`rollout_backend: vllm`); None: the own sampler
     vllm: VLLMClient | None = None
+    #: a progress bar on stderr while a prompt of `LONG_CAPTURE` tokens or more is captured (`TrainConfig.progress`)
+    progress: bool = False
 
     def contexts(self, examples: list[Example], prompts: list[torch.Tensor]) -> list[Context]:
         """How the step's rows are captured: together where they share a prefix (`longstraw.train.sharing`), else
@@ -435,6 +458,7 @@ class RolloutStage:
                     prompt_grad=mode,
                     state_dtype=self.state_dtype,
                     group=self.share.group,
+                    progress=capture_bar(prefix.numel()) if self.progress else None,
                 )
 
             if self.store is not None:  # a state kept from an earlier step, or captured now and kept

@@ -252,6 +252,7 @@ class Trainer:
             max_row_suffix=cfg.max_row_suffix,
             store=self.store,
             vllm=self._vllm_client(),
+            progress=cfg.progress and self.ranks.main,
         )
         self.update_settings = UpdateSettings.from_config(cfg)
         self.meter = MemoryMeter(next(self.model.parameters()).device)

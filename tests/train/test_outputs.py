@@ -94,3 +94,20 @@ def test_checkpoint_holding_a_pickled_callable_is_refused(tmp_path):
     torch.save(blob, ckpt)
     with pytest.raises(CheckpointError, match="refused"):
         Trainer(cfg).load_checkpoint()
+
+
+def test_a_long_capture_shows_its_progress(monkeypatch, capsys):
+    """With `progress`, a capture of a prompt of `LONG_CAPTURE` tokens or more draws a bar of the tokens captured,
+    ending at the prompt's captured length; a shorter prompt draws none."""
+    import longstraw
+    from longstraw.testing.models import tiny_model
+    from longstraw.train import rollout
+
+    monkeypatch.setattr(rollout, "LONG_CAPTURE", 100)
+    model = tiny_model("llama")
+    ids = torch.randint(0, 200, (130,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        longstraw.capture(model, ids, chunk_size=32, progress=rollout.capture_bar(ids.numel()))
+    err = capsys.readouterr().err
+    assert "capture" in err and "129/129" in err
+    assert rollout.capture_bar(99) is None
