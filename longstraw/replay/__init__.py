@@ -1,5 +1,7 @@
 """Replay: the responses of a step with autograd against their prompt state, in one of several orders.
 
+- `order`: the one entry point: `choose_order` (once per run, from the config and the memory budget) and
+  `replay_backward` (a row's responses in that order, each one's loss back-propagated), which the trainer calls.
 - `batched.replay_batch`: k responses of one state (the G samples of a row) in one forward and one backward as a
   padded batch, the prompt state read once for the k (their queries folded, `longstraw.ops.attention`); k = 1 is
   `PromptState.replay`, the reference it is held equal to.

@@ -29,6 +29,7 @@ final model from the last checkpoint into a model of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -254,7 +255,10 @@ class Trainer:
             vllm=self._vllm_client(),
             progress=cfg.progress and self.ranks.main,
         )
-        self.update_settings = UpdateSettings.from_config(cfg)
+        settings = UpdateSettings.from_config(cfg)
+        # the replay order, chosen once for the run (`longstraw.replay.order`)
+        order = settings.choose(self.model, cfg.num_generations, self.parallel.step_share(self.model))
+        self.update_settings = dataclasses.replace(settings, order=order)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)
         self.sync_seconds: float | None = None

@@ -3,8 +3,9 @@
 GRPO (`policy_update`): the loss normalizer comes first, from every response's count of policy tokens
 (mask = 1, and 0 for a truncated response when `mask_truncated_completions`); then each context's state
 (the prefix its rows share, `longstraw.train.sharing`: kept by the rollout, or captured again) serves its rows'
-G responses one at a time: replay with autograd after the row's own suffix, the response's share of the batch
-loss, `backward()`, free the graph. In exact mode `state.backward()` then pushes the state gradient accumulated
+G responses in the run's replay order (`longstraw.replay.order`: k at a time, one at a time, by segments, or layer
+by layer): replay with autograd after the row's own suffix, each response's share of the batch loss, `backward()`,
+free the graph. In exact mode `state.backward()` then pushes the state gradient accumulated
 over all the context's rows through the shared prefix, once. The sum of the shares is the batched
 GRPO loss of TRL 1.16 (`longstraw.losses`), so the accumulated gradient is its gradient.
 
@@ -13,7 +14,7 @@ whatever the loss type's normalizer.
 
 Supervised warm-up (`sft_update`): − mean log-prob of the answer tokens (and the stop token).
 
-Memory: the state of one context plus one row suffix and one response's graph at a time.
+Memory: the state of one context plus one row suffix and the graphs of the responses replayed together.
 
 On N processes the stage is handed its rank's part of the step (`share`, a
 `longstraw.distributed.parallelize.StepShare`): each prompt is captured context parallel among `share.context`,
@@ -36,13 +37,12 @@ from ..distributed.parallelize import StepShare
 from ..losses import GRPOLoss
 from ..losses.base import TokenStats
 from ..losses.sampler_correction import SamplerCorrection
-from ..model.capability import layer_plan, model_parts
-from ..model.chunking import AUTO_REPLAY_BUDGET, replay_graph_bytes
+from ..model.capability import model_parts
+from ..model.chunking import AUTO_REPLAY_BUDGET
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState
-from ..replay.batched import batch_size, replay_batch
 from ..replay.layer_major import LayerMajor
-from ..replay.segments import replay_segments
+from ..replay.order import ReplayOrder, choose_order, replay_backward
 from ..tasks import Example
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
@@ -71,6 +71,8 @@ class UpdateSettings:
     replay_batch: int | str = 1
     #: bytes the graphs of the responses replayed together may take with `replay_batch: auto`
     replay_memory: int = AUTO_REPLAY_BUDGET
+    #: the run's replay order, chosen once (`choose`); None: chosen at each step
+    order: ReplayOrder | None = None
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
@@ -97,17 +99,23 @@ class UpdateSettings:
             int(cfg.replay_memory_mb * (1 << 20)),
         )
 
-    def batch(self, model, responses: int) -> int:
-        """k, the responses of a row replayed together (`longstraw.replay.batched.batch_size`): with "auto", as many
-        of `responses` as `replay_memory` holds of one replay's graph (`replay_graph_bytes` of the model at
-        `max_completion_length`; in exact mode a row's own suffix runs in each graph too)."""
-        if self.replay_batch != "auto":
-            return batch_size(self.replay_batch, 1, None, responses)
-        cfg = model_parts(model).config
-        elem = next(model.parameters()).element_size()
-        r = self.max_completion_length
-        graph = replay_graph_bytes(cfg, layer_plan(cfg), elem, r, r, self.checkpoint_layers)
-        return batch_size("auto", graph, self.replay_memory, responses)
+    def choose(self, model, responses: int, share: StepShare) -> ReplayOrder:
+        """The replay order of these settings for `model`, rows of `responses` responses and this rank's `share`
+        (`longstraw.replay.order.choose_order`): whole responses of a row `replay_batch` at a time ("auto": as many
+        as `replay_memory` holds of one replay's graph at `max_completion_length`), one at a time where every forward
+        is a collective (context parallel, sharded layers, spread experts)."""
+        return choose_order(
+            model,
+            responses,
+            self.replay_batch,
+            self.replay_memory,
+            self.max_completion_length,
+            self.checkpoint_layers,
+            self.segment_replay,
+            self.layer_major,
+            collective=share.collective,
+            lockstep=share.lockstep,
+        )
 
 
 def loss_mask(response: Response, settings: UpdateSettings) -> torch.Tensor:
@@ -156,10 +164,9 @@ def policy_update(
         offsets.append(offsets[-1] + len(group.responses))
     own = range(len(rollout.contexts)) if rollout.own_contexts is None else rollout.own_contexts
     last_context = own[-1] if len(own) else -1
-    # responses of a row replayed together, chosen once for the step; one at a time where every forward is a
-    # collective (context parallel, sharded layers, spread experts)
+    # the replay order (`longstraw.replay.order`): the trainer's, chosen once for the run, or one for this step
     most = max((len(g.responses) for g in rollout.groups), default=1)
-    size = 1 if share.collective or share.lockstep else settings.batch(model, most)
+    order = settings.order or settings.choose(model, most, share)
     for c in own:
         ctx = rollout.contexts[c]
         head = rollout.groups[ctx.rows[0]]
@@ -193,47 +200,23 @@ def policy_update(
                         branch.extend(suffix)
                     row_state, suffix = branch, None
                 turns = share.replays(len(group.responses))
-                whole = [k for k in turns if k is not None and not _in_pieces(group.responses[k], settings)]
-                if size > 1 and len(whole) == len(turns):  # a row's responses replayed `size` at a time
-                    for start in range(0, len(whole), size):
-                        at_end = c == last_context and r == len(ctx.rows) - 1 and start + size >= len(whole)
-                        _batch_backward(
-                            row_state,
-                            [group.responses[k] for k in whole[start : start + size]],
-                            [offsets[b] + k for k in whole[start : start + size]],
-                            masks,
-                            rollout.advantages,
-                            norm,
-                            entropy_scale,
-                            loss_fn,
-                            settings,
-                            totals,
-                            share.before_last_backward if at_end and not exact else None,
-                            suffix,
-                        )
-                    turns = []
-                for t, k in enumerate(turns):
-                    # the step's last backward: the last replay of the last context, or its state's reverse pass
-                    at_end = c == last_context and r == len(ctx.rows) - 1 and t == len(turns) - 1
-                    last = share.before_last_backward if at_end and not exact else None
-                    if k is None:  # this rank has no response left in the group: a replay of weight 0 (a collective)
-                        _padding_backward(row_state, group.responses[0], settings, last, suffix, share.collective)
-                        continue
-                    i = offsets[b] + k
-                    _response_backward(
-                        row_state,
-                        group.responses[k],
-                        masks[i],
-                        float(rollout.advantages[i]),
-                        norm[i],
-                        entropy_scale,
-                        loss_fn,
-                        settings,
-                        totals,
-                        last,
-                        suffix,
-                        share.collective,
-                    )
+                at_end = c == last_context and r == len(ctx.rows) - 1
+                _row_backward(
+                    row_state,
+                    group.responses,
+                    [None if k is None else offsets[b] + k for k in turns],
+                    [k or 0 for k in turns],
+                    masks,
+                    rollout.advantages,
+                    norm,
+                    entropy_scale,
+                    loss_fn,
+                    settings,
+                    order,
+                    totals,
+                    share.before_last_backward if at_end and not exact else None,
+                    suffix,
+                )
                 if branch is not None:
                     branch.release()
             if exact and c == last_context and share.before_last_backward is not None:
@@ -275,84 +258,75 @@ def policy_update(
     return metrics
 
 
-def _in_pieces(response: Response, settings: UpdateSettings) -> bool:
-    """Whether `response` is replayed in pieces (layer by layer, or in segments around its environment tokens)."""
-    return settings.layer_major is not None or (settings.segment_replay and bool((response.mask == 0).any()))
-
-
-def _response_backward(
-    state,
-    response: Response,
-    mask: torch.Tensor,
-    advantage: float,
-    scale: float,
-    entropy_scale: float,
-    loss_fn: GRPOLoss,
-    settings: UpdateSettings,
-    totals: _Totals,
-    before_backward=None,
-    suffix: torch.Tensor | None = None,
-    collective: bool = False,
-) -> None:
-    """Replay one response (after its row's `suffix` `[S]`, when its prompt shares a captured prefix), back-propagate
-    its share of the batch loss, free its graph (with `segment_replay`, a response holding environment tokens goes
-    one policy turn at a time: `_segments_backward`; with context parallelism (`collective`) every response goes
-    that way, since the ranks replay their responses in lockstep; with `layer_major`, every response goes one decoder
-    layer at a time)."""
-    if _in_pieces(response, settings) or (settings.segment_replay and collective):
-        return _segments_backward(
-            state, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals, before_backward, suffix
-        )
-    out = state.replay(
-        response.tokens,
-        temperature=settings.temperature,
-        checkpoint_layers=settings.checkpoint_layers,
-        prefix_ids=suffix,
-    )
-    loss, st = _response_loss(out, response, mask, advantage, scale, entropy_scale, loss_fn, settings, totals)
-    if before_backward is not None:
-        before_backward()
-    loss.backward()
-    _add_totals(totals, loss.item(), mask, out.entropy, st)
-
-
-def _batch_backward(
+def _row_backward(
     state,
     responses: list[Response],
-    indices: list[int],
+    indices: list[int | None],
+    which: list[int],
     masks: list[torch.Tensor],
     advantages,
     norm,
     entropy_scale: float,
     loss_fn: GRPOLoss,
     settings: UpdateSettings,
+    order: ReplayOrder,
     totals: _Totals,
     before_backward=None,
     suffix: torch.Tensor | None = None,
 ) -> None:
-    """`_response_backward` for several responses of one row at once (`longstraw.replay.batched.replay_batch`): one
-    forward and one backward of their summed shares of the batch loss (`indices`: their places in the step), each
-    response's loss its own."""
-    outs = replay_batch(
+    """Replay this rank's responses of one row (`responses[which[j]]`, at `indices[j]` in the step; None: a replay of
+    weight 0 that keeps the ranks in step) after its `suffix` on `state` in `order` (`replay_backward`), back-propagate
+    each one's share of the batch loss, and add its statistics to `totals`. A response replayed in pieces gets each
+    piece's share (the token-level surrogate is a sum over tokens, so the shares add up to the response's)."""
+    items = [responses[k] for k in which]
+    kept: list[list] = [[] for _ in items]  # per response: (slice, loss value, token stats) of each piece
+
+    def loss_of(j: int, sl: slice, out) -> torch.Tensor:
+        i, response = indices[j], items[j]
+        if i is None:
+            return out.logprobs.sum() * 0.0
+        if sl.start == 0 and sl.stop == response.tokens.numel() and not order.in_pieces(response.mask):
+            loss, st = _response_loss(
+                out, response, masks[i], float(advantages[i]), norm[i], entropy_scale, loss_fn, settings, totals
+            )
+        else:
+            if response.old_logprobs is None:
+                raise ValueError(
+                    "a response holding environment tokens from an external sampler (rollout_backend: vllm) has no "
+                    "old log-probs to replay segments against: multi-turn rollouts use the own sampler"
+                )
+            ref = None if response.ref_logprobs is None else response.ref_logprobs[sl]
+            loss, st = loss_fn.response_loss(
+                out.logprobs, response.old_logprobs[sl], float(advantages[i]), norm[i], ref_logps=ref, mask=masks[i][sl]
+            )
+            if entropy_scale > 0:
+                loss = loss - entropy_scale * (out.entropy * masks[i][sl]).sum()
+        kept[j].append((sl, loss.item(), st))
+        return loss
+
+    # a weight-0 replay goes whole unless every forward is a collective (its pieces in step with the others')
+    listed = [(r.tokens, r.mask if i is not None or order.collective else None) for r, i in zip(items, indices)]
+    entropies = replay_backward(
         state,
-        [r.tokens for r in responses],
+        listed,
+        loss_of,
+        order,
         temperature=settings.temperature,
         checkpoint_layers=settings.checkpoint_layers,
         prefix_ids=suffix,
+        before_last_backward=before_backward,
     )
-    losses, done = [], []
-    for response, i, out in zip(responses, indices, outs):
-        loss, st = _response_loss(
-            out, response, masks[i], float(advantages[i]), norm[i], entropy_scale, loss_fn, settings, totals
-        )
-        losses.append(loss)
-        done.append((loss, masks[i], out.entropy, st))
-    total = torch.stack(losses).sum()
-    if before_backward is not None:
-        before_backward()
-    total.backward()
-    for loss, mask, entropy, st in done:
-        _add_totals(totals, loss.item(), mask, entropy, st)
+    for j, i in enumerate(indices):
+        if i is None:
+            continue
+        n = masks[i].numel()
+        low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+        kl = torch.zeros(n) if loss_fn.beta > 0 else None
+        for sl, _, st in kept[j]:
+            low[sl], high[sl] = st.low_clipped.expand(sl.stop - sl.start), st.high_clipped.expand(sl.stop - sl.start)
+            if kl is not None and st.kl is not None:
+                kl[sl] = st.kl.expand(sl.stop - sl.start)
+        _add_totals(totals, sum(v for _, v, _ in kept[j]), masks[i], entropies[j], TokenStats(low, high, kl))
 
 
 def _response_loss(
@@ -397,62 +371,6 @@ def _response_loss(
     return loss, st
 
 
-def _segments_backward(
-    state,
-    response: Response,
-    mask,
-    advantage,
-    scale,
-    entropy_scale,
-    loss_fn: GRPOLoss,
-    settings: UpdateSettings,
-    totals: _Totals,
-    before_backward=None,
-    suffix: torch.Tensor | None = None,
-) -> None:
-    """`_response_backward` turn by turn: each policy segment's share of the loss (the token-level surrogate is a sum
-    over tokens, so the shares add up to the response's) back-propagated as soon as it is replayed."""
-    if response.old_logprobs is None:
-        raise ValueError(
-            "a response holding environment tokens from an external sampler (rollout_backend: vllm) has no old "
-            "log-probs to replay segments against: multi-turn rollouts use the own sampler"
-        )
-    loss_value = 0.0
-    stats = []
-
-    def segment_loss(sl, out):
-        nonlocal loss_value
-        ref = None if response.ref_logprobs is None else response.ref_logprobs[sl]
-        loss, st = loss_fn.response_loss(
-            out.logprobs, response.old_logprobs[sl], advantage, scale, ref_logps=ref, mask=mask[sl]
-        )
-        if entropy_scale > 0:
-            loss = loss - entropy_scale * (out.entropy * mask[sl]).sum()
-        loss_value += loss.item()
-        stats.append((sl, st))
-        return loss
-
-    out = replay_segments(
-        state,
-        response.tokens,
-        response.mask,
-        segment_loss,
-        temperature=settings.temperature,
-        checkpoint_layers=settings.checkpoint_layers,
-        prefix_ids=suffix,
-        before_last_backward=before_backward,
-        layer_major=settings.layer_major,
-    )
-    n = mask.numel()
-    low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
-    kl = torch.zeros(n) if loss_fn.beta > 0 else None
-    for sl, st in stats:
-        low[sl], high[sl] = st.low_clipped.expand(sl.stop - sl.start), st.high_clipped.expand(sl.stop - sl.start)
-        if kl is not None and st.kl is not None:
-            kl[sl] = st.kl.expand(sl.stop - sl.start)
-    _add_totals(totals, loss_value, mask, out.entropy, TokenStats(low, high, kl))
-
-
 def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch.Tensor, st) -> None:
     on = mask > 0
     totals.loss += loss
@@ -463,34 +381,6 @@ def _add_totals(totals: _Totals, loss: float, mask: torch.Tensor, entropy: torch
     totals.high += float(st.high_clipped.expand_as(mask)[on].sum())
     if st.kl is not None:
         totals.kl += float(st.kl.expand_as(mask)[on].sum())
-
-
-def _padding_backward(
-    state, response: Response, settings: UpdateSettings, before_backward=None, suffix=None, collective=False
-) -> None:
-    """A replay whose loss has weight 0: the collective replay and its backward run, the gradients get zeros (with
-    `segment_replay` in segments, in step with the other ranks' segmented replays)."""
-    if settings.segment_replay and collective:
-        replay_segments(
-            state,
-            response.tokens,
-            response.mask,
-            lambda sl, out: out.logprobs.sum() * 0.0,
-            temperature=settings.temperature,
-            checkpoint_layers=settings.checkpoint_layers,
-            prefix_ids=suffix,
-            before_last_backward=before_backward,
-        )
-        return
-    out = state.replay(
-        response.tokens,
-        temperature=settings.temperature,
-        checkpoint_layers=settings.checkpoint_layers,
-        prefix_ids=suffix,
-    )
-    if before_backward is not None:
-        before_backward()
-    (out.logprobs.sum() * 0.0).backward()
 
 
 def sft_update(

@@ -91,16 +91,16 @@ def _plain_grpo_loss(loss_type, logp, ent, mask, old, ref, adv, max_len):
 @pytest.mark.parametrize("replay_batch", [1, 3], ids=["serial", "batch-3"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, monkeypatch, loss_type, replay_batch):
-    import longstraw.train.update as update
+    import longstraw.replay.order as order
 
     batches = []
-    inner = update.replay_batch
+    inner = order.replay_batch
 
     def spy(state, responses, *a, **kw):
         batches.append(len(responses))
         return inner(state, responses, *a, **kw)
 
-    monkeypatch.setattr(update, "replay_batch", spy)
+    monkeypatch.setattr(order, "replay_batch", spy)
     trainer = _trainer(tmp_path, loss_type, replay_batch=replay_batch)
     model, params = trainer.model, trainer.params
     rollout = trainer.rollout(0)

@@ -1,0 +1,156 @@
+"""One entry point for every replay order: `choose_order` once per run, `replay_backward` for a row's responses.
+
+A row's responses (a prompt state, or a `Branch` after the row's own question, and G responses of it) are replayed
+with autograd and each one's loss back-propagated, in one of four orders (`ReplayOrder`):
+
+- batched (`batch` = k > 1): k whole responses in one forward and one backward (`batched.replay_batch`), their losses
+  summed; used only when every response of the row is replayed whole;
+- whole: one response at a time (`PromptState.replay` / `Branch.replay`), each its own forward and backward;
+- segments (`segments`): a response holding environment tokens (mask 0) one policy turn at a time
+  (`segments.replay_segments`), the gradient of replaying it whole; on several context-parallel ranks
+  (`collective`) every response goes that way, the ranks in lockstep;
+- layer-major (`layer_major`): every response one decoder layer at a time (`layer_major`).
+
+`replay_backward(state, responses, loss_of, order)` runs them: `loss_of(j, sl, replay)` gets the j-th response's
+slice `sl` (its whole length, or one segment) and the `Replay` of that slice (log-probs and entropies with grad) and
+returns that slice's share of the loss; each share is back-propagated once (a batch's shares summed first). Memory:
+a batch of k holds k replays' graphs (`longstraw.model.chunking.replay_graph_bytes` each), the other orders one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..model.capability import layer_plan, model_parts
+from ..model.chunking import replay_graph_bytes
+from ..prompt_state import Replay
+from .batched import batch_size, replay_batch
+from .layer_major import LayerMajor
+from .segments import replay_segments
+
+LossOf = Callable[[int, slice, Replay], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReplayOrder:
+    """The order a run replays its responses in (see the module doc), chosen once by `choose_order`."""
+
+    #: whole responses of a row replayed together
+    batch: int = 1
+    #: responses with environment tokens replayed one policy turn at a time
+    segments: bool = False
+    #: every response one decoder layer at a time (one process)
+    layer_major: LayerMajor | None = None
+    #: every forward is a collective of several ranks: one response at a time, in lockstep
+    collective: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.batch, int) and self.batch >= 1):
+            raise ValueError(f"ReplayOrder.batch must be an int >= 1; got {self.batch!r}")
+        if self.collective and self.batch > 1:
+            raise ValueError("ReplayOrder: a collective replay goes one response at a time (batch 1)")
+
+    def in_pieces(self, mask: torch.Tensor | None) -> bool:
+        """Whether a response of loss mask `mask` is replayed in pieces (layer by layer, or by segments)."""
+        if self.layer_major is not None:
+            return True
+        return self.segments and (self.collective or (mask is not None and bool((mask == 0).any())))
+
+    @property
+    def name(self) -> str:
+        if self.layer_major is not None:
+            return "layer-major"
+        if self.batch > 1:
+            return f"batched ({self.batch})"
+        return "whole, segments where tools answered" if self.segments else "whole"
+
+
+def choose_order(
+    model,
+    responses: int,
+    replay_batch: int | str = 1,
+    replay_memory: int | None = None,
+    completion_length: int = 256,
+    checkpoint_layers: bool = False,
+    segments: bool = False,
+    layer_major: LayerMajor | None = None,
+    collective: bool = False,
+    lockstep: bool = False,
+) -> ReplayOrder:
+    """The order for a run of `model` whose rows have `responses` responses each: `replay_batch` an int (≥ 1), or
+    "auto": as many as `replay_memory` bytes hold of one replay's graph at `completion_length` tokens
+    (`replay_graph_bytes`); 1 when every forward is a collective (`collective`: context parallel; `lockstep`:
+    sharded layers, spread experts) or the responses go in pieces (`layer_major`)."""
+    if collective or lockstep or layer_major is not None:
+        batch = 1
+    elif replay_batch == "auto":
+        cfg = model_parts(model).config
+        elem = next(model.parameters()).element_size()
+        graph = replay_graph_bytes(cfg, layer_plan(cfg), elem, completion_length, completion_length, checkpoint_layers)
+        batch = batch_size("auto", graph, replay_memory, responses)
+    else:
+        batch = batch_size(replay_batch, 1, None, responses)
+    return ReplayOrder(batch, segments, layer_major, collective)
+
+
+def replay_backward(
+    state,
+    responses: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    loss_of: LossOf,
+    order: ReplayOrder,
+    temperature: float = 1.0,
+    checkpoint_layers: bool = False,
+    prefix_ids: torch.Tensor | None = None,
+    before_last_backward: Callable[[], None] | None = None,
+) -> list[torch.Tensor]:
+    """Replay each of `responses` ((token ids `[T_j]`, loss mask `[T_j]` or None), all after `prefix_ids` on
+    `state`) in `order` and back-propagate its loss (`loss_of`, see the module doc); returns each response's entropies
+    `[T_j]`, detached. `before_last_backward`: called once, just before the last backward of this call."""
+    n = len(responses)
+    if n == 0:
+        return []
+    pieces = [order.in_pieces(mask) for _, mask in responses]
+    entropies: list[torch.Tensor] = []
+    if order.batch > 1 and not any(pieces):
+        k = order.batch
+        for start in range(0, n, k):
+            part = list(range(start, min(start + k, n)))
+            outs = replay_batch(
+                state,
+                [responses[j][0] for j in part],
+                temperature=temperature,
+                checkpoint_layers=checkpoint_layers,
+                prefix_ids=prefix_ids,
+            )
+            total = torch.stack([loss_of(j, slice(0, int(out.logprobs.numel())), out) for j, out in zip(part, outs)])
+            if before_last_backward is not None and part[-1] == n - 1:
+                before_last_backward()
+            total.sum().backward()
+            entropies += [out.entropy.detach() for out in outs]
+        return entropies
+    for j, (tokens, mask) in enumerate(responses):
+        last = before_last_backward if j == n - 1 else None
+        if pieces[j]:
+            out = replay_segments(
+                state,
+                tokens,
+                mask if mask is not None else torch.ones(len(tokens)),
+                lambda sl, seg, j=j: loss_of(j, sl, seg),
+                temperature=temperature,
+                checkpoint_layers=checkpoint_layers,
+                prefix_ids=prefix_ids,
+                before_last_backward=last,
+                layer_major=order.layer_major,
+            )
+            entropies.append(out.entropy.detach())
+            continue
+        out = state.replay(tokens, temperature=temperature, checkpoint_layers=checkpoint_layers, prefix_ids=prefix_ids)
+        loss = loss_of(j, slice(0, int(out.logprobs.numel())), out)
+        if last is not None:
+            last()
+        loss.backward()
+        entropies.append(out.entropy.detach())
+    return entropies
