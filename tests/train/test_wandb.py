@@ -5,6 +5,7 @@ under `output_dir/wandb`, read back here from the run's `.wandb` file with wandb
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,18 @@ def history(run_file: Path) -> tuple[str, list[dict]]:
             elif rec.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
     return str(run_id), rows
+
+
+def settled(run_file: Path, rows: int, timeout_s: float = 60.0) -> tuple[str, list[dict]]:
+    """`history(run_file)` once it holds its run record and `rows` history rows: wandb's service process writes the
+    file and may still be writing it when `wandb.finish` returns (seen on a loaded machine: a resumed run's file read
+    without its run record); after `timeout_s`, whatever it holds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = history(run_file)
+        if (got[0] != "None" and len(got[1]) >= rows) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.25)
 
 
 class StopAt2(TrainerCallback):
@@ -84,7 +97,7 @@ def test_report_to_wandb_logs_every_step_under_trls_names_and_a_resume_continues
     out = tmp_path / "run"
     runs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2
-    read = [history(p) for p in runs]
+    read = [settled(p, rows=2) for p in runs]
     assert read[0][0] == read[1][0] == (out / "wandb" / "run_id").read_text()
     rows = [r for _, part in read for r in part]
     jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
