@@ -25,8 +25,9 @@ Phases (`--phases`, in order; each records its rows as it measures them and is s
   interrupted run resumes there (the trainer's own resume);
 - `after:L` — the trained adapter (the run's last checkpoint) on the same held-out questions as `base:L`.
 
-Each row keeps the machine's 1-minute load average when it was recorded (`load`): times measured with more runnable
-processes than threads are not this machine's rates (`bench/plan_time.py` leaves them out).
+Each row keeps the process's CPU seconds beside its wall seconds (`cpu_s`, `capture_cpu_s`) and the 1-minute load
+average: a stage that had its THREADS cores to itself used about THREADS CPU seconds per second; one that shared them
+used fewer, and its time is not this machine's (`bench/plan_time.py` leaves such rows out).
 
 The gain: paired bootstrap over the held-out questions (95 %, 2,000 resamples); accuracies with Wilson intervals.
 """
@@ -214,8 +215,10 @@ def train(args, work: Path, rows: list[dict], out: Path) -> None:
     trainer = Trainer(config(args, work, args.train_length, run))
     t0 = time.perf_counter()
 
+    c0 = time.process_time()
+
     def on_step(m: dict) -> bool:
-        nonlocal t0
+        nonlocal t0, c0
         row = dict(
             kind="step",
             step=m["step"],
@@ -227,12 +230,13 @@ def train(args, work: Path, rows: list[dict], out: Path) -> None:
             reused=m.get("state_reuses", 0),
             peak_rss_gb=peak_rss_gb(),
             load=os.getloadavg()[0],
+            cpu_s=time.process_time() - c0,
             **{k: v for k, v in m.items() if k.startswith("time_") or k.startswith("state_")},
         )
         if m["step"] in done:  # a step redone after a resume from an earlier checkpoint: the new numbers replace it
             rows[:] = [r for r in rows if not (r.get("kind") == "step" and r["step"] == m["step"])]
         record(rows, row, out)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         return False
 
     trainer.train(on_step=on_step)
@@ -271,7 +275,7 @@ def evaluate(args, work: Path, rows: list[dict], out: Path, which: str, length: 
                 continue
             prompts = [trainer.encode(ex.prompt) for ex in doc]
             shared = min(common_prefix_length(prompts[0], p) for p in prompts)
-            w0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.process_time()
 
             def show(done: int, total: int) -> None:
                 print(f"\r{which}:{length} document {d + 1}/{len(docs)}: captured {done:,}/{total:,} tokens "
@@ -280,7 +284,7 @@ def evaluate(args, work: Path, rows: list[dict], out: Path, which: str, length: 
             per_row = []
             with torch.no_grad(), capture(trainer.model, prompts[0][:shared], chunk_size=trainer.cfg.chunk_size,
                                           progress=show) as state:
-                capture_s = time.perf_counter() - w0
+                capture_s, capture_cpu_s = time.perf_counter() - w0, time.process_time() - c0
                 print(file=sys.stderr)
                 with contextlib.ExitStack() as stack:
                     branches = [stack.enter_context(state.fork()) for _ in doc]
@@ -296,7 +300,7 @@ def evaluate(args, work: Path, rows: list[dict], out: Path, which: str, length: 
                                         correct=float(score)))
                 state_bytes = state.nbytes
             record(rows, dict(kind="doc", phase=which, length=length, doc=d, step=step, prompt_tokens=int(prompts[0].numel()),
-                              capture_s=capture_s, eval_s=time.perf_counter() - w0, state_bytes=state_bytes,
+                              capture_s=capture_s, capture_cpu_s=capture_cpu_s, eval_s=time.perf_counter() - w0, state_bytes=state_bytes,
                               peak_rss_gb=peak_rss_gb(), load=os.getloadavg()[0], per_row=per_row), out)
         trainer.close()
 

@@ -217,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also predict the capture, step and run time (`longstraw.tools.step_time`; this machine's rates are "
         "measured once, a few seconds, and cached)",
     )
+    pl.add_argument(
+        "--products-only",
+        dest="products_only",
+        action="store_true",
+        help="with --time, count the matrix products alone (a floor), not what the model spends outside them "
+        "(measured on the model itself at a 2K prompt by default: it is loaded once, tens of seconds, cached)",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     vs = sub.add_parser(
         "vllm-serve",

@@ -142,7 +142,7 @@ def _plan_time(args):
         rates = published_rates(args.gpu)
     else:
         print("longstraw: this machine's rates (measured once for these widths, then cached) ...", file=sys.stderr)
-        rates = calibrate(args.model, args.dtype)
+        rates = calibrate(args.model, args.dtype, overheads=not args.products_only)
     pc = PlanConfig(
         args.model,
         args.P,

@@ -27,20 +27,26 @@ small ops) is not counted: measured stages ran 1.2–3× these floors before the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
 
+from ..api import capture
 from ..model.capability import layer_plan
 from ..model.chunking import auto_chunk_size, config_value, dimensions
 from ..ops.attention import Part, prompt_backward, prompt_forward
 from ..paths import cache_dir
+from ..ragged import sample_branches
+from ..replay.batched import replay_batch
 from .planner import PlanConfig, load_config, plan
 
 STAGES = ("capture", "sample", "replay")
@@ -57,6 +63,10 @@ class Rates:
     copy: float
     source: str
     measured: bool = True
+    #: seconds outside the matrix products, measured on the model itself (`measure_overheads`): per prompt token
+    #: (`capture`), per replayed token (`replay`), per decode step (`decode_step`) and per decode step and row
+    #: (`decode_row`); None: not counted
+    overheads: dict | None = None
 
     def __post_init__(self):
         for name in ("matmul", "attention"):
@@ -204,6 +214,11 @@ def predict_time(
         + 6 * d["q"] * pairs / rates.attention_backward
         + 2 * batches * state / rates.copy
     ) / ranks
+    if rates.overheads is not None:  # what is not a matrix product: per token, decode step and row
+        o = rates.overheads
+        capture += o["capture"] * p / pc.context_parallel
+        sample += (r * (o["decode_step"] + o["decode_row"] * rows) + o["capture"] * suffix) / ranks
+        replay += o["replay"] * tokens / ranks
     trainable = plan(pc).optimizer  # bytes of the trainable weights, their gradients and moments
     optimizer = 2 * trainable / rates.copy
     step = capture / recapture_every + sample + replay + optimizer
@@ -245,7 +260,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192) -> Rates:
+def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192, overheads: bool = False) -> Rates:
     """This machine's rates at `model`'s widths (a config, folder or tiny family name) in `dtype`, with torch's
     current threads: `torch.mm` on each stage's linear shape (capture: a chunk of tokens; sample: the Q·G = 64 rows
     of a decode step, through the LM head; replay: 8 × 16 response tokens) and the attention kernels on `keys` prompt
@@ -259,9 +274,10 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192) 
     kv_heads = max(1, d["kv"] // head_dim)
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     threads = torch.get_num_threads()
-    key = (
-        f"{_cpu_name()}|{threads}|{torch.__version__}|{dtype}|{d['h']}-{d['q']}-{d['kv']}-{d['i']}-{d['vocab']}|{keys}"
-    )
+    widths = "-".join(str(d[n]) for n in ("h", "q", "kv", "i", "vocab", "layers"))
+    source = str(Path(model).resolve()) if isinstance(model, (str, Path)) and Path(model).exists() else str(model)
+    # the overheads are the model's own: its folder (or its family's name) is in the key
+    key = f"{_cpu_name()}|{threads}|{torch.__version__}|{dtype}|{widths}|{keys}|{overheads and source}"
     path = cache_dir("rates") / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json") if cache else None
     if path is not None and path.is_file():
         got = json.loads(path.read_text())
@@ -314,6 +330,83 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192) 
         copy,
         f"{_cpu_name()}, {threads} threads, torch {torch.__version__}, {dtype}, measured",
     )
+    if overheads:
+        rates = replace(rates, overheads=measure_overheads(model, cfg, dtype, rates))
     if path is not None:
         path.write_text(json.dumps({"key": key, "rates": asdict(rates)}, indent=1))
     return rates
+
+
+#: the prompt, decode and replay sizes `measure_overheads` runs the model at
+OVERHEAD_PROMPT, OVERHEAD_STEPS, OVERHEAD_ROWS, OVERHEAD_REPLAY = 2048, 16, (1, 8), (8, 16)
+#: G of the decode: each of OVERHEAD_ROWS questions (branches of the prompt) decodes this many rows
+OVERHEAD_G = 8
+#: a model of more parameters than this is not run from its config alone (its overheads are not counted)
+OVERHEAD_MAX_PARAMS = 1_000_000_000
+
+
+def _overhead_model(source, cfg, dtype: str):
+    """The model `measure_overheads` runs: a local folder's weights, else random weights from the config (a tiny
+    family, a config.json), LoRA r 16 on every linear layer (the trainer's default); None where it cannot be built
+    here or is too large to build from a config."""
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    try:
+        if isinstance(source, (str, Path)) and (Path(source) / "config.json").exists():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=tdtype)
+        else:
+            d = dimensions(cfg)
+            if 2 * d["vocab"] * d["h"] + linear_per_token(cfg) > OVERHEAD_MAX_PARAMS:
+                return None
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype)
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    except Exception:  # a config transformers cannot build from alone (a multimodal wrapper, a remote class)
+        return None
+
+
+def measure_overheads(source, cfg, dtype: str, rates: Rates) -> dict | None:
+    """Seconds outside the matrix products per unit of each stage (`Rates.overheads`), measured on the model itself
+    (`_overhead_model`) through longstraw's own code: it captures OVERHEAD_PROMPT tokens, decodes OVERHEAD_STEPS
+    steps of 1 and of 8 questions × OVERHEAD_G rows (branches of the prompt, decoded together as the trainer does)
+    and replays 8 responses of 16 tokens together with backward; each time less `predict_time`'s products for the
+    same work, per prompt token (`capture`), decode step (`decode_step`) and step and row (`decode_row`), and
+    replayed token (`replay`). None where the model cannot be run here."""
+    model = _overhead_model(source, cfg, dtype)
+    if model is None:
+        return None
+    vocab = min(dimensions(cfg)["vocab"], 32000)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (OVERHEAD_PROMPT,), generator=g)
+    with torch.no_grad():
+        cap_s = _best(lambda: capture(model, prompt).release(), reps=2)
+    prompt_q = OVERHEAD_PROMPT + 8  # the decode reads the prompt and a question's 8 tokens
+    base = PlanConfig(cfg, prompt_q, num_generations=OVERHEAD_G, completion_length=OVERHEAD_STEPS, dtype=dtype)
+    bare = replace(rates, overheads=None)
+    out = {"capture": max(0.0, cap_s - predict_time(base, bare).capture) / OVERHEAD_PROMPT}
+    state = capture(model, prompt)
+    try:
+        per_step = []
+        for q in OVERHEAD_ROWS:
+            with contextlib.ExitStack() as stack, torch.no_grad():
+                branches = [stack.enter_context(state.fork()) for _ in range(q)]
+                for b in branches:  # each question's own tokens (not timed: the capture's cost per token)
+                    b.extend(torch.randint(0, vocab, (8,), generator=g))
+                took = _best(lambda bs=branches: sample_branches(bs, OVERHEAD_G, OVERHEAD_STEPS, generator=g), reps=3)
+            products = predict_time(base, bare, questions=q).sample
+            per_step.append(max(0.0, took - products) / OVERHEAD_STEPS)
+        (q1, q8), (r1, r8) = OVERHEAD_ROWS, per_step
+        out["decode_row"] = max(0.0, (r8 - r1) / ((q8 - q1) * OVERHEAD_G))
+        out["decode_step"] = max(0.0, r1 - out["decode_row"] * q1 * OVERHEAD_G)
+        k, n = OVERHEAD_REPLAY
+        responses = [torch.randint(0, vocab, (n,), generator=g) for _ in range(k)]
+
+        def replay():
+            outs = replay_batch(state, responses)
+            torch.stack([o.logprobs.sum() for o in outs]).sum().backward()
+
+        rep_s = _best(replay, reps=2)
+        plan_k = replace(base, prompt_length=OVERHEAD_PROMPT, num_generations=k, completion_length=n, replay_batch=k)
+        out["replay"] = max(0.0, rep_s - predict_time(plan_k, bare).replay) / (k * n)
+    finally:
+        state.release()
+    return out

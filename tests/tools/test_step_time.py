@@ -103,3 +103,25 @@ def test_plan_prints_the_times_and_a_gpu_estimate_labelled(tmp_path, monkeypatch
     text = run("--gpu", "h100")
     assert "estimate from published peak rates" in text and "run (10 steps)" in text
     assert published_rates("h100").measured is False
+
+
+def test_overheads_add_per_token_step_and_row_and_are_measured_on_the_models_code():
+    """Measured overheads add their seconds per prompt token, decode step, decode step and row, and replayed token to
+    the products' time; `measure_overheads` measures them on the model itself (here a tiny llama from its config),
+    non-negative and finite."""
+    from dataclasses import replace
+
+    from longstraw.testing.models import tiny_config
+    from longstraw.tools.step_time import measure_overheads
+
+    cfg = tiny_model("gemma3_text").config
+    every = {s: 1e9 for s in ("capture", "sample", "replay")}
+    bare = Rates(every, dict(every), 1e9, 1e9, "test")
+    o = {"capture": 1e-3, "decode_step": 2e-3, "decode_row": 3e-5, "replay": 5e-4}
+    pc = PlanConfig(cfg, 300, num_generations=4, completion_length=8, dtype="fp32", row_suffix=5)
+    plain, more = predict_time(pc, bare, questions=2), predict_time(pc, replace(bare, overheads=o), questions=2)
+    assert more.capture - plain.capture == pytest.approx(300 * 1e-3)
+    assert more.sample - plain.sample == pytest.approx(8 * (2e-3 + 8 * 3e-5) + 2 * 5 * 1e-3)
+    assert more.replay - plain.replay == pytest.approx(8 * 8 * 5e-4)
+    got = measure_overheads("llama", tiny_config("llama"), "fp32", bare)
+    assert set(got) == set(o) and all(0 <= v < 1 for v in got.values())
