@@ -42,6 +42,7 @@ import os
 import random
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,8 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--Q", type=int, default=16, help="questions per training document (rows per step)")
     ap.add_argument("--eval-Q", type=int, default=16, help="questions per held-out document")
     ap.add_argument("--eval-docs", type=int, default=4, help="held-out documents per length")
-    ap.add_argument("--G", type=int, default=4, help="responses per question")
+    ap.add_argument("--G", type=int, default=8, help="responses per question")
+    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the GRPO responses")
     ap.add_argument("--R", type=int, default=16, help="max_completion_length")
     ap.add_argument("--steps", type=int, default=48, help="GRPO steps")
     ap.add_argument("--steps-per-document", type=int, default=4, help="steps each training document stays")
@@ -93,7 +95,16 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("phases", "redraw", "threads")}
     setup = next((r for r in rows if r.get("kind") == "setup"), None)
     if setup is not None and setup["settings"] != settings:
-        raise SystemExit(f"{out}.json was measured with other settings ({setup['settings']}); give another --tag")
+        # the held-out scores of the base model depend on the held-out settings alone: a changed training setting
+        # keeps them (and drops the steps and scores of a run trained otherwise)
+        held = ("eval_Q", "eval_docs", "R", "dtype", "seed")
+        if any(setup["settings"].get(k) != settings[k] for k in held) or (work / "run" / "checkpoints").exists():
+            raise SystemExit(f"{out}.json was measured with other settings ({setup['settings']}); give another --tag")
+        rows[:] = [r for r in rows if r.get("kind") == "doc" and r["phase"] == "base"]
+        rows.insert(0, {**setup, "settings": settings, "training_changed_from": setup["settings"]})
+        shutil.rmtree(work / "run", ignore_errors=True)
+        if any(setup["settings"].get(k) != settings[k] for k in ("Q", "steps", "steps_per_document", "train_length")):
+            (work / "data" / f"train-{args.train_length}.jsonl").unlink(missing_ok=True)
     if setup is None:
         command = "python bench/long_context_curve.py" + "".join(
             f" {a}" if a.startswith("--") else f" {shlex.quote(a)}" for a in sys.argv[1:]
@@ -190,6 +201,7 @@ def config(args, work: Path, length: int, output_dir: Path, eval_path: Path | No
         num_steps=args.steps,
         max_completion_length=args.R,
         learning_rate=args.learning_rate,
+        temperature=args.temperature,
         recapture_every=args.steps_per_document,
         dtype=args.dtype,
         threads=args.threads,
