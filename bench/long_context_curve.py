@@ -21,7 +21,8 @@ Phases (`--phases`, in order; each records its rows as it measures them and is s
 - `base:L` — the base model's greedy held-out accuracy at length L: EVAL_DOCS documents never trained on (other seeds),
   EVAL_Q questions each, each document captured once and its questions answered on branches of that state, decoded together;
 - `train` — GRPO at TRAIN_LENGTH: Q questions of one document per step (`rows_per_context: Q`), the document kept for
-  STEPS_PER_DOCUMENT steps (`recapture_every`), G responses each; a checkpoint at each document's last step, so an
+  STEPS_PER_DOCUMENT steps (`recapture_every`), G responses each, those of advantage 0 not replayed
+  (`skip_zero_advantage`: the same gradient; most groups early on); a checkpoint at each document's last step, so an
   interrupted run resumes there (the trainer's own resume);
 - `after:L` — the trained adapter (the run's last checkpoint) on the same held-out questions as `base:L`.
 
@@ -67,6 +68,11 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-docs", type=int, default=4, help="held-out documents per length")
     ap.add_argument("--G", type=int, default=8, help="responses per question")
     ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the GRPO responses")
+    ap.add_argument(
+        "--replay-all",
+        action="store_true",
+        help="replay every response (default: not those of advantage 0, `skip_zero_advantage`: the same gradient)",
+    )
     ap.add_argument("--R", type=int, default=16, help="max_completion_length")
     ap.add_argument("--steps", type=int, default=48, help="GRPO steps")
     ap.add_argument("--steps-per-document", type=int, default=4, help="steps each training document stays")
@@ -202,6 +208,7 @@ def config(args, work: Path, length: int, output_dir: Path, eval_path: Path | No
         max_completion_length=args.R,
         learning_rate=args.learning_rate,
         temperature=args.temperature,
+        skip_zero_advantage=not args.replay_all,
         recapture_every=args.steps_per_document,
         dtype=args.dtype,
         threads=args.threads,

@@ -258,6 +258,13 @@ class TrainConfig:
         "with replay_batch: auto, what the graphs of the responses replayed together may take (MiB); independent "
         "of the prompt's length",
     )
+    skip_zero_advantage: bool = _f(
+        False,
+        "do not replay responses whose advantage is 0 (every response of a group with equal rewards): with beta 0 and "
+        "entropy_coef 0 their loss and gradient are 0, so the gradient is unchanged; the step's entropy and "
+        "clip_ratio metrics then cover the replayed responses only. Not under context parallelism or FSDP2 (their "
+        "replays go in step across ranks)",
+    )
     reward_weights: list = _f([], "weight per reward function (empty: all 1)")
     entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef · mean token entropy from the loss")
     sft_warmup_steps: int = _f(0, "supervised steps on the answers before GRPO (cross-entropy of answer tokens)")
@@ -528,6 +535,11 @@ class TrainConfig:
         need(
             self.entropy_coef >= 0 and self.sft_warmup_steps >= 0 and self.warmup_steps >= 0,
             "entropy_coef, sft_warmup_steps and warmup_steps must be >= 0",
+        )
+        need(
+            not self.skip_zero_advantage or (self.beta == 0 and self.entropy_coef == 0),
+            "skip_zero_advantage needs beta: 0 and entropy_coef: 0 (a KL or entropy term has a gradient where the "
+            "advantage is 0)",
         )
 
     # ------------------------------------------------------------------ io

@@ -73,6 +73,8 @@ class UpdateSettings:
     replay_memory: int = AUTO_REPLAY_BUDGET
     #: the run's replay order, chosen once (`choose`); None: chosen at each step
     order: ReplayOrder | None = None
+    #: responses of advantage 0 not replayed (their loss and gradient are 0 with beta 0 and no entropy bonus)
+    skip_zero_advantage: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> UpdateSettings:
@@ -97,6 +99,7 @@ class UpdateSettings:
             correction,
             cfg.replay_batch,
             int(cfg.replay_memory_mb * (1 << 20)),
+            skip_zero_advantage=cfg.skip_zero_advantage,
         )
 
     def choose(self, model, responses: int, share: StepShare) -> ReplayOrder:
@@ -200,6 +203,16 @@ def policy_update(
                         branch.extend(suffix)
                     row_state, suffix = branch, None
                 turns = share.replays(len(group.responses))
+                if settings.skip_zero_advantage and not (share.collective or share.lockstep):
+                    # a response of advantage 0 adds 0 to the loss and the gradient (beta 0, no entropy bonus); its
+                    # old log-probs are the sampler's (a first replay would have to set them otherwise)
+                    turns = [
+                        k
+                        for k in turns
+                        if k is None
+                        or float(rollout.advantages[offsets[b] + k]) != 0.0
+                        or group.responses[k].old_logprobs is None
+                    ]
                 at_end = c == last_context and r == len(ctx.rows) - 1
                 _row_backward(
                     row_state,

@@ -211,3 +211,51 @@ def test_num_iterations_replays_one_rollout_against_the_moved_policy_as_trl(tmp_
     floor = [(a.double() - b).norm().item() for a, b in zip(trl, trl64)]
     _assert_within_floor(got, trl, floor, rel_err(flat(trl), flat(trl64)))
     assert trainer.rollout(2) is not rollout and trainer.generation(2) == 1
+
+
+def _one_group_flat():
+    """A reward that is the same for every response of the first prompt it sees (advantage 0 there) and varies
+    within the other groups."""
+    first: list = []
+
+    def reward(prompts, completions, completion_ids, **kw):
+        first[:] = first or [prompts[0]]
+        return [1.0 if p == first[0] else float(sum(ids) % 7) for p, ids in zip(prompts, completion_ids)]
+
+    return reward
+
+
+def test_skip_zero_advantage_replays_fewer_responses_for_the_same_gradient(tmp_path, monkeypatch):
+    """`skip_zero_advantage` (beta 0, no entropy bonus): a group whose rewards are equal is not replayed, and the
+    step's gradient is the one replaying every response gives (their loss terms are 0); with beta > 0 it is refused."""
+    import longstraw.replay.order as order
+
+    replayed = []
+    inner = order.replay_batch
+    monkeypatch.setattr(order, "replay_batch", lambda state, rs, *a, **kw: replayed.append(len(rs)) or inner(
+        state, rs, *a, **kw))
+    grads = {}
+    for skip in (False, True):
+        cfg = TrainConfig(model="llama", output_dir=str(tmp_path / str(skip)), prompt_length=20,
+                          task_options={"num_pairs": 4, "num_values": 8}, num_steps=1, num_generations=4,
+                          prompts_per_step=2, max_completion_length=4, lora=True, beta=0.0, entropy_coef=0.0,
+                          prompt_grad="detached", temperature=0.9, progress=False, threads=1, seed=3,
+                          skip_zero_advantage=skip)
+        trainer = Trainer(cfg, reward_funcs=[_one_group_flat()])
+        rollout = trainer.rollout(0)
+        adv = rollout.advantages.view(2, 4)
+        assert (adv[0] == 0).all() and (adv[1] != 0).any()
+        with torch.no_grad():  # ratios ≠ 1
+            g = torch.Generator().manual_seed(0)
+            for p in trainer.params:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for p in trainer.params:
+            p.grad = None
+        replayed.clear()
+        trainer.update(rollout)
+        grads[skip] = [p.grad.clone() for p in trainer.params]
+        assert sum(replayed) == (4 if skip else 8)
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="skip_zero_advantage needs beta"):
+        TrainConfig(model="llama", beta=0.1, skip_zero_advantage=True)
