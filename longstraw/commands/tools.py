@@ -143,6 +143,12 @@ def _plan_time(args):
     else:
         print("longstraw: this machine's rates (measured once for these widths, then cached) ...", file=sys.stderr)
         rates = calibrate(args.model, args.dtype, overheads=not args.products_only)
+        if "busy machine" in rates.source:
+            print(
+                f"longstraw: warning: {rates.source}: the times below are not this machine's; run again on quiet "
+                "cores (the rates are not cached)",
+                file=sys.stderr,
+            )
     pc = PlanConfig(
         args.model,
         args.P,

@@ -283,6 +283,7 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192, 
         got = json.loads(path.read_text())
         if got.get("key") == key:
             return Rates(**got["rates"])
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     def mm(m, k, n):
         a, b = torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype)
@@ -332,9 +333,17 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192, 
     )
     if overheads:
         rates = replace(rates, overheads=measure_overheads(model, cfg, dtype, rates))
+    busy = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    if threads > 1 and busy < BUSY_FRACTION * threads:
+        # other processes had the cores: these rates are not this machine's; said, and not cached
+        return replace(rates, source=f"{rates.source} on a busy machine ({busy:.1f} CPU s per s of {threads} threads)")
     if path is not None:
         path.write_text(json.dumps({"key": key, "rates": asdict(rates)}, indent=1))
     return rates
+
+
+#: a calibration whose process got less than this fraction of its threads' CPU time shared the cores with others
+BUSY_FRACTION = 0.75
 
 
 #: the prompt, decode and replay sizes `measure_overheads` runs the model at

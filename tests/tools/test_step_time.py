@@ -125,3 +125,20 @@ def test_overheads_add_per_token_step_and_row_and_are_measured_on_the_models_cod
     assert more.replay - plain.replay == pytest.approx(8 * 8 * 5e-4)
     got = measure_overheads("llama", tiny_config("llama"), "fp32", bare)
     assert set(got) == set(o) and all(0 <= v < 1 for v in got.values())
+
+
+def test_rates_measured_on_a_busy_machine_are_said_so_and_not_cached(tmp_path, monkeypatch):
+    """A calibration whose process got a fraction of its threads' CPU time (here: none, the CPU clock held still)
+    labels its rates as measured on a busy machine and leaves nothing in the cache."""
+    import longstraw.tools.step_time as step_time
+
+    monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path))
+    monkeypatch.setattr(step_time.time, "process_time", lambda: 0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rates = calibrate("llama", "fp32", keys=1024)
+    finally:
+        torch.set_num_threads(threads)
+    assert "busy machine" in rates.source
+    assert not list((tmp_path / "rates").glob("*.json"))
