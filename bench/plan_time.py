@@ -82,6 +82,9 @@ def measured_points() -> list[dict]:
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     import torch
 
     from _bench import finish, record
