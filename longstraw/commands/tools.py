@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -100,30 +101,30 @@ def cmd_check(args) -> int:
 
 def cmd_plan(args) -> int:
     """Per-rank memory breakdown of a run from a model's config (see `longstraw.tools.planner`)."""
-    result = plan(
-        PlanConfig(
-            args.model,
-            args.P,
-            num_generations=args.G,
-            completion_length=args.R,
-            prompt_grad=args.prompt_grad,
-            dtype=args.dtype,
-            state_dtype=args.state_dtype,
-            state_offload=args.offload,
-            lora_rank=args.lora_rank,
-            chunk_size=args.chunk_size,
-            context_parallel=args.context_parallel,
-            fsdp=args.fsdp,
-            expert_parallel=args.expert_parallel,
-            checkpoint_layers=args.checkpoint_layers,
-            device_memory_gib=args.device_memory_gib,
-            row_suffix=args.row_suffix,
-            replay_batch=args.replay_batch,
-        )
+    pc = PlanConfig(
+        args.model,
+        args.P,
+        num_generations=args.G,
+        completion_length=args.R,
+        prompt_grad=args.prompt_grad,
+        dtype=args.dtype,
+        state_dtype=args.state_dtype,
+        state_offload=args.offload,
+        lora_rank=args.lora_rank,
+        chunk_size=args.chunk_size,
+        context_parallel=args.context_parallel,
+        fsdp=args.fsdp,
+        expert_parallel=args.expert_parallel,
+        checkpoint_layers=args.checkpoint_layers,
+        device_memory_gib=args.device_memory_gib,
+        row_suffix=args.row_suffix,
+        replay_batch=args.replay_batch,
     )
+    result = plan(pc)
     timed = None
     if args.time or args.gpu or args.Q or args.recapture_every or args.steps:
-        timed = _plan_time(args)
+        # the time of the same run; the state read from device memory (offloaded or not: it is read each step)
+        timed = _plan_time(args, dataclasses.replace(pc, state_offload=False))
     if args.json:
         data = json.loads(result.to_json())
         if timed is not None:
@@ -136,7 +137,7 @@ def cmd_plan(args) -> int:
     return 1 if result.fits is False else 0
 
 
-def _plan_time(args):
+def _plan_time(args, pc: PlanConfig):
     """`longstraw plan`'s time prediction: this machine's rates (measured once, cached) or a GPU's published ones."""
     if args.gpu:
         rates = published_rates(args.gpu)
@@ -149,22 +150,6 @@ def _plan_time(args):
                 "cores (the rates are not cached)",
                 file=sys.stderr,
             )
-    pc = PlanConfig(
-        args.model,
-        args.P,
-        num_generations=args.G,
-        completion_length=args.R,
-        prompt_grad=args.prompt_grad,
-        dtype=args.dtype,
-        state_dtype=args.state_dtype,
-        lora_rank=args.lora_rank,
-        chunk_size=args.chunk_size,
-        context_parallel=args.context_parallel,
-        fsdp=args.fsdp,
-        expert_parallel=args.expert_parallel,
-        row_suffix=args.row_suffix,
-        replay_batch=args.replay_batch,
-    )
     return predict_time(pc, rates, args.Q or 1, args.recapture_every or 1, args.steps or 1)
 
 

@@ -202,7 +202,8 @@ def predict_time(
     dec_lin = 2 * lin * rows * r + 2 * d["h"] * d["vocab"] * rows * r + 2 * lin * suffix
     pairs = rows * keys_seen(cfg, p + pc.row_suffix, p + pc.row_suffix + r)
     dec_att = 4 * d["q"] * (pairs + keys_seen(cfg, p, p + pc.row_suffix) * questions)
-    state = plan(pc).durable_state
+    planned = plan(pc)  # the durable state's and the optimizer's bytes
+    state = planned.durable_state
     sample = (dec_lin / rates.matmul["sample"] + dec_att / rates.attention["sample"] + r * state / rates.copy) / ranks
     # replay: forward and input-gradient backward of every response
     tokens = rows * r
@@ -219,7 +220,7 @@ def predict_time(
         capture += o["capture"] * p / pc.context_parallel
         sample += (r * (o["decode_step"] + o["decode_row"] * rows) + o["capture"] * suffix) / ranks
         replay += o["replay"] * tokens / ranks
-    trainable = plan(pc).optimizer  # bytes of the trainable weights, their gradients and moments
+    trainable = planned.optimizer  # bytes of the trainable weights, their gradients and moments
     optimizer = 2 * trainable / rates.copy
     step = capture / recapture_every + sample + replay + optimizer
     settings = {
