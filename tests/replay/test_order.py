@@ -16,6 +16,7 @@ from longstraw.replay.order import ReplayOrder, choose_order, replay_backward
 
 from ..conftest import assert_grads_close, make_model, tokens
 from ..test_equivalence import FP32_GRAD_TOL
+from .test_batched import _grads
 
 WEIGHTS = [0.7, -1.2, 0.4]
 MASKS = [[1, 1, 0, 0, 1, 1], [1, 1], [1, 1, 1, 1, 1, 1, 1]]
@@ -27,14 +28,6 @@ ORDERS = {
     "segments": ReplayOrder(segments=True),
     "layer-major": ReplayOrder(layer_major=LayerMajor(1, 2)),
 }
-
-
-def _grads(model, fn):
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    fn()
-    return [None if p.grad is None else p.grad.clone() for p in params]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
