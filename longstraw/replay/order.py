@@ -19,6 +19,7 @@ a batch of k holds k replays' graphs (`longstraw.model.chunking.replay_graph_byt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -138,7 +139,7 @@ def replay_backward(
                 state,
                 tokens,
                 mask if mask is not None else torch.ones(len(tokens)),
-                lambda sl, seg, j=j: loss_of(j, sl, seg),
+                functools.partial(loss_of, j),
                 temperature=temperature,
                 checkpoint_layers=checkpoint_layers,
                 prefix_ids=prefix_ids,
