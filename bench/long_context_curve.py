@@ -24,7 +24,12 @@ Phases (`--phases`, in order; each records its rows as it measures them and is s
   STEPS_PER_DOCUMENT steps (`recapture_every`), G responses each, those of advantage 0 not replayed
   (`skip_zero_advantage`: the same gradient; most groups early on); a checkpoint at each document's last step, so an
   interrupted run resumes there (the trainer's own resume);
-- `after:L` — the trained adapter (the run's last checkpoint) on the same held-out questions as `base:L`.
+- `after:L` — the trained adapter (the run's last checkpoint) on the same held-out questions as `base:L`;
+- `anatomy:L` — the step's anatomy at length L: ANATOMY_STEPS GRPO steps of the base model on the first held-out
+  document's questions (the document captured at the first step, kept for the others and probed for drift before each,
+  `recapture_drift`), every response replayed, the adapter thrown away: each stage's seconds, peak RSS (the
+  process's high-water mark reset at the phase's start) and state bytes; the table gives them per step and amortized
+  over the document's steps (capture every STEPS_PER_DOCUMENT) and rows.
 
 Each row keeps the process's CPU seconds beside its wall seconds (`cpu_s`, `capture_cpu_s`) and the 1-minute load
 average: a stage that had its THREADS cores to itself used about THREADS CPU seconds per second; one that shared them
@@ -57,11 +62,18 @@ from real_learning_curve import paired_bootstrap, wilson  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 NATIVE = 32_768  # Gemma 3 270M's max_position_embeddings
-DEFAULT_PHASES = ["base:65536", "train", "after:65536", "base:131072", "after:131072", "base:32768"]
+DEFAULT_PHASES = [
+    "base:65536", "train", "after:65536", "base:131072", "after:131072", "base:32768",
+    "anatomy:32768", "anatomy:65536", "anatomy:131072",
+]
+#: steps of an `anatomy:L` phase: one capture, then reuses of the kept state, each probed for drift first
+ANATOMY_STEPS = 3
+#: `recapture_drift` in the anatomy phases: the probe runs and is timed, and never asks for a new capture
+NEVER_RECAPTURE = 1e9
 
 
 def flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--phases", nargs="+", default=DEFAULT_PHASES, help="base:L, train, after:L, in order")
+    ap.add_argument("--phases", nargs="+", default=DEFAULT_PHASES, help="base:L, train, after:L, anatomy:L, in order")
     ap.add_argument("--train-length", type=int, default=65_536, help="training prompt positions (prompt + R)")
     ap.add_argument("--Q", type=int, default=16, help="questions per training document (rows per step)")
     ap.add_argument("--eval-Q", type=int, default=16, help="questions per held-out document")
@@ -122,7 +134,10 @@ def main() -> None:
             train(args, work, rows, out)
         else:
             which, length = phase.split(":")
-            evaluate(args, work, rows, out, which, int(length))
+            if which == "anatomy":
+                anatomy(args, work, rows, out, int(length))
+            else:
+                evaluate(args, work, rows, out, which, int(length))
         finish(rows, out, _plot, _table)
 
 
@@ -324,6 +339,103 @@ def evaluate(args, work: Path, rows: list[dict], out: Path, which: str, length: 
         trainer.close()
 
 
+def _reset_peak_rss() -> None:
+    """Start the process's resident high-water mark (VmHWM) afresh (Linux: `clear_refs` 5)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _vm_hwm_gb() -> float:
+    """The process's resident high-water mark since the last `_reset_peak_rss` (ru_maxrss where /proc is absent)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return peak_rss_gb()
+
+
+def anatomy(args, work: Path, rows: list[dict], out: Path, length: int) -> None:
+    """ANATOMY_STEPS GRPO steps at `length` on the first held-out document (see the module doc); one row per step. A
+    phase that stopped part way is measured again from its first step (its capture is the step that matters)."""
+    import dataclasses
+
+    from longstraw.train.trainer import Trainer
+
+    got = [r for r in rows if r.get("kind") == "anatomy" and r["length"] == length]
+    if len(got) >= ANATOMY_STEPS:
+        return
+    rows[:] = [r for r in rows if not (r.get("kind") == "anatomy" and r["length"] == length)]
+    held = rows_file(args, work, "eval", length).read_text().splitlines(keepends=True)[: args.eval_Q]
+    path = work / "data" / f"anatomy-{length}.jsonl"
+    path.write_text("".join(held) * ANATOMY_STEPS)
+    _reset_peak_rss()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dataclasses.replace(
+            config(args, work, length, Path(tmp), eval_path=path),
+            num_steps=ANATOMY_STEPS,
+            skip_zero_advantage=False,
+            recapture_drift=NEVER_RECAPTURE,
+            save_every=ANATOMY_STEPS,
+        )
+        trainer = Trainer(cfg)
+        t0, c0 = time.perf_counter(), time.process_time()
+
+        def on_step(m: dict) -> bool:
+            nonlocal t0, c0
+            record(rows, dict(
+                kind="anatomy", length=length, step=m["step"], prompt_tokens=m["prompt_length"], Q=args.eval_Q,
+                G=args.G, R=args.R, captured=m.get("state_captures"), reused=m.get("state_reuses"),
+                state_bytes=m.get("durable_bytes"), drift=m.get("state_drift"), wall_s=time.perf_counter() - t0,
+                cpu_s=time.process_time() - c0, peak_rss_gb=_vm_hwm_gb(), load=os.getloadavg()[0],
+                **{k: v for k, v in m.items() if k.startswith("time_")},
+            ), out)
+            t0, c0 = time.perf_counter(), time.process_time()
+            return False
+
+        trainer.train(on_step=on_step)
+        trainer.close()
+
+
+def _anatomy_table(rows: list[dict], steps_per_document: int) -> list[str]:
+    """Per length: the capture step and the mean of the reuse steps, then a step amortized over the document's steps
+    (one capture per `steps_per_document`, a probe before each reuse) and per row."""
+    got = sorted((r for r in rows if r.get("kind") == "anatomy"), key=lambda r: (r["length"], r["step"]))
+    if not got:
+        return []
+    k = steps_per_document
+    lines = [
+        "",
+        f"The step's anatomy (`anatomy:L`: the base model, one held-out document's questions, every response replayed; "
+        f"seconds; amortized = capture / {k} + probe × {k - 1} / {k} + sample + replay + optimizer):",
+        "",
+        "| length | prompt tokens | Q × G | capture | drift probe | sample | replay | optimizer | step, amortized | per row "
+        "| state MiB | peak RSS GB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for length in sorted({r["length"] for r in got}):
+        part = [r for r in got if r["length"] == length]
+        first = [r for r in part if r.get("captured")]
+        reuse = [r for r in part if not r.get("captured")]
+        if not first or not reuse:
+            continue
+
+        def mean(key: str, rs=reuse) -> float:
+            return sum(r.get(key) or 0.0 for r in rs) / len(rs)
+
+        cap, probe = first[0]["time_capture"], mean("time_capture")
+        sample = mean("time_sample", part)
+        replay = mean("time_replay", part)
+        opt = mean("time_optimizer", part)
+        step = cap / k + probe * (k - 1) / k + sample + replay + opt
+        q = part[0]["Q"]
+        lines.append(
+            f"| {length:,} | {part[0]['prompt_tokens']:,} | {q} × {part[0]['G']} | {cap:.1f} | {probe:.2f} | "
+            f"{sample:.1f} | {replay:.1f} | {opt:.2f} | {step:.1f} | {step / q:.2f} | "
+            f"{(part[0]['state_bytes'] or 0) / 2**20:.1f} | {max(r['peak_rss_gb'] for r in part):.2f} |"
+        )
+    return lines
+
+
 def points(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
     """(phase, length) → its documents' rows, in document order."""
     got: dict[tuple[str, int], list[dict]] = {}
@@ -378,6 +490,7 @@ def _table(rows: list[dict]) -> str:
                 f"{sum(r['wall_s'] for r in part) / len(part):.1f} | {sum(r['captured'] or 0 for r in part)} | "
                 f"{sum(r['reused'] or 0 for r in part)} | {max(r['peak_rss_gb'] for r in part):.2f} |"
             )
+    lines += _anatomy_table(rows, s.get("steps_per_document", 4))
     return "\n".join(lines)
 
 

@@ -5,9 +5,10 @@
 The measured times come from results already in bench/results (run on quiet cores, 2 threads, fp32, LoRA r 16):
 - `step_anatomy-smollm2.json`, `step_anatomy-gemma3.json` (`bench/step_anatomy.py`): capture of the document,
   sampling of Q × G responses, their batched replay (a row's G together), at SmolLM2 6K and Gemma 3 16K;
-- `long_context_curve.json` (`bench/long_context_curve.py`): Gemma 3's held-out captures at 32K / 64K / 128K and the
-  GRPO steps at 64K (the trainer's own stage timers: `time_capture`, `time_sample`, `time_replay`), the rows measured
-  on quiet cores only (≥ QUIET_CPU_PER_S CPU seconds per second of the 2-thread process).
+- `long_context_curve.json` (`bench/long_context_curve.py`): Gemma 3's held-out captures at 32K / 64K / 128K, the
+  GRPO steps at 64K (the trainer's own stage timers: `time_capture`, `time_sample`; their replay leaves out the
+  groups of advantage 0) and the anatomy steps at 32K / 64K / 128K (capture, sampling and the replay of every
+  response), the rows measured on quiet cores only (≥ QUIET_CPU_PER_S CPU seconds per second of the 2-thread process).
 The predictions: `longstraw.tools.step_time.predict_time` at each measured configuration with this machine's rates
 (`calibrate`, measured afresh here, 2 threads), i.e. what `longstraw plan MODEL --P P --G G --R R --Q Q --dtype fp32
 --replay-batch k --time` prints (with what is not a matrix product, measured on the model itself at a 2K prompt:
@@ -33,7 +34,7 @@ def quiet(row: dict) -> bool:
     """Whether a long_context_curve row was measured on quiet cores (its CPU seconds per wall second)."""
     if row.get("kind") == "doc":
         return row.get("capture_cpu_s", 0.0) >= QUIET_CPU_PER_S * row["capture_s"]
-    if row.get("kind") == "step":
+    if row.get("kind") in ("step", "anatomy"):
         return row.get("cpu_s", 0.0) >= QUIET_CPU_PER_S * row["wall_s"]
     return True
 
@@ -66,6 +67,13 @@ def measured_points() -> list[dict]:
             if r.get("kind") == "doc":
                 out.append(dict(model="gemma3", P=r["prompt_tokens"], row_suffix=0, Q=1, G=1, R=1, replay_batch=1,
                                 stage="capture", seconds=r["capture_s"], source=f"{path.name} ({r['phase']} doc)"))
+        for r in rows:
+            if r.get("kind") == "anatomy":  # every response replayed (the GRPO steps skip those of advantage 0)
+                base = dict(model="gemma3", P=r["prompt_tokens"], row_suffix=0, Q=r["Q"], G=r["G"], R=r["R"],
+                            replay_batch=r["G"], source=f"{path.name} (anatomy step {r['step']})")
+                if r.get("captured"):
+                    out.append(dict(base, stage="capture", seconds=r["time_capture"]))
+                out += [dict(base, stage=stage, seconds=r[f"time_{stage}"]) for stage in ("sample", "replay")]
         steps = [r for r in rows if r.get("kind") == "step"]
         if steps:
             P = steps[0]["prompt_tokens"]
@@ -74,7 +82,7 @@ def measured_points() -> list[dict]:
             caps = [r["time_capture"] for r in steps if r.get("captured") and r.get("time_capture")]
             if caps:
                 out.append(dict(base, stage="capture", seconds=sum(caps) / len(caps)))
-            for stage in ("sample", "replay"):
+            for stage in ("sample",):  # their replay leaves out the groups of advantage 0: not Q × G responses
                 got = [r[f"time_{stage}"] for r in steps if r.get(f"time_{stage}")]
                 if got:
                     out.append(dict(base, stage=stage, seconds=sum(got) / len(got)))
