@@ -7,8 +7,12 @@ are divided by it; `scale` is what the causal-LM class multiplies the logits by,
 
 For an `nn.Linear` head `ChunkedLogprobs` walks token chunks and, within each, vocabulary chunks
 with an online log-sum-exp; it saves only its inputs (references), the log-sum-exp and the entropy,
-and recomputes the logits chunk by chunk in backward. Memory: O(token_chunk · vocab_chunk) floats
-transient, O(T) saved, instead of O(T · V) saved by `log_softmax(logits)`. Any other head module
+and recomputes the logits chunk by chunk in backward. A frozen head (LoRA: no gradient to the head)
+goes through `LogprobsGradInForward`: the log-probs' gradient w.r.t. the hidden states accumulated in
+the same walk, so that backward does no product (two per tile in all, not three: a third of a Gemma 3
+replay's LM head), and the entropies' gradient, when a loss reads them, through `EntropyGrad`.
+Memory: O(token_chunk · vocab_chunk) floats transient, O(T) saved (O(T · H) for a frozen head), instead
+of O(T · V) saved by `log_softmax(logits)`. Any other head module
 (e.g. a PEFT-wrapped one) goes through activation checkpointing per token chunk: O(token_chunk · V)
 transient.
 
@@ -102,61 +106,148 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        temperature, softcap, token_chunk, vocab_chunk, scale = ctx.args
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh, dw, db = _tiles_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, ctx.args,
+                                     ctx.needs_input_grad[:3])
+        return dh, dw, db, None, None, None, None, None, None
+
+
+class LogprobsGradInForward(torch.autograd.Function):
+    """(logp, lse, entropy `[T]`) for a frozen `nn.Linear` head (no gradient to its weight or bias) whose hidden states
+    need one: ∂logp_t/∂h_t is computed in the forward walk, so backward is elementwise.
+
+    With u = scale · (W h + b), z = softcap · tanh(u / softcap) / temperature (each part optional),
+    ∂logp_y/∂h = (scale / temperature) · ((1 − t_y²) W_y − Σ_k p_k (1 − t_k²) W_k), t = tanh(u / softcap). The sum
+    is accumulated tile by tile beside the online log-sum-exp (Σ e^{z_k − m} (1 − t_k²) W_k, rescaled as m grows,
+    divided by Σ e^{z − m} at the end): one more product per tile in forward, none in backward, where
+    `ChunkedLogprobs` recomputes each tile's logits and multiplies back (two). Saves `[T, H]` floats. The entropy's
+    gradient is `EntropyGrad`'s, paid only when the loss reads the entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale=None):
         t_total, v_total = hidden.shape[0], weight.shape[0]
         f = dict(device=hidden.device, dtype=_acc(hidden))
-        dh = torch.zeros(hidden.shape, **f) if need_h else None
-        dw = torch.zeros(weight.shape, **f) if need_w else None
-        db = torch.zeros(v_total, **f) if need_b else None
+        logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
+        pw = torch.empty(hidden.shape, **f)  # Σ_k p_k (1 − t_k²) W_k
+        ty = torch.empty(t_total, **f) if softcap is not None else None  # tanh at the target
         for t0 in range(0, t_total, token_chunk):
-            sl = slice(t0, t0 + token_chunk)
-            h, y = hidden[sl], targets[sl]
-            glp = g_logp[sl].to(f["dtype"]) if g_logp is not None else None
-            gen = g_ent[sl].to(f["dtype"]) if g_ent is not None else None
+            h = hidden[t0 : t0 + token_chunk]
+            y = targets[t0 : t0 + token_chunk]
+            n = h.shape[0]
+            m = torch.full((n,), float("-inf"), **f)
+            l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
+            s = torch.zeros(n, **f)
+            acc = torch.zeros(n, hidden.shape[1], **f)
             for v0 in range(0, v_total, vocab_chunk):
                 w = weight[v0 : v0 + vocab_chunk]
-                b = None if bias is None else bias[v0 : v0 + vocab_chunk]
-                z, tanh = _logits(h, w, b, temperature, softcap, scale)
-                logp_tile = z.sub_(lse[sl, None])  # z is not read again
-                p = torch.exp(logp_tile)
-                # dz = −p · (g_logp + g_ent · (log p + H)) + g_logp at the target, written into p's and log p's place
-                if gen is not None:
-                    coef = logp_tile.add_(ent[sl, None]).mul_(gen[:, None])
-                    if glp is not None:
-                        coef.add_(glp[:, None])
-                    dz = p.mul_(coef).neg_()
-                elif glp is not None:
-                    dz = p.mul_(glp[:, None]).neg_()
-                else:
-                    dz = p.zero_()
-                if glp is not None:  # (no data-dependent indexing: nothing waits on the device)
-                    inside = (y >= v0) & (y < v0 + z.shape[1])
-                    idx = (y - v0).clamp(0, z.shape[1] - 1)
-                    dz.scatter_add_(1, idx[:, None], torch.where(inside, glp, torch.zeros_like(glp))[:, None])
-                du = dz if temperature == 1.0 else dz / temperature
-                if tanh is not None:
-                    du = du * (1 - tanh * tanh)
-                if scale is not None:
-                    du = du * scale
+                z, tanh = _logits(h, w, None if bias is None else bias[v0 : v0 + vocab_chunk], temperature, softcap,
+                                  scale)
+                m_new = torch.maximum(m, z.amax(-1))
+                alpha = torch.exp(m - m_new)
+                inside = (y >= v0) & (y < v0 + z.shape[1])
+                idx = (y - v0).clamp(0, z.shape[1] - 1)
+                zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
+                e = torch.sub(z, m_new[:, None]).exp_()
+                l = l * alpha + e.sum(-1)
+                ew = e if tanh is None else e * (1 - tanh * tanh)
                 mm = _mm_dtype(h, w)
-                if need_h:
-                    dh[sl] += (du.to(mm) @ w.to(mm)).to(dh.dtype)
-                if need_w:
-                    dw[v0 : v0 + vocab_chunk] += (du.t().to(mm) @ h.to(mm)).to(dw.dtype)
-                if need_b:
-                    db[v0 : v0 + vocab_chunk] += du.sum(0)
-        return (
-            None if dh is None else dh.to(hidden.dtype),
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+                acc.mul_(alpha[:, None]).add_((ew.to(mm) @ w.to(mm)).to(acc.dtype))
+                s = s * alpha + e.mul_(z).sum(-1)
+                m = m_new
+            lse_c = m + torch.log(l)
+            lse[t0 : t0 + n] = lse_c
+            logp[t0 : t0 + n] = zy - lse_c
+            ent[t0 : t0 + n] = lse_c - s / l
+            pw[t0 : t0 + n] = acc / l[:, None]
+            if ty is not None:
+                ty[t0 : t0 + n] = zy * temperature / softcap
+        ctx.save_for_backward(weight, targets, pw, ty)
+        ctx.factor = (1.0 if scale is None else scale) / temperature
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(lse, ent)
+        ctx.set_materialize_grads(False)
+        return logp, lse, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_lse, g_ent):
+        if g_logp is None:
+            return (None,) * 9
+        weight, targets, pw, ty = ctx.saved_tensors
+        wy = weight[targets].to(pw.dtype)
+        if ty is not None:
+            wy = wy * (1 - ty * ty)[:, None]
+        dh = (wy - pw).mul_((g_logp.to(pw.dtype) * ctx.factor)[:, None])
+        return dh.to(ctx.hidden_dtype), None, None, None, None, None, None, None, None
+
+
+class EntropyGrad(torch.autograd.Function):
+    """The entropies of `LogprobsGradInForward` (`ent`, computed there) with their gradient w.r.t. the hidden states:
+    the logits recomputed tile by tile in backward (`_tiles_backward`), only when the loss reads the entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, lse, ent, args):
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.args = args
+        return ent.clone()
+
+    @staticmethod
+    def backward(ctx, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        dh, dw, db = _tiles_backward(hidden, weight, bias, targets, lse, ent, None, g_ent, ctx.args,
+                                     ctx.needs_input_grad[:3])
+        return dh, dw, db, None, None, None, None
+
+
+def _tiles_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, args, needs):
+    """(dh, dw, db) of `ChunkedLogprobs`: the logits recomputed tile by tile, ∂/∂z of the log-probs and entropies."""
+    temperature, softcap, token_chunk, vocab_chunk, scale = args
+    need_h, need_w, need_b = needs
+    t_total, v_total = hidden.shape[0], weight.shape[0]
+    f = dict(device=hidden.device, dtype=_acc(hidden))
+    dh = torch.zeros(hidden.shape, **f) if need_h else None
+    dw = torch.zeros(weight.shape, **f) if need_w else None
+    db = torch.zeros(v_total, **f) if need_b else None
+    for t0 in range(0, t_total, token_chunk):
+        sl = slice(t0, t0 + token_chunk)
+        h, y = hidden[sl], targets[sl]
+        glp = g_logp[sl].to(f["dtype"]) if g_logp is not None else None
+        gen = g_ent[sl].to(f["dtype"]) if g_ent is not None else None
+        for v0 in range(0, v_total, vocab_chunk):
+            w = weight[v0 : v0 + vocab_chunk]
+            b = None if bias is None else bias[v0 : v0 + vocab_chunk]
+            z, tanh = _logits(h, w, b, temperature, softcap, scale)
+            logp_tile = z.sub_(lse[sl, None])  # z is not read again
+            p = torch.exp(logp_tile)
+            # dz = −p · (g_logp + g_ent · (log p + H)) + g_logp at the target, written into p's and log p's place
+            if gen is not None:
+                coef = logp_tile.add_(ent[sl, None]).mul_(gen[:, None])
+                if glp is not None:
+                    coef.add_(glp[:, None])
+                dz = p.mul_(coef).neg_()
+            elif glp is not None:
+                dz = p.mul_(glp[:, None]).neg_()
+            else:
+                dz = p.zero_()
+            if glp is not None:  # (no data-dependent indexing: nothing waits on the device)
+                inside = (y >= v0) & (y < v0 + z.shape[1])
+                idx = (y - v0).clamp(0, z.shape[1] - 1)
+                dz.scatter_add_(1, idx[:, None], torch.where(inside, glp, torch.zeros_like(glp))[:, None])
+            du = dz if temperature == 1.0 else dz / temperature
+            if tanh is not None:
+                du = du * (1 - tanh * tanh)
+            if scale is not None:
+                du = du * scale
+            mm = _mm_dtype(h, w)
+            if need_h:
+                dh[sl] += (du.to(mm) @ w.to(mm)).to(dh.dtype)
+            if need_w:
+                dw[v0 : v0 + vocab_chunk] += (du.t().to(mm) @ h.to(mm)).to(dw.dtype)
+            if need_b:
+                db[v0 : v0 + vocab_chunk] += du.sum(0)
+    return (
+        None if dh is None else dh.to(hidden.dtype),
+        None if dw is None else dw.to(weight.dtype),
+        None if db is None else db.to(bias.dtype),
+    )
 
 
 def _module_chunk(lm_head, h, y, temperature, softcap, scale=None):
@@ -195,17 +286,13 @@ def chunked_logprobs(
     if token_chunk < 1 or vocab_chunk < 1:
         raise ValueError("token_chunk and vocab_chunk must be >= 1")
     if type(lm_head) is torch.nn.Linear:
-        return ChunkedLogprobs.apply(
-            hidden,
-            lm_head.weight,
-            lm_head.bias,
-            targets,
-            float(temperature),
-            softcap,
-            int(token_chunk),
-            int(vocab_chunk),
-            scale,
-        )
+        weight, bias = lm_head.weight, lm_head.bias
+        args = (float(temperature), softcap, int(token_chunk), int(vocab_chunk), scale)
+        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+        if frozen and hidden.requires_grad and torch.is_grad_enabled():
+            logp, lse, ent = LogprobsGradInForward.apply(hidden, weight, bias, targets, *args)
+            return logp, EntropyGrad.apply(hidden, weight, bias, targets, lse, ent, args)
+        return ChunkedLogprobs.apply(hidden, weight, bias, targets, *args)
     parts = [
         checkpoint(
             _module_chunk,

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw.ops.logprobs import chunked_logprobs
 
@@ -109,3 +110,43 @@ def test_no_full_logits_saved():
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
         chunked_logprobs(hidden, head, targets, token_chunk=8, vocab_chunk=50)
     assert max(x.numel() for x in saved) < 64 * 200
+
+
+
+@pytest.mark.parametrize("t,h,v,tc,vc,temp,softcap,bias", CASES)
+@pytest.mark.parametrize("loss", ["logp", "entropy", "both"])
+def test_frozen_head_gradient_matches_reference(t, h, v, tc, vc, temp, softcap, bias, loss):
+    """A head without gradient (LoRA) takes the path that computes ∂logp/∂h in forward; the hidden states' gradient
+    is the plain log-softmax's, whichever outputs the loss reads."""
+    head, hidden, targets = _setup(t, h, v, bias)
+    head.requires_grad_(False)
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(t, generator=g) * (loss != "entropy")
+    b = torch.randn(t, generator=g) * (loss != "logp")
+    lp, ent = chunked_logprobs(hidden, head, targets, temperature=temp, softcap=softcap, token_chunk=tc, vocab_chunk=vc)
+    rlp, rent = reference_logprobs(hidden, head, targets, temperature=temp, softcap=softcap)
+    assert rel_err(lp, rlp) <= TOL and rel_err(ent, rent) <= TOL
+    (got,) = torch.autograd.grad((a * lp + b * ent).sum(), [hidden])
+    (ref,) = torch.autograd.grad((a * rlp + b * rent).sum(), [hidden])
+    assert rel_err(got, ref) <= GRAD_TOL
+
+
+def test_frozen_head_scale_and_backward_without_products():
+    """The causal-LM class's logit `scale` enters the forward-computed gradient; with the entropy unread, backward
+    runs no matrix product (the head's products all in forward: two per tile), with it read it recomputes the tiles."""
+    head, hidden, targets = _setup(21, 12, 70, True)
+    head.requires_grad_(False)
+    lp, ent = chunked_logprobs(hidden, head, targets, scale=0.37, token_chunk=8, vocab_chunk=16)
+    scaled = torch.nn.Linear(12, 70)
+    with torch.no_grad():
+        scaled.weight.copy_(head.weight * 0.37)
+        scaled.bias.copy_(head.bias * 0.37)
+    rlp, _ = reference_logprobs(hidden, scaled, targets)
+    with FlopCounterMode(display=False) as counted:
+        (got,) = torch.autograd.grad(lp.sum(), [hidden], retain_graph=True)
+    (ref,) = torch.autograd.grad(rlp.sum(), [hidden])
+    assert rel_err(got, ref) <= GRAD_TOL
+    assert counted.get_total_flops() == 0
+    with FlopCounterMode(display=False) as counted:
+        torch.autograd.grad(ent.sum(), [hidden])
+    assert counted.get_total_flops() == 2 * (2 * 21 * 70 * 12)  # the logits again and their product with the head
