@@ -298,22 +298,25 @@ def decode(
             positions = (row_start[active] + t)[:, None]
         cache.reserve(max_new_tokens - t - 1 + after)  # the own K/V grow in place (`BranchCache.reserve`)
         hidden = run_decoder(parts, step_input, positions, cache)[:, -1]
-        logits = parts.logits(hidden).float()
+        z = parts.logits(hidden).float()  # this step's own tensor: scaled in place
+        if temperature not in (0, 1):
+            z.div_(temperature)
+        # the distribution's weights e^{z − max} (unnormalised) and log Σ: a pass for the max, one for the weights
+        # and one for their sum, where a log-softmax and its exp took four and a float64 copy
+        m = z.amax(-1, keepdim=True)
+        weights = torch.sub(z, m).exp_()
+        lse = m.squeeze(-1) + weights.sum(-1).log_()
         if temperature == 0:
-            scored = torch.log_softmax(logits, -1)
-            chosen = (logits if banned is None else logits.masked_fill(banned, float("-inf"))).argmax(-1)
+            chosen = (z if banned is None else z.masked_fill(banned, float("-inf"))).argmax(-1)
         else:
-            z = logits / temperature
-            scored = torch.log_softmax(z, -1)
-            if banned is not None:
-                z = z.masked_fill(banned, float("-inf"))
             if top_k or top_p < 1.0:
-                weights = torch.softmax(filter_logits(z, top_k, top_p), -1)
-            else:  # the distribution itself: exp(log-softmax), without a second pass over the vocabulary
-                weights = scored.exp() if banned is None else scored.exp().masked_fill(banned, 0.0)
+                masked = z if banned is None else z.masked_fill(banned, float("-inf"))
+                weights = torch.softmax(filter_logits(masked, top_k, top_p), -1)
+            elif banned is not None:
+                weights.masked_fill_(banned, 0.0)
             chosen = _draw(weights, generator if gens is None else [gens[i] for i in active.tolist()])
         tokens[active, t] = chosen
-        logps[active, t] = scored.gather(-1, chosen[:, None]).squeeze(-1)
+        logps[active, t] = z.gather(-1, chosen[:, None]).squeeze(-1) - lse
         if not stop.numel() and caps is None:  # nothing can stop a row: no check, no host synchronisation per token
             step_input = chosen[:, None]
             continue
@@ -344,34 +347,65 @@ def decode(
     )
 
 
-def _draw(weights: torch.Tensor, generator) -> torch.Tensor:
+#: tokens per block of the two-level draw (`_inverse_transform`): the block's cumulative sum is the only one taken
+DRAW_BLOCK = 2048
+
+
+def _draw(weights: torch.Tensor, generator, block: int = DRAW_BLOCK) -> torch.Tensor:
     """One token per row of `weights` `[B, V]` (≥ 0, each row's sum > 0; a token of weight 0 is never drawn), token
     i with probability weights[i] / Σ weights: with one generator (or None) for all rows, or a list, one per row
-    (rows of the same generator drawn together in row order). By inverse transform: one uniform number per row from
-    its generator, the first token whose cumulative weight (in float64) passes it; `torch.multinomial` draws an
-    exponential number per token instead (`reference_draw`), ~1/3 of a 64-row decode step on SmolLM2's vocabulary."""
+    (rows of the same generator draw together, in row order). By inverse transform: one uniform number per row from
+    its generator, the first token whose cumulative weight passes it (`_inverse_transform`); `torch.multinomial`
+    draws an exponential number per token instead (`reference_draw`), ~1/3 of a 64-row decode step on SmolLM2's
+    vocabulary."""
+    u = torch.empty(weights.shape[0], 1, dtype=torch.float64, device=weights.device)
     if not isinstance(generator, list):
-        return _inverse_transform(weights, generator)
-    chosen = torch.empty(weights.shape[0], dtype=torch.long, device=weights.device)
-    order: dict[int, list[int]] = {}
-    for i, g in enumerate(generator):
-        order.setdefault(id(g), []).append(i)
-    for rows in order.values():
-        idx = torch.tensor(rows, device=weights.device)
-        chosen[idx] = _inverse_transform(weights[idx], generator[rows[0]])
-    return chosen
+        u.uniform_(generator=generator)
+    else:
+        order: dict[int, list[int]] = {}
+        for i, g in enumerate(generator):
+            order.setdefault(id(g), []).append(i)
+        for rows in order.values():
+            idx = torch.tensor(rows, device=weights.device)
+            u[idx] = torch.rand(len(rows), 1, generator=generator[rows[0]], dtype=torch.float64, device=u.device)
+    return _inverse_transform(weights, u, block)
 
 
-def _inverse_transform(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """`[B]` tokens drawn from the rows of `weights` `[B, V]` by inverse transform (see `_draw`)."""
-    cdf = weights.to(torch.float64).cumsum_(-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, dtype=torch.float64, device=weights.device)
-    chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    over = chosen >= weights.shape[-1]  # u · total rounded up to the total: the last token of positive weight
+def _block_sums(weights: torch.Tensor, block: int) -> torch.Tensor:
+    """`[B, ⌈V / block⌉]` float64 sums of consecutive `block` tokens (the last block shorter), summed in the
+    weights' dtype (no float64 copy of the `[B, V]` weights)."""
+    b, v = weights.shape
+    full = v // block
+    parts = [weights[:, : full * block].reshape(b, full, block).sum(-1)] if full else []
+    if v > full * block:
+        parts.append(weights[:, full * block :].sum(-1, keepdim=True))
+    return torch.cat(parts, -1).to(torch.float64)
+
+
+def _inverse_transform(weights: torch.Tensor, u: torch.Tensor, block: int = DRAW_BLOCK) -> torch.Tensor:
+    """`[B]` tokens drawn from the rows of `weights` `[B, V]` at the uniform numbers `u` `[B, 1]` (float64) by inverse
+    transform, in two levels: the block whose cumulative sum first passes u · total (float64 over the block sums),
+    then the token inside it whose cumulative weight (float64, over that block alone) first passes what is left. One
+    pass over the weights (the block sums) instead of a float64 copy and a cumulative sum of all of them. A remainder
+    that rounding puts at or past a block's own total takes the block's last token of positive weight."""
+    b, v = weights.shape
+    cdf = _block_sums(weights, block).cumsum_(-1)
+    x = u * cdf[:, -1:]
+    k = torch.searchsorted(cdf, x, right=True)
+    over = k >= cdf.shape[1]  # u · total rounded up to the total: the last block of positive weight
     if bool(over.any()):
-        last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).to(torch.uint8).argmax(-1)
-        chosen = torch.where(over, last, chosen)
-    return chosen
+        last = cdf.shape[1] - 1 - (cdf.diff(dim=-1, prepend=torch.zeros_like(cdf[:, :1])) > 0).flip(-1).to(
+            torch.uint8).argmax(-1, keepdim=True)
+        k = torch.where(over, last, k)
+    x = x - torch.where(k > 0, cdf.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(x))
+    cols = k * block + torch.arange(block, device=weights.device)  # `[B, block]` the chosen block's tokens
+    inner = weights.gather(1, cols.clamp(max=v - 1)).masked_fill_(cols >= v, 0).to(torch.float64)
+    j = torch.searchsorted(inner.cumsum(-1), x, right=True)
+    past = j >= block
+    if bool(past.any()):
+        last = block - 1 - (inner > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+        j = torch.where(past, last, j)
+    return (k * block + j).squeeze(-1)
 
 
 def reference_draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

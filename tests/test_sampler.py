@@ -181,6 +181,27 @@ def test_a_draw_follows_its_weights(draw):
     assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
 
 
+def test_a_two_level_draw_follows_its_weights_across_blocks():
+    """The draw's two levels (a block by its cumulative sum, then a token inside it) over 43 tokens in blocks of 8:
+    a block of zeros, zeros inside blocks, a short last block. 200,000 draws pass the same chi-square test as
+    `test_a_draw_follows_its_weights`; no token of weight 0 is drawn. A remainder carried into the wrong block (or
+    a block's offset dropped) fails it."""
+    from longstraw.sampler import _draw
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.rand(43, generator=g) ** 4 * 1000 + 0.05
+    w[8:16] = 0.0
+    w[[0, 21, 42]] = 0.0
+    n = 200_000
+    chosen = _draw(w.expand(n, -1), torch.Generator().manual_seed(5), block=8)
+    counts = torch.bincount(chosen, minlength=w.numel()).double()
+    assert counts[w == 0].sum() == 0
+    expected = n * w.double() / w.double().sum()
+    on = w > 0
+    stat = float(((counts[on] - expected[on]) ** 2 / expected[on]).sum())
+    assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
+
+
 def test_rows_of_one_generator_draw_together_in_row_order():
     """A batch whose rows draw from their own generators gives each generator's rows what they draw alone, in row
     order (rows of one trajectory or one row's G samples reproduce whatever else is in the batch)."""
