@@ -280,3 +280,33 @@ def test_gemm_cpu_over_several_key_tiles(name, monkeypatch):
                 assert a is None
                 continue
             _close(a, b, GRAD_FACTOR * TOL[torch.float32], f"{what} need_kv={need_kv}")
+
+
+def test_windowed_masks_kept_are_the_masks_built_anew():
+    """`MaskCache` keeps a windowed tile's mask by what it depends on: every tile a sequence of parts asks for (windows,
+    attention chunks, folded rows of several sequences, queries before and after the keys, the same rows at other
+    offsets) gets the mask built from its own positions by `part.visible`, whatever the cache held before."""
+    from longstraw.ops.kernels.fused import MaskCache
+    from longstraw.ops.kernels.part import visible
+
+    cache = MaskCache(entries=3)
+    g = torch.Generator().manual_seed(0)
+    asked = 0
+    for _ in range(200):
+        window = [4, 7, None][int(torch.randint(3, (1,), generator=g))]
+        chunk = None if window is not None else 6
+        rows = [5, 10][int(torch.randint(2, (1,), generator=g))]
+        q_start, k_start = (int(x) for x in torch.randint(0, 12, (2,), generator=g))
+        first = int(torch.randint(0, 4, (1,), generator=g))
+        end = first + int(torch.randint(1, 9, (1,), generator=g))
+        # the same tile with its rows consecutive, then folded from two sequences; then all of it one position on
+        for period, shift in ((None, 0), (5, 0), (None, 1), (5, 1)):
+            part = Part(q_start=q_start + shift, k_start=k_start % 4 + shift, window=window, softcap=None, scale=1.0,
+                        block=4, q_period=period, chunk=chunk)
+            bias, seen = cache.get(part, rows, first, end, 2, torch.float32, "cpu")
+            vis = visible(part, rows, first, end - first, "cpu")
+            vis = torch.ones(rows, end - first, dtype=torch.bool) if vis is None else vis
+            want = torch.zeros(vis.shape).masked_fill_(~vis, float("-inf")).repeat(2, 1)
+            assert torch.equal(bias, want) and torch.equal(seen, vis.any(-1))
+            asked += 1
+    assert asked == 800 and len(cache.kept) == 3

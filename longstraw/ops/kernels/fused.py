@@ -96,6 +96,45 @@ def tiles(k, v, tile: int, dtype, device):
         yield s0, n, kb, vb
 
 
+class MaskCache:
+    """The additive masks of windowed parts' tiles, kept by what they depend on (`key`), least recently used first
+    out. Without an attention chunk a tile's mask is a function of its rows, its keys and the queries' positions
+    relative to the first key (and the window): a capture chunk's query tiles after the first share one, and the
+    sliding layers of a model (Gemma 3: 15 of 18) see the same ones, where each built it anew (on a Gemma 3 capture,
+    building the masks took twice the masked attention itself). At most `entries` masks are kept (each at most
+    TILE_ELEMENTS elements: 8 MiB in float32), and only for CPU tensors."""
+
+    def __init__(self, entries: int = 4):
+        self.entries = entries
+        self.kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def key(part: Part, rows: int, first: int, end: int, g: int, dtype, device) -> tuple:
+        k_lo = part.k_start + first
+        where = (part.q_start - k_lo,) if part.chunk is None else (part.q_start, k_lo, part.chunk)
+        return (rows, end - first, part.window, part.q_period, g, dtype, str(device), *where)
+
+    def get(self, part: Part, rows: int, first: int, end: int, g: int, dtype, device):
+        """(bias `[g·rows, end − first]`, seen `[rows]`) of the tile (see `FusedKernel._masked_tiles`)."""
+        key = self.key(part, rows, first, end, g, dtype, device)
+        got = self.kept.pop(key, None)
+        if got is None:
+            vis = visible(part, rows, first, end - first, device)
+            if vis is None:
+                vis = torch.ones(rows, end - first, dtype=torch.bool, device=device)
+            bias = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+            got = (bias.repeat(g, 1), vis.any(-1))
+        if torch.device(device).type == "cpu":
+            self.kept[key] = got  # the most recently used last
+            while len(self.kept) > self.entries:
+                self.kept.pop(next(iter(self.kept)))
+        return got
+
+
+#: the process's windowed masks (`MaskCache`)
+_MASKS = MaskCache()
+
+
 class FusedKernel:
     """A fused (out, lse) kernel: subclasses give the raw calls on `[B, Hq, Rq, D]` / `[B, Hq, T, D]`."""
 
@@ -211,7 +250,9 @@ class FusedKernel:
         windowed or chunked part that see some key: the additive mask of the tile's rows (repeated for the g query
         heads folded under each key head) over its key range, and which rows see any key. A tile's mask is kept to
         TILE_ELEMENTS elements (what the planner budgets for the blockwise kernel's score tile) by splitting its
-        rows: a tile of `rows` reads at most window (or chunk) + rows keys."""
+        rows: a tile of `rows` reads at most window (or chunk) + rows keys. The masks come from `_MASKS`: a window's
+        mask depends on the queries' positions relative to the keys only, so the tiles of every chunk and every
+        sliding layer share a few."""
         span = part.window if part.window is not None else part.chunk
         assert span is not None  # a masked part is windowed or chunked (`why_not`)
         for i0, i1, sub in query_tiles(part, r):
@@ -222,11 +263,8 @@ class FusedKernel:
                 first, end = key_range(rows_part, rows, t)
                 if end <= first or not may_see(rows_part, rows, part.k_start + first, part.k_start + end - 1):
                     continue
-                vis = visible(rows_part, rows, first, end - first, device)
-                if vis is None:
-                    vis = torch.ones(rows, end - first, dtype=torch.bool, device=device)
-                bias = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
-                yield j0, j1, first, end, bias.repeat(g, 1), vis.any(-1)
+                bias, seen = _MASKS.get(rows_part, rows, first, end, g, dtype, device)
+                yield j0, j1, first, end, bias, seen
 
     def _masked_forward(self, q, k, v, part: Part):
         """(out, lse) of a windowed or chunked part, tile by tile (see the module doc)."""
