@@ -394,8 +394,14 @@ def _inverse_transform(weights: torch.Tensor, u: torch.Tensor, block: int = DRAW
     k = torch.searchsorted(cdf, x, right=True)
     over = k >= cdf.shape[1]  # u · total rounded up to the total: the last block of positive weight
     if bool(over.any()):
-        last = cdf.shape[1] - 1 - (cdf.diff(dim=-1, prepend=torch.zeros_like(cdf[:, :1])) > 0).flip(-1).to(
-            torch.uint8).argmax(-1, keepdim=True)
+        last = (
+            cdf.shape[1]
+            - 1
+            - (cdf.diff(dim=-1, prepend=torch.zeros_like(cdf[:, :1])) > 0)
+            .flip(-1)
+            .to(torch.uint8)
+            .argmax(-1, keepdim=True)
+        )
         k = torch.where(over, last, k)
     x = x - torch.where(k > 0, cdf.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(x))
     cols = k * block + torch.arange(block, device=weights.device)  # `[B, block]` the chosen block's tokens

@@ -106,8 +106,9 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        dh, dw, db = _tiles_backward(hidden, weight, bias, targets, lse, ent, g_logp, g_ent, ctx.args,
-                                     ctx.needs_input_grad[:3])
+        dh, dw, db = _tiles_backward(
+            hidden, weight, bias, targets, lse, ent, g_logp, g_ent, ctx.args, ctx.needs_input_grad[:3]
+        )
         return dh, dw, db, None, None, None, None, None, None
 
 
@@ -139,8 +140,9 @@ class LogprobsGradInForward(torch.autograd.Function):
             acc = torch.zeros(n, hidden.shape[1], **f)
             for v0 in range(0, v_total, vocab_chunk):
                 w = weight[v0 : v0 + vocab_chunk]
-                z, tanh = _logits(h, w, None if bias is None else bias[v0 : v0 + vocab_chunk], temperature, softcap,
-                                  scale)
+                z, tanh = _logits(
+                    h, w, None if bias is None else bias[v0 : v0 + vocab_chunk], temperature, softcap, scale
+                )
                 m_new = torch.maximum(m, z.amax(-1))
                 alpha = torch.exp(m - m_new)
                 inside = (y >= v0) & (y < v0 + z.shape[1])
@@ -192,8 +194,9 @@ class EntropyGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_ent):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
-        dh, dw, db = _tiles_backward(hidden, weight, bias, targets, lse, ent, None, g_ent, ctx.args,
-                                     ctx.needs_input_grad[:3])
+        dh, dw, db = _tiles_backward(
+            hidden, weight, bias, targets, lse, ent, None, g_ent, ctx.args, ctx.needs_input_grad[:3]
+        )
         return dh, dw, db, None, None, None, None
 
 
