@@ -289,17 +289,19 @@ def evaluate(args, work: Path, rows: list[dict], out: Path, which: str, length: 
     from longstraw.train.trainer import Trainer
 
     held_path = rows_file(args, work, "eval", length)
-    have = {r["doc"] for r in rows if r.get("kind") == "doc" and r["phase"] == which and r["length"] == length}
+    root = work / "run" / "checkpoints"
+    name = latest_name(root) if which == "after" else None
+    if which == "after" and name is None:
+        raise SystemExit(f"after:{length}: no checkpoint in {root}; run the train phase first")
+    # `after` scores the run's latest checkpoint: rows of an earlier one stay, beside the new ones
+    step = 0 if name is None else int(name.split("-")[-1])
+    have = {r["doc"] for r in rows if r.get("kind") == "doc" and r["phase"] == which and r["length"] == length
+            and r["step"] == step}
     if len(have) >= args.eval_docs:
         return
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(config(args, work, length, Path(tmp), eval_path=held_path))
-        step = 0
-        if which == "after":
-            root = work / "run" / "checkpoints"
-            name = latest_name(root)
-            if name is None:
-                raise SystemExit(f"after:{length}: no checkpoint in {root}; run the train phase first")
+        if name is not None:
             step = int(load_checkpoint(root, trainer.model, trainer.opt, trainer.sched, name=name)["step"])
         held = trainer.data.eval_rows
         docs = [held[i : i + args.eval_Q] for i in range(0, len(held), args.eval_Q)]
@@ -436,12 +438,18 @@ def _anatomy_table(rows: list[dict], steps_per_document: int) -> list[str]:
     return lines
 
 
-def points(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
-    """(phase, length) → its documents' rows, in document order."""
-    got: dict[tuple[str, int], list[dict]] = {}
+def points(rows: list[dict], latest: bool = True) -> dict[tuple, list[dict]]:
+    """(phase, length) → its documents' rows, in document order: the latest checkpoint's for `after`; with
+    `latest=False`, (phase, length, step) → those of every checkpoint scored."""
+    got: dict[tuple, list[dict]] = {}
     for r in sorted((r for r in rows if r.get("kind") == "doc"), key=lambda r: r["doc"]):
-        got.setdefault((r["phase"], r["length"]), []).append(r)
-    return got
+        got.setdefault((r["phase"], r["length"], r["step"]), []).append(r)
+    if not latest:
+        return got
+    last: dict[tuple, int] = {}
+    for phase, length, step in got:
+        last[phase, length] = max(step, last.get((phase, length), step))
+    return {(p, n): docs for (p, n, step), docs in got.items() if step == last[p, n]}
 
 
 def _table(rows: list[dict]) -> str:
@@ -461,7 +469,8 @@ def _table(rows: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     pts = points(rows)
-    for (phase, length), docs in sorted(pts.items(), key=lambda kv: (kv[0][1], kv[0][0] != "base")):
+    every = points(rows, latest=False)
+    for (phase, length, _), docs in sorted(every.items(), key=lambda kv: (kv[0][1], kv[0][0] != "base", kv[0][2])):
         correct = [x["correct"] for d in docs for x in d["per_row"]]
         k, n = sum(correct), len(correct)
         lo, hi = wilson(k, n)
