@@ -158,6 +158,17 @@ def _chi_square_bound(df: int, z: float = 5.0) -> float:
     return df * (1.0 - a + z * a**0.5) ** 3
 
 
+def _assert_drawn_as_weighted(chosen: torch.Tensor, w: torch.Tensor) -> None:
+    """No token of weight 0 among `chosen`, and the others' counts pass Pearson's chi-square test against `w` at
+    p = 3e-7 (`_chi_square_bound`)."""
+    counts = torch.bincount(chosen, minlength=w.numel()).double()
+    assert counts[w == 0].sum() == 0
+    expected = chosen.numel() * w.double() / w.double().sum()
+    on = w > 0
+    stat = float(((counts[on] - expected[on]) ** 2 / expected[on]).sum())
+    assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
+
+
 @pytest.mark.parametrize("draw", ["inverse_transform", "multinomial"])
 def test_a_draw_follows_its_weights(draw):
     """200,000 tokens drawn from one row of weights spread over four orders of magnitude, with zeros (banned or
@@ -173,12 +184,7 @@ def test_a_draw_follows_its_weights(draw):
     rows = w.expand(n, -1)
     fn = _draw if draw == "inverse_transform" else reference_draw
     chosen = fn(rows, torch.Generator().manual_seed(3))
-    counts = torch.bincount(chosen, minlength=w.numel()).double()
-    assert counts[w == 0].sum() == 0
-    expected = n * w.double() / w.double().sum()
-    on = w > 0
-    stat = float(((counts[on] - expected[on]) ** 2 / expected[on]).sum())
-    assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
+    _assert_drawn_as_weighted(chosen, w)
 
 
 def test_a_two_level_draw_follows_its_weights_across_blocks():
@@ -194,12 +200,7 @@ def test_a_two_level_draw_follows_its_weights_across_blocks():
     w[[0, 21, 42]] = 0.0
     n = 200_000
     chosen = _draw(w.expand(n, -1), torch.Generator().manual_seed(5), block=8)
-    counts = torch.bincount(chosen, minlength=w.numel()).double()
-    assert counts[w == 0].sum() == 0
-    expected = n * w.double() / w.double().sum()
-    on = w > 0
-    stat = float(((counts[on] - expected[on]) ** 2 / expected[on]).sum())
-    assert stat <= _chi_square_bound(int(on.sum()) - 1), stat
+    _assert_drawn_as_weighted(chosen, w)
 
 
 def test_rows_of_one_generator_draw_together_in_row_order():

@@ -62,43 +62,56 @@ def _logits(h, w, b, temperature, softcap, scale=None):
     return (u if temperature == 1.0 else u / temperature), t  # x / 1 is x: no pass over the tile for it
 
 
+def _walk(hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale, grad=False):
+    """The forward walk over token chunks and vocabulary tiles with an online log-sum-exp: (logp, lse, entropy `[T]`,
+    extra). With `grad`, extra = (Σ_k p_k (1 − t_k²) W_k `[T, H]`, tanh at the target `[T]` or None) accumulated in
+    the same walk (`LogprobsGradInForward`); else None."""
+    t_total, v_total = hidden.shape[0], weight.shape[0]
+    f = dict(device=hidden.device, dtype=_acc(hidden))
+    logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
+    pw = torch.empty(hidden.shape, **f) if grad else None  # Σ_k p_k (1 − t_k²) W_k
+    ty = torch.empty(t_total, **f) if grad and softcap is not None else None  # tanh at the target
+    for t0 in range(0, t_total, token_chunk):
+        h = hidden[t0 : t0 + token_chunk]
+        y = targets[t0 : t0 + token_chunk]
+        n = h.shape[0]
+        m = torch.full((n,), float("-inf"), **f)
+        l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
+        s = torch.zeros(n, **f)  # Σ e^{z−m} z, for the entropy
+        acc = torch.zeros(n, hidden.shape[1], **f) if pw is not None else None
+        for v0 in range(0, v_total, vocab_chunk):
+            w = weight[v0 : v0 + vocab_chunk]
+            z, tanh = _logits(h, w, None if bias is None else bias[v0 : v0 + vocab_chunk], temperature, softcap, scale)
+            m_new = torch.maximum(m, z.amax(-1))
+            alpha = torch.exp(m - m_new)
+            inside = (y >= v0) & (y < v0 + z.shape[1])
+            idx = (y - v0).clamp(0, z.shape[1] - 1)
+            zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
+            e = torch.sub(z, m_new[:, None]).exp_()
+            l = l * alpha + e.sum(-1)
+            if acc is not None:
+                ew = e if tanh is None else e * (1 - tanh * tanh)
+                mm = _mm_dtype(h, w)
+                acc.mul_(alpha[:, None]).add_((ew.to(mm) @ w.to(mm)).to(acc.dtype))
+            s = s * alpha + e.mul_(z).sum(-1)  # e · z in e's place: e is not read again
+            m = m_new
+        lse_c = m + torch.log(l)
+        lse[t0 : t0 + n] = lse_c
+        logp[t0 : t0 + n] = zy - lse_c
+        ent[t0 : t0 + n] = lse_c - s / l
+        if pw is not None and acc is not None:
+            pw[t0 : t0 + n] = acc / l[:, None]
+        if ty is not None:
+            ty[t0 : t0 + n] = zy * temperature / softcap
+    return logp, lse, ent, ((pw, ty) if grad else None)
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """(logp `[T]`, entropy `[T]`) for an `nn.Linear` head (weight `[V, H]`, bias `[V]`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale=None):
-        t_total, v_total = hidden.shape[0], weight.shape[0]
-        f = dict(device=hidden.device, dtype=_acc(hidden))
-        logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
-        for t0 in range(0, t_total, token_chunk):
-            h = hidden[t0 : t0 + token_chunk]
-            y = targets[t0 : t0 + token_chunk]
-            n = h.shape[0]
-            m = torch.full((n,), float("-inf"), **f)
-            l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
-            s = torch.zeros(n, **f)  # Σ e^{z−m} z, for the entropy
-            for v0 in range(0, v_total, vocab_chunk):
-                z, _ = _logits(
-                    h,
-                    weight[v0 : v0 + vocab_chunk],
-                    None if bias is None else bias[v0 : v0 + vocab_chunk],
-                    temperature,
-                    softcap,
-                    scale,
-                )
-                m_new = torch.maximum(m, z.amax(-1))
-                alpha = torch.exp(m - m_new)
-                inside = (y >= v0) & (y < v0 + z.shape[1])
-                idx = (y - v0).clamp(0, z.shape[1] - 1)
-                zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
-                e = torch.sub(z, m_new[:, None]).exp_()
-                l = l * alpha + e.sum(-1)
-                s = s * alpha + e.mul_(z).sum(-1)  # e · z in e's place: e is not read again
-                m = m_new
-            lse_c = m + torch.log(l)
-            lse[t0 : t0 + n] = lse_c
-            logp[t0 : t0 + n] = zy - lse_c
-            ent[t0 : t0 + n] = lse_c - s / l
+        logp, lse, ent, _ = _walk(hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.args = (temperature, softcap, token_chunk, vocab_chunk, scale)
         return logp, ent
@@ -125,43 +138,9 @@ class LogprobsGradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale=None):
-        t_total, v_total = hidden.shape[0], weight.shape[0]
-        f = dict(device=hidden.device, dtype=_acc(hidden))
-        logp, lse, ent = torch.empty(t_total, **f), torch.empty(t_total, **f), torch.empty(t_total, **f)
-        pw = torch.empty(hidden.shape, **f)  # Σ_k p_k (1 − t_k²) W_k
-        ty = torch.empty(t_total, **f) if softcap is not None else None  # tanh at the target
-        for t0 in range(0, t_total, token_chunk):
-            h = hidden[t0 : t0 + token_chunk]
-            y = targets[t0 : t0 + token_chunk]
-            n = h.shape[0]
-            m = torch.full((n,), float("-inf"), **f)
-            l, zy = torch.zeros(n, **f), torch.zeros(n, **f)
-            s = torch.zeros(n, **f)
-            acc = torch.zeros(n, hidden.shape[1], **f)
-            for v0 in range(0, v_total, vocab_chunk):
-                w = weight[v0 : v0 + vocab_chunk]
-                z, tanh = _logits(
-                    h, w, None if bias is None else bias[v0 : v0 + vocab_chunk], temperature, softcap, scale
-                )
-                m_new = torch.maximum(m, z.amax(-1))
-                alpha = torch.exp(m - m_new)
-                inside = (y >= v0) & (y < v0 + z.shape[1])
-                idx = (y - v0).clamp(0, z.shape[1] - 1)
-                zy = torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), zy)
-                e = torch.sub(z, m_new[:, None]).exp_()
-                l = l * alpha + e.sum(-1)
-                ew = e if tanh is None else e * (1 - tanh * tanh)
-                mm = _mm_dtype(h, w)
-                acc.mul_(alpha[:, None]).add_((ew.to(mm) @ w.to(mm)).to(acc.dtype))
-                s = s * alpha + e.mul_(z).sum(-1)
-                m = m_new
-            lse_c = m + torch.log(l)
-            lse[t0 : t0 + n] = lse_c
-            logp[t0 : t0 + n] = zy - lse_c
-            ent[t0 : t0 + n] = lse_c - s / l
-            pw[t0 : t0 + n] = acc / l[:, None]
-            if ty is not None:
-                ty[t0 : t0 + n] = zy * temperature / softcap
+        logp, lse, ent, (pw, ty) = _walk(
+            hidden, weight, bias, targets, temperature, softcap, token_chunk, vocab_chunk, scale, grad=True
+        )
         ctx.save_for_backward(weight, targets, pw, ty)
         ctx.factor = (1.0 if scale is None else scale) / temperature
         ctx.hidden_dtype = hidden.dtype
