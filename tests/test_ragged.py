@@ -57,6 +57,33 @@ def test_ragged_attention_equals_each_row_alone(window, chunk, softcap, sinks, r
         assert (got - want).abs().max() <= F64_TOL * want.abs().max()
 
 
+@pytest.mark.parametrize(
+    "window,chunk,softcap,sinks",
+    [(None, None, None, False), (6, None, None, False), (None, 4, None, False), (None, None, 5.0, True)],
+)
+def test_ragged_attention_gradients_equal_each_row_alone(window, chunk, softcap, sinks):
+    """With autograd (a replay of several rows together, `longstraw.replay.batched.replay_branches`): the gradients
+    of q and the own K/V (padding included: zero) equal those through `split_attention` row by row."""
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, d, width, n_prompt, r = 4, 4, 2, 8, 11, 13, 3
+    q = torch.randn(b, h, r, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, width, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, width, d, generator=g, dtype=torch.float64)
+    pk = torch.randn(1, hkv, n_prompt, d, generator=g, dtype=torch.float64)
+    pv = torch.randn(1, hkv, n_prompt, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(b, h, r, d, generator=g, dtype=torch.float64)
+    pads, starts = [0, 5, 8, 11 - r], [n_prompt, n_prompt + 2, n_prompt, n_prompt + 7]
+    kw = dict(window=window, chunk=chunk, softcap=softcap, sinks=torch.randn(h, dtype=torch.float64) if sinks else None)
+    for prompt in ((pk, pv), (None, None)):
+        grads = []
+        for fn in (ragged_attention, reference):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            (fn(*x, *prompt, pads=pads, own_starts=starts, **kw) * weight).sum().backward()
+            grads.append([t.grad for t in x])
+        for got, want in zip(*grads):
+            assert (got - want).abs().max() <= F64_TOL * want.abs().max()
+
+
 def _branches(model, lengths):
     state = longstraw.capture(model, tokens(19, 1), chunk_size=7)
     out = []

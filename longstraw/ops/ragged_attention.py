@@ -1,4 +1,5 @@
-"""Attention of one decode batch whose rows have different own lengths (`longstraw.ragged`), without autograd.
+"""Attention of one batch whose rows have different own lengths: a ragged decode step (`longstraw.ragged`), or the
+responses of several rows replayed together with autograd (`longstraw.replay.batched.replay_branches`).
 
 Rows are branches of one prompt that grew apart (the rows of a step sharing a document, each after its own question;
 the G trajectories of an agent, each after its own turns and tool output). Their own K/V are held right-aligned in
@@ -14,16 +15,21 @@ its queries' own (every row appends the same number of tokens per forward, so th
 The parts merge by log-sum-exp, then attention sinks apply, as in `split_attention`. Memory: the folded prompt
 kernel's tiles + O(B · H · R · (L + window)) scores; time per row as the single-row decode's.
 
+With autograd (q or the own K/V require grad; the prompt K/V are constants, as in the detached replay), backward
+recomputes the own part (and a masked prompt part) under autograd and takes the whole-prompt part's gradient from
+its kernel (`prompt_backward`): nothing of size R × T is kept.
+
 `reference` is the plain version (each row on its own through `split_attention`) the tests hold this one equal to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .attention import fold_batch, merge_by_lse, prompt_forward, split_attention, unfold_batch
+from .attention import fold_batch, merge_by_lse, prompt_backward, prompt_forward, split_attention, unfold_batch
 from .kernels import Part
 from .kernels.part import acc_dtype
 from .quant import read_block
@@ -65,7 +71,96 @@ def _masked_part(q, k, v, q_pos, k_pos, valid, window, chunk, softcap, scale):
     return out, lse
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class _Layout:
+    """Where a ragged batch's keys and queries sit (see `ragged_attention`): own keys' positions `k_pos` `[B, L]` and
+    which are real `valid` `[B, L]`, the queries' positions `q_pos` `[B, R]`, the prompt part's kernel `Part` when
+    every row sees the whole prompt (else None: the prompt is masked per row, `p_pos` `[1, T]` its positions)."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    valid: torch.Tensor
+    part: Part | None
+    p_pos: torch.Tensor | None
+    window: int | None
+    chunk: int | None
+    softcap: float | None
+    scale: float
+
+
+def _parts(q, own_k, own_v, prompt_k, prompt_v, at: _Layout):
+    """(out, lse) of the own part, and of the prompt part (None, None without one)."""
+    out_o, lse_o = _masked_part(
+        q, own_k, own_v, at.q_pos, at.k_pos, at.valid, at.window, at.chunk, at.softcap, at.scale
+    )
+    if prompt_k is None:
+        return out_o, lse_o, None, None
+    if at.part is not None:  # every row sees every prompt key: one folded read of the prompt
+        out_p, lse_p = prompt_forward(q, prompt_k, prompt_v, at.part)
+    else:
+        assert at.p_pos is not None  # set with part None and a prompt
+        every = torch.ones_like(at.p_pos, dtype=torch.bool)
+        out_p, lse_p = _masked_part(
+            q, prompt_k, prompt_v, at.q_pos, at.p_pos, every, at.window, at.chunk, at.softcap, at.scale
+        )
+    return out_o, lse_o, out_p, lse_p
+
+
+class _RaggedSplit(torch.autograd.Function):
+    """The ragged attention with autograd (a replay of several rows' responses together, `longstraw.replay.batched`):
+    forward as without; backward recomputes the own part (and a masked prompt part: at most a window or a chunk) with
+    autograd, and takes the whole-prompt part's gradient from its kernel (`prompt_backward`, the merged output in its
+    correction term, as `SplitAttention` does). Saves q, the own K/V, the merged output and the parts' log-sum-exps;
+    the prompt K/V by reference (constants: the detached replay)."""
+
+    @staticmethod
+    def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, at: _Layout):
+        ctx.set_materialize_grads(False)
+        out_o, lse_o, out_p, lse_p = _parts(q, own_k, own_v, prompt_k, prompt_v, at)
+        if out_p is None:
+            out, lse = out_o, lse_o
+        else:
+            out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+            lse = torch.logaddexp(lse_p, lse_o)
+        ctx.save_for_backward(q, own_k, own_v, out, out_p, lse_p)
+        ctx.prompt, ctx.at = (prompt_k, prompt_v), at
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, own_k, own_v, out, out_p, lse_p = ctx.saved_tensors
+        prompt_k, prompt_v = ctx.prompt
+        at = ctx.at
+        if dout is None:
+            dout = torch.zeros_like(out)
+        kernel = prompt_k is not None and at.part is not None
+        with torch.enable_grad():
+            qd, kd, vd = (x.detach().requires_grad_() for x in (q, own_k, own_v))
+            if kernel:  # the prompt part a constant here: its own gradient comes from its kernel below
+                out_o, lse_o, _, _ = _parts(qd, kd, vd, None, None, at)
+                merged, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+                lse = torch.logaddexp(lse_p, lse_o)
+            else:
+                out_o, lse_o, part_out, part_lse = _parts(qd, kd, vd, prompt_k, prompt_v, at)
+                if part_out is None:
+                    merged, lse = out_o, lse_o
+                else:
+                    merged, _ = merge_by_lse(part_out, part_lse, out_o, lse_o)
+                    lse = torch.logaddexp(part_lse, lse_o)
+            outs, grads = [merged], [dout]
+            if dlse is not None:
+                outs.append(lse)
+                grads.append(dlse)
+            dq, dk, dv = torch.autograd.grad(outs, (qd, kd, vd), grads, allow_unused=True)
+        if kernel:
+            w_p = torch.sigmoid(lse_p - lse_o.detach())[..., None]
+            g_p = (dout.to(w_p.dtype) * w_p).to(dout.dtype)
+            gl_p = None if dlse is None else dlse * w_p[..., 0]
+            dq_p, _, _ = prompt_backward(g_p, q, prompt_k, prompt_v, out, lse_p, at.part, False, gl_p)
+            dq = dq_p if dq is None else dq + dq_p
+        return dq, dk, dv, None, None, None
+
+
 def ragged_attention(
     q: torch.Tensor,
     own_k: torch.Tensor,
@@ -87,7 +182,8 @@ def ragged_attention(
 
     `own_k` / `own_v` `[B, Hkv, L, D]` right-aligned: row b's own keys are `[:, pads[b]:]`, the first at position
     `own_starts[b]`, and its R queries sit at its last R own positions. `prompt_k` / `prompt_v` `[1, Hkv, T, D]`
-    (a tensor, 8-bit `QuantizedTokens` or host memory) from `prompt_start`, or None."""
+    (a tensor, 8-bit `QuantizedTokens` or host memory) from `prompt_start`, or None: constants (a replay through it
+    differentiates q and the own K/V, `_RaggedSplit`)."""
     b, _, r, _ = q.shape
     width = own_k.shape[-2]
     if len(pads) != b or len(own_starts) != b:
@@ -99,29 +195,34 @@ def ragged_attention(
     col = torch.arange(width, device=dev)
     k_pos = first[:, None] + col[None, :] - pad[:, None]  # [B, L]
     q_pos = k_pos[:, width - r :]  # [B, R]: the last R own positions
-    out_o, lse_o = _masked_part(
-        q, own_k, own_v, q_pos, k_pos, col[None, :] >= pad[:, None], window, chunk, softcap, scale
-    )
-    if prompt_k is None or prompt_k.shape[-2] == 0:
-        out, lse = out_o, lse_o
-    else:
-        n = prompt_k.shape[-2]
-        if window is None and chunk is None:  # every row sees every prompt key: one folded read of the prompt
+    if prompt_k is not None and prompt_k.shape[-2] == 0:
+        prompt_k = prompt_v = None
+    part = p_pos = None
+    if prompt_k is not None:
+        if window is None and chunk is None:  # every row sees every prompt key
             part = Part(int(q_pos.min()), int(prompt_start), None, softcap, scale, int(block), r if b > 1 else None)
-            out_p, lse_p = prompt_forward(q, prompt_k, prompt_v, part)
         else:
-            p_pos = torch.arange(prompt_start, prompt_start + n, device=dev)[None]
-            every = torch.ones(1, n, dtype=torch.bool, device=dev)
-            out_p, lse_p = _masked_part(q, prompt_k, prompt_v, q_pos, p_pos, every, window, chunk, softcap, scale)
-        out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
-        lse = torch.logaddexp(lse_p, lse_o)
+            p_pos = torch.arange(prompt_start, prompt_start + prompt_k.shape[-2], device=dev)[None]
+    at = _Layout(q_pos, k_pos, col[None, :] >= pad[:, None], part, p_pos, window, chunk, softcap, scale)
+    graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, own_k, own_v))
+    if graph:
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in (prompt_k, prompt_v)):
+            raise ValueError("ragged_attention differentiates q and the own K/V: the prompt K/V must be constants")
+        out, lse = _RaggedSplit.apply(q, own_k, own_v, prompt_k, prompt_v, at)
+    else:
+        with torch.no_grad():
+            out_o, lse_o, out_p, lse_p = _parts(q, own_k, own_v, prompt_k, prompt_v, at)
+            if out_p is None:
+                out, lse = out_o, lse_o
+            else:
+                out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+                lse = torch.logaddexp(lse_p, lse_o)
     if sinks is not None:
         keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
         out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
     return out
 
 
-@torch.no_grad()
 def reference(q, own_k, own_v, prompt_k, prompt_v, *, pads, own_starts, prompt_start=0, **kw) -> torch.Tensor:
     """`ragged_attention` row by row: each row's own keys sliced out and attended through `split_attention`."""
     width, r = own_k.shape[-2], q.shape[2]

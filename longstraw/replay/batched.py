@@ -16,6 +16,14 @@ accumulate it.
 Memory: the prompt state (read, never copied) + k responses' graphs (each what one replay's is) + the LM head's
 chunk (`longstraw.ops.logprobs`): independent of P, k times one replay's; `batch_size` chooses k from a budget.
 A state that is context parallel replays as a collective, one response per rank: `replay_batch` refuses it.
+
+`replay_branches` goes one step further: the responses of several branches of one prompt state (the rows of a
+context, each after its own question, detached) in one batch. The branches' own K/V are stacked right-aligned as a
+ragged decode batch stacks them (`longstraw.ragged.stack_layers`), each row at its own positions, and the attention
+is the ragged one with autograd (`longstraw.ops.ragged_attention`): one pass over the weights and the prompt state
+for all the rows, products as tall as all their responses together. Served where every layer is plain attention
+(full, sliding window, attention chunk: `stacks_for_replay`); elsewhere a row's responses go together, rows one
+after another.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from collections.abc import Sequence
 import torch
 
 from ..branch import Branch
+from ..hf.cache import BranchCache
 from ..hf.decoder import run_decoder
+from ..kinds import AttentionBranchLayer, MixerlessBranchLayer, branch_layers
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState, Replay, TokenIds, as_ids
+from ..ragged import stack_layers, stackable
 
 
 def replay_batch(
@@ -101,6 +112,89 @@ def replay_batch(
     )
     sizes = [r.numel() - skip for r in rows]
     return [Replay(lp, h) for lp, h in zip(logprobs.split(sizes), entropy.split(sizes))]
+
+
+def stacks_for_replay(branches: Sequence[Branch]) -> bool:
+    """Whether `replay_branches` replays these branches' responses in one batch: branches of one detached prompt
+    state that a ragged decode stacks (`longstraw.ragged.stackable`), every layer plain attention or without a mixer
+    (recurrent and hybrid layers' stacked states are a decode's only)."""
+    if not branches or not stackable(branches) or any(b.state.prompt_grad != "detached" for b in branches):
+        return False
+    probe = branches[0].branch_cache(1)
+    return all(
+        type(layer) is AttentionBranchLayer or isinstance(layer, MixerlessBranchLayer) for layer in branch_layers(probe)
+    )
+
+
+def replay_branches(
+    branches: Sequence[Branch],
+    responses: Sequence[Sequence[TokenIds]],
+    temperature: float = 1.0,
+    checkpoint_layers: bool = False,
+) -> list[list[Replay]]:
+    """`branches[i].replay(r, temperature, checkpoint_layers)` for every `r` of `responses[i]`, all in one batch (see
+    the module doc; `stacks_for_replay(branches)` must hold): per branch, a `Replay` per response, `[R]` log-probs
+    and entropies with grad.
+
+    Memory: the branches' own K/V stacked once (padded to the longest), the responses' graphs (each what one replay's
+    is) and the LM head's chunk: independent of P."""
+    if len(responses) != len(branches):
+        raise ValueError(f"replay_branches: one list of responses per branch ({len(branches)}); got {len(responses)}")
+    if not stacks_for_replay(branches):
+        raise ValueError(
+            "replay_branches: these branches are not stacked in one replay (see stacks_for_replay); replay each "
+            "branch's responses with replay_batch"
+        )
+    parts = branches[0].parts
+    vocab = parts.config.vocab_size
+    device = branches[0].last_token.device
+    rows: list[torch.Tensor] = []
+    starts: list[int] = []
+    firsts: list[torch.Tensor] = []
+    for b, rs in zip(branches, responses):
+        for r in rs:
+            ids = as_ids(r, "response_ids", vocab, device)
+            rows.append(b.state.checked_response(ids, checkpoint_layers, b.length))
+            starts.append(b.length - 1)
+            firsts.append(b.last_token)
+    if not rows:
+        return [[] for _ in branches]
+    counts = [len(rs) for rs in responses]
+    kept = [i for i, n in enumerate(counts) if n]
+    width = max(r.numel() for r in rows)
+    inputs = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # padding after each row's end
+    for i, (first, r) in enumerate(zip(firsts, rows)):
+        inputs[i, 0] = first[0]
+        inputs[i, 1 : r.numel()] = r[:-1]
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+    with torch.no_grad():  # the branches' own K/V, constants, stacked right-aligned: rows of branch i together
+        caches = [branches[i].branch_cache(1) for i in kept]
+        block = caches[0].block
+        layers = [
+            stack_layers([c.layers[j] for c in caches], [counts[i] for i in kept]) for j in range(len(caches[0].layers))
+        ]
+    del caches
+    hidden = run_decoder(
+        parts, inputs, positions, BranchCache(layers, block=block), checkpoint_layers=checkpoint_layers
+    )
+    picked = torch.cat([hidden[i, : r.numel()] for i, r in enumerate(rows)])  # [Σ R_i, h]
+    logprobs, entropy = chunked_logprobs(
+        picked,
+        parts.lm_head,
+        torch.cat(rows),
+        temperature=temperature,
+        softcap=parts.final_logit_softcapping,
+        scale=parts.logit_scale,
+    )
+    flat = [
+        Replay(lp, h)
+        for lp, h in zip(logprobs.split([r.numel() for r in rows]), entropy.split([r.numel() for r in rows]))
+    ]
+    out, at = [], 0
+    for n in counts:
+        out.append(flat[at : at + n])
+        at += n
+    return out
 
 
 def batch_size(setting: int | str, graph_bytes: int, budget_bytes: int | None, responses: int) -> int:

@@ -14,7 +14,7 @@ import torch
 
 import longstraw
 from longstraw.model.oracles import cache_reference_logprobs, full_sequence_logprobs
-from longstraw.replay.batched import batch_size, replay_batch
+from longstraw.replay.batched import batch_size, replay_batch, replay_branches, stacks_for_replay
 from longstraw.testing.memory import LiveBytes
 
 from ..conftest import assert_grads_close, assert_tie_free, make_model, tokens
@@ -144,6 +144,64 @@ def test_batched_replay_after_a_branch_equals_serial_replay_after_it():
             assert (a.logprobs - b.logprobs).abs().max() <= LOGPROB_TOL
             assert (a.entropy - b.entropy).abs().max() <= LOGPROB_TOL
         assert_grads_close(_grads(model, one_by_one), want, tol=FP32_GRAD_TOL)  # the branch unchanged by the batch
+
+
+#: rows of one document in one batch (`replay_branches`): questions of 0, 2, 5 and 9 tokens (the tiny models' windows
+#: are 5, so a window reaches back into the question or the document), 2, 1, 3 and 1 responses
+QUESTIONS, COUNTS = (0, 2, 5, 9), (2, 1, 3, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_oss", "mistral"])
+def test_rows_replayed_together_equal_transformers_cache_per_row(arch):
+    """Branches of one document after questions of different lengths, all their responses in one batch: each
+    response's log-probs are transformers' (its cache over document + its row's question, `LOGPROB_TOL`), and the
+    gradient of Σ w · Σ_t lp is the sum of the responses' reference gradients (`FP32_GRAD_TOL` relative). Full
+    attention, sliding windows with softcaps (Gemma 3), sinks (gpt-oss)."""
+    model = make_model(arch, True)
+    doc = tokens(17, 1)
+    questions = [tokens(n, 30 + n) for n in QUESTIONS]
+    responses = [[tokens(n, 50 + 7 * i + j) for j, n in enumerate((4, 1, 6)[:c])] for i, c in enumerate(COUNTS)]
+    weights = [[0.3 * (i + 1) - 0.9 * j for j in range(c)] for i, c in enumerate(COUNTS)]
+
+    def reference():
+        for q, rs, ws in zip(questions, responses, weights):
+            for w, r in zip(ws, rs):
+                with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                    (w * cache_reference_logprobs(model, torch.cat([doc, q]), r)).sum().backward()
+
+    got = []
+
+    def together():
+        with longstraw.capture(model, doc, chunk_size=4, block_size=4) as state:
+            branches = [state.fork() for _ in questions]
+            with torch.no_grad():
+                for b, q in zip(branches, questions):
+                    if q.numel():
+                        b.extend(q)
+            assert stacks_for_replay(branches)
+            outs = replay_branches(branches, responses)
+            sum((w * o.logprobs).sum() for ws, os in zip(weights, outs) for w, o in zip(ws, os)).backward()
+            got.extend(outs)
+
+    assert_grads_close(_grads(model, together), _grads(model, reference), tol=FP32_GRAD_TOL)
+    flat = [(q, r) for q, rs in zip(questions, responses) for r in rs]
+    assert [len(os) for os in got] == list(COUNTS)
+    with torch.no_grad():
+        for o, (q, r) in zip([o for os in got for o in os], flat):
+            assert o.logprobs.shape == r.shape
+            assert (o.logprobs - cache_reference_logprobs(model, torch.cat([doc, q]), r)).abs().max() <= LOGPROB_TOL
+
+
+def test_rows_of_recurrent_or_exact_states_are_not_replayed_together():
+    """Recurrent layers (Qwen3-Next) and an exact state go one row at a time: `stacks_for_replay` says so and
+    `replay_branches` refuses by name."""
+    model = make_model("qwen3_next")
+    with longstraw.capture(model, tokens(9, 1), chunk_size=4) as state, state.fork() as b:
+        assert not stacks_for_replay([b])
+        with pytest.raises(ValueError, match="stacks_for_replay"):
+            replay_branches([b], [[tokens(3, 2)]])
+    with longstraw.capture(make_model("llama"), tokens(9, 1), chunk_size=4, prompt_grad="exact") as state:
+        assert not stacks_for_replay([state.fork()])
 
 
 def test_replay_batch_refuses_and_sizes():
