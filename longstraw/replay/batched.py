@@ -114,11 +114,16 @@ def replay_batch(
     return [Replay(lp, h) for lp, h in zip(logprobs.split(sizes), entropy.split(sizes))]
 
 
-def stacks_for_replay(branches: Sequence[Branch]) -> bool:
+def stacks_for_replay(branches: Sequence[PromptState | Branch]) -> bool:
     """Whether `replay_branches` replays these branches' responses in one batch: branches of one detached prompt
-    state that a ragged decode stacks (`longstraw.ragged.stackable`), every layer plain attention or without a mixer
-    (recurrent and hybrid layers' stacked states are a decode's only)."""
-    if not branches or not stackable(branches) or any(b.state.prompt_grad != "detached" for b in branches):
+    state (or the state itself, a row without a question of its own) that a ragged decode stacks
+    (`longstraw.ragged.stackable`), every layer plain attention or without a mixer (recurrent and hybrid layers'
+    stacked states are a decode's only)."""
+    if (
+        not branches
+        or not stackable(branches)
+        or any(getattr(b, "state", b).prompt_grad != "detached" for b in branches)
+    ):
         return False
     probe = branches[0].branch_cache(1)
     return all(
@@ -127,7 +132,7 @@ def stacks_for_replay(branches: Sequence[Branch]) -> bool:
 
 
 def replay_branches(
-    branches: Sequence[Branch],
+    branches: Sequence[PromptState | Branch],
     responses: Sequence[Sequence[TokenIds]],
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
@@ -154,8 +159,9 @@ def replay_branches(
     for b, rs in zip(branches, responses):
         for r in rs:
             ids = as_ids(r, "response_ids", vocab, device)
-            rows.append(b.state.checked_response(ids, checkpoint_layers, b.length))
-            starts.append(b.length - 1)
+            prompt = b.state if isinstance(b, Branch) else b  # the captured prompt, which checks a response
+            rows.append(prompt.checked_response(ids, checkpoint_layers, b.prompt_length))
+            starts.append(b.prompt_length - 1)
             firsts.append(b.last_token)
     if not rows:
         return [[] for _ in branches]

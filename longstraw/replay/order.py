@@ -4,7 +4,9 @@ A row's responses (a prompt state, or a `Branch` after the row's own question, a
 with autograd and each one's loss back-propagated, in one of four orders (`ReplayOrder`):
 
 - batched (`batch` = k > 1): k whole responses in one forward and one backward (`batched.replay_batch`), their losses
-  summed; used only when every response of the row is replayed whole;
+  summed; used only when every response of the row is replayed whole; the rows of one context (each after its own
+  question, detached) share the batches (`replay_rows_backward`, `batched.replay_branches`) where every layer is
+  plain attention (`rows_together`);
 - whole: one response at a time (`PromptState.replay` / `Branch.replay`), each its own forward and backward;
 - segments (`segments`): a response holding environment tokens (mask 0) one policy turn at a time
   (`segments.replay_segments`), the gradient of replaying it whole; on several context-parallel ranks
@@ -28,7 +30,7 @@ import torch
 from ..model.capability import layer_plan, model_parts
 from ..model.chunking import replay_graph_bytes
 from ..prompt_state import Replay
-from .batched import batch_size, replay_batch
+from .batched import batch_size, replay_batch, replay_branches, stacks_for_replay
 from .layer_major import LayerMajor
 from .segments import replay_segments
 
@@ -81,7 +83,8 @@ def choose_order(
     collective: bool = False,
     lockstep: bool = False,
 ) -> ReplayOrder:
-    """The order for a run of `model` whose rows have `responses` responses each: `replay_batch` an int (≥ 1), or
+    """The order for a run of `model` that replays at most `responses` responses together (a row's, or the rows of a
+    document): `replay_batch` an int (≥ 1), or
     "auto": as many as `replay_memory` bytes hold of one replay's graph at `completion_length` tokens
     (`replay_graph_bytes`); 1 when every forward is a collective (`collective`: context parallel; `lockstep`:
     sharded layers, spread experts) or the responses go in pieces (`layer_major`)."""
@@ -154,4 +157,51 @@ def replay_backward(
             last()
         loss.backward()
         entropies.append(out.entropy.detach())
+    return entropies
+
+
+def rows_together(
+    order: ReplayOrder, states: Sequence, rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]]
+) -> bool:
+    """Whether `replay_rows_backward` replays these rows (`states[i]`: row i's branch after its question, or the
+    prompt state; `rows[i]`: its responses as `replay_backward` takes them) in shared batches: batched, every response
+    whole, and the states stacked in one replay (`batched.stacks_for_replay`)."""
+    if order.batch <= 1 or len(states) < 2 or any(order.in_pieces(mask) for row in rows for _, mask in row):
+        return False
+    return stacks_for_replay(states)
+
+
+def replay_rows_backward(
+    states: Sequence,
+    rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
+    loss_of: Sequence[LossOf],
+    order: ReplayOrder,
+    temperature: float = 1.0,
+    checkpoint_layers: bool = False,
+    before_last_backward: Callable[[], None] | None = None,
+) -> list[list[torch.Tensor]]:
+    """`replay_backward(states[i], rows[i], loss_of[i], order)` for every row, the responses of all rows taken in
+    order `order.batch` at a time across the rows (`batched.replay_branches`; `rows_together` must hold): per row,
+    each response's entropies, detached. `before_last_backward`: called once, just before the last backward."""
+    flat = [(i, j) for i, row in enumerate(rows) for j in range(len(row))]
+    entropies: list[list[torch.Tensor]] = [[] for _ in rows]
+    k = order.batch
+    for start in range(0, len(flat), k):
+        part = flat[start : start + k]
+        held = sorted({i for i, _ in part})
+        outs = replay_branches(
+            [states[i] for i in held],
+            [[rows[i][j][0] for i2, j in part if i2 == i] for i in held],
+            temperature=temperature,
+            checkpoint_layers=checkpoint_layers,
+        )
+        losses = []
+        for i, row_outs in zip(held, outs):
+            js = [j for i2, j in part if i2 == i]
+            for j, out in zip(js, row_outs):
+                losses.append(loss_of[i](j, slice(0, int(out.logprobs.numel())), out))
+                entropies[i].append(out.entropy.detach())
+        if before_last_backward is not None and start + k >= len(flat):
+            before_last_backward()
+        torch.stack(losses).sum().backward()
     return entropies

@@ -256,8 +256,10 @@ class Trainer:
             progress=cfg.progress and self.ranks.main,
         )
         settings = UpdateSettings.from_config(cfg)
-        # the replay order, chosen once for the run (`longstraw.replay.order`)
-        order = settings.choose(self.model, cfg.num_generations, self.parallel.step_share(self.model))
+        # the replay order, chosen once for the run (`longstraw.replay.order`): at most a step's responses together
+        # (the rows of one document share their batches)
+        most = cfg.num_generations * cfg.prompts_per_step
+        order = settings.choose(self.model, most, self.parallel.step_share(self.model))
         self.update_settings = dataclasses.replace(settings, order=order)
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)

@@ -42,7 +42,7 @@ from ..model.chunking import AUTO_REPLAY_BUDGET
 from ..ops.logprobs import chunked_logprobs
 from ..prompt_state import PromptState
 from ..replay.layer_major import LayerMajor
-from ..replay.order import ReplayOrder, choose_order, replay_backward
+from ..replay.order import ReplayOrder, choose_order, replay_backward, replay_rows_backward, rows_together
 from ..tasks import Example
 from .memory import MemoryMeter
 from .rollout import Policy, Response, Rollout
@@ -103,7 +103,8 @@ class UpdateSettings:
         )
 
     def choose(self, model, responses: int, share: StepShare) -> ReplayOrder:
-        """The replay order of these settings for `model`, rows of `responses` responses and this rank's `share`
+        """The replay order of these settings for `model`, at most `responses` responses replayed together (a
+        document's rows share their batches) and this rank's `share`
         (`longstraw.replay.order.choose_order`): whole responses of a row `replay_batch` at a time ("auto": as many
         as `replay_memory` holds of one replay's graph at `max_completion_length`), one at a time where every forward
         is a collective (context parallel, sharded layers, spread experts)."""
@@ -168,7 +169,7 @@ def policy_update(
     own = range(len(rollout.contexts)) if rollout.own_contexts is None else rollout.own_contexts
     last_context = own[-1] if len(own) else -1
     # the replay order (`longstraw.replay.order`): the trainer's, chosen once for the run, or one for this step
-    most = max((len(g.responses) for g in rollout.groups), default=1)
+    most = max((sum(len(rollout.groups[b].responses) for b in ctx.rows) for ctx in rollout.contexts), default=1)
     order = settings.order or settings.choose(model, most, share)
     for c in own:
         ctx = rollout.contexts[c]
@@ -191,7 +192,8 @@ def policy_update(
                 state = fresh() if store is None else store.get(head.prompt_ids[: ctx.length], fresh)
         with meter.stage("replay"):
             exact = state.prompt_grad == "exact"
-            for r, b in enumerate(ctx.rows):
+            rows: list[tuple[PromptState | Branch, torch.Tensor | None, Branch | None, _RowLoss]] = []
+            for b in ctx.rows:
                 group = rollout.groups[b]
                 suffix: torch.Tensor | None = group.prompt_ids[ctx.length :]  # the row's own tokens after the prefix
                 row_state: PromptState | Branch = state
@@ -213,9 +215,7 @@ def policy_update(
                         or float(rollout.advantages[offsets[b] + k]) != 0.0
                         or group.responses[k].old_logprobs is None
                     ]
-                at_end = c == last_context and r == len(ctx.rows) - 1
-                _row_backward(
-                    row_state,
+                row = _RowLoss(
                     group.responses,
                     [None if k is None else offsets[b] + k for k in turns],
                     [k or 0 for k in turns],
@@ -227,9 +227,39 @@ def policy_update(
                     settings,
                     order,
                     totals,
-                    share.before_last_backward if at_end and not exact else None,
-                    suffix,
                 )
+                rows.append((row_state, suffix, branch, row))
+            last = share.before_last_backward if c == last_context and not exact else None
+            branches = [row_state if branch is None else branch for row_state, _, branch, _ in rows]
+            listed = [row.listed for *_, row in rows]
+            if not exact and rows_together(order, branches, listed):  # type: ignore[arg-type]  # detached: branches
+                for (*_, row), entropies in zip(
+                    rows,
+                    replay_rows_backward(
+                        branches,  # type: ignore[arg-type]  # rows_together: each a Branch
+                        listed,
+                        [row.loss_of for *_, row in rows],
+                        order,
+                        temperature=settings.temperature,
+                        checkpoint_layers=settings.checkpoint_layers,
+                        before_last_backward=last,
+                    ),
+                ):
+                    row.finish(entropies)
+            else:
+                for r, (row_state, suffix, _, row) in enumerate(rows):
+                    entropies = replay_backward(
+                        row_state,
+                        row.listed,
+                        row.loss_of,
+                        order,
+                        temperature=settings.temperature,
+                        checkpoint_layers=settings.checkpoint_layers,
+                        prefix_ids=suffix,
+                        before_last_backward=last if r == len(rows) - 1 else None,
+                    )
+                    row.finish(entropies)
+            for _, _, branch, _ in rows:
                 if branch is not None:
                     branch.release()
             if exact and c == last_context and share.before_last_backward is not None:
@@ -271,36 +301,46 @@ def policy_update(
     return metrics
 
 
-def _row_backward(
-    state,
-    responses: list[Response],
-    indices: list[int | None],
-    which: list[int],
-    masks: list[torch.Tensor],
-    advantages,
-    norm,
-    entropy_scale: float,
-    loss_fn: GRPOLoss,
-    settings: UpdateSettings,
-    order: ReplayOrder,
-    totals: _Totals,
-    before_backward=None,
-    suffix: torch.Tensor | None = None,
-) -> None:
-    """Replay this rank's responses of one row (`responses[which[j]]`, at `indices[j]` in the step; None: a replay of
-    weight 0 that keeps the ranks in step) after its `suffix` on `state` in `order` (`replay_backward`), back-propagate
-    each one's share of the batch loss, and add its statistics to `totals`. A response replayed in pieces gets each
-    piece's share (the token-level surrogate is a sum over tokens, so the shares add up to the response's)."""
-    items = [responses[k] for k in which]
-    kept: list[list] = [[] for _ in items]  # per response: (slice, loss value, token stats) of each piece
+class _RowLoss:
+    """This rank's responses of one row (`responses[which[j]]`, at `indices[j]` in the step; None: a replay of weight 0
+    that keeps the ranks in step): each one's share of the batch loss (`loss_of`, what `replay_backward` calls), and
+    its statistics added to `totals` once replayed (`finish`). A response replayed in pieces gets each piece's share
+    (the token-level surrogate is a sum over tokens, so the shares add up to the response's)."""
 
-    def loss_of(j: int, sl: slice, out) -> torch.Tensor:
-        i, response = indices[j], items[j]
+    def __init__(
+        self, responses, indices, which, masks, advantages, norm, entropy_scale, loss_fn, settings, order, totals
+    ):
+        self.items = [responses[k] for k in which]
+        self.indices, self.masks, self.advantages, self.norm = indices, masks, advantages, norm
+        self.entropy_scale, self.loss_fn, self.settings, self.order, self.totals = (
+            entropy_scale,
+            loss_fn,
+            settings,
+            order,
+            totals,
+        )
+        self.kept: list[list] = [[] for _ in self.items]  # per response: (slice, loss value, token stats) of each piece
+        # a weight-0 replay goes whole unless every forward is a collective (its pieces in step with the others')
+        self.listed = [
+            (r.tokens, r.mask if i is not None or order.collective else None) for r, i in zip(self.items, indices)
+        ]
+
+    def loss_of(self, j: int, sl: slice, out) -> torch.Tensor:
+        i, response = self.indices[j], self.items[j]
         if i is None:
             return out.logprobs.sum() * 0.0
-        if sl.start == 0 and sl.stop == response.tokens.numel() and not order.in_pieces(response.mask):
+        masks, settings, loss_fn = self.masks, self.settings, self.loss_fn
+        if sl.start == 0 and sl.stop == response.tokens.numel() and not self.order.in_pieces(response.mask):
             loss, st = _response_loss(
-                out, response, masks[i], float(advantages[i]), norm[i], entropy_scale, loss_fn, settings, totals
+                out,
+                response,
+                masks[i],
+                float(self.advantages[i]),
+                self.norm[i],
+                self.entropy_scale,
+                loss_fn,
+                settings,
+                self.totals,
             )
         else:
             if response.old_logprobs is None:
@@ -310,36 +350,33 @@ def _row_backward(
                 )
             ref = None if response.ref_logprobs is None else response.ref_logprobs[sl]
             loss, st = loss_fn.response_loss(
-                out.logprobs, response.old_logprobs[sl], float(advantages[i]), norm[i], ref_logps=ref, mask=masks[i][sl]
+                out.logprobs,
+                response.old_logprobs[sl],
+                float(self.advantages[i]),
+                self.norm[i],
+                ref_logps=ref,
+                mask=masks[i][sl],
             )
-            if entropy_scale > 0:
-                loss = loss - entropy_scale * (out.entropy * masks[i][sl]).sum()
-        kept[j].append((sl, loss.item(), st))
+            if self.entropy_scale > 0:
+                loss = loss - self.entropy_scale * (out.entropy * masks[i][sl]).sum()
+        self.kept[j].append((sl, loss.item(), st))
         return loss
 
-    # a weight-0 replay goes whole unless every forward is a collective (its pieces in step with the others')
-    listed = [(r.tokens, r.mask if i is not None or order.collective else None) for r, i in zip(items, indices)]
-    entropies = replay_backward(
-        state,
-        listed,
-        loss_of,
-        order,
-        temperature=settings.temperature,
-        checkpoint_layers=settings.checkpoint_layers,
-        prefix_ids=suffix,
-        before_last_backward=before_backward,
-    )
-    for j, i in enumerate(indices):
-        if i is None:
-            continue
-        n = masks[i].numel()
-        low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
-        kl = torch.zeros(n) if loss_fn.beta > 0 else None
-        for sl, _, st in kept[j]:
-            low[sl], high[sl] = st.low_clipped.expand(sl.stop - sl.start), st.high_clipped.expand(sl.stop - sl.start)
-            if kl is not None and st.kl is not None:
-                kl[sl] = st.kl.expand(sl.stop - sl.start)
-        _add_totals(totals, sum(v for _, v, _ in kept[j]), masks[i], entropies[j], TokenStats(low, high, kl))
+    def finish(self, entropies: list[torch.Tensor]) -> None:
+        """Add the replayed responses' statistics (`entropies[j]`: the j-th response's, detached) to `totals`."""
+        for j, i in enumerate(self.indices):
+            if i is None:
+                continue
+            n = self.masks[i].numel()
+            low, high = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+            kl = torch.zeros(n) if self.loss_fn.beta > 0 else None
+            for sl, _, st in self.kept[j]:
+                low[sl] = st.low_clipped.expand(sl.stop - sl.start)
+                high[sl] = st.high_clipped.expand(sl.stop - sl.start)
+                if kl is not None and st.kl is not None:
+                    kl[sl] = st.kl.expand(sl.stop - sl.start)
+            loss = sum(v for _, v, _ in self.kept[j])
+            _add_totals(self.totals, loss, self.masks[i], entropies[j], TokenStats(low, high, kl))
 
 
 def _response_loss(

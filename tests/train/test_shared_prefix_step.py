@@ -46,10 +46,23 @@ def length_reward(prompts, completions, completion_ids, **kw):
 def _trainer(tmp_path, rows, **kw):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = dict(model="llama", output_dir=str(tmp_path / "run"), dataset=str(data), eval_fraction=0.0,
-               prompts_per_step=len(rows), num_steps=1, num_generations=3, max_completion_length=4, chunk_size=8,
-               lora=False, progress=False, threads=1, min_shared_prefix=16, seed=5,
-               reward_funcs=["tests.train.test_shared_prefix_step:length_reward"])
+    cfg = dict(
+        model="llama",
+        output_dir=str(tmp_path / "run"),
+        dataset=str(data),
+        eval_fraction=0.0,
+        prompts_per_step=len(rows),
+        num_steps=1,
+        num_generations=3,
+        max_completion_length=4,
+        chunk_size=8,
+        lora=False,
+        progress=False,
+        threads=1,
+        min_shared_prefix=16,
+        seed=5,
+        reward_funcs=["tests.train.test_shared_prefix_step:length_reward"],
+    )
     cfg.update(kw)
     return Trainer(TrainConfig(**cfg))
 
@@ -65,8 +78,9 @@ def _step_grads(trainer, rollout):
 def _reference_grads(trainer, rollout, exact: bool):
     """The step's GRPO loss on the unmodified model's log-probs of each row's whole prompt."""
     masks = [loss_mask(r, trainer.update_settings) for r in rollout.responses]
-    norm = trainer.loss_fn.normalizer([int(m.sum()) for m in masks], rollout.group_ids,
-                                      trainer.update_settings.max_completion_length)
+    norm = trainer.loss_fn.normalizer(
+        [int(m.sum()) for m in masks], rollout.group_ids, trainer.update_settings.max_completion_length
+    )
     params = trainer.params
     for p in params:
         p.grad = None
@@ -87,10 +101,22 @@ def _row_by_row(rollout):
     return dataclasses.replace(rollout, groups=groups, contexts=contexts, shared_frac=0.0)
 
 
+@pytest.mark.parametrize("replay_batch", [1, 4], ids=["serial", "batch-4"])
 @pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
 @pytest.mark.parametrize("rows", list(ROW_SETS))
-def test_a_shared_prefix_step_equals_separate_captures(tmp_path, rows, prompt_grad):
-    trainer = _trainer(tmp_path, [{"prompt": p} for p in ROW_SETS[rows]], prompt_grad=prompt_grad)
+def test_a_shared_prefix_step_equals_separate_captures(tmp_path, monkeypatch, rows, prompt_grad, replay_batch):
+    """With `replay_batch: 4` the detached rows of a document share their batches (`replay_branches`: 9 responses
+    of 3 rows as 4, 4, 1, across the rows); exact rows and a document's only row batch within the row."""
+    import longstraw.replay.order as order
+
+    together = []
+    inner = order.replay_branches
+    monkeypatch.setattr(
+        order, "replay_branches", lambda b, rs, **kw: together.append([len(r) for r in rs]) or inner(b, rs, **kw)
+    )
+    trainer = _trainer(
+        tmp_path, [{"prompt": p} for p in ROW_SETS[rows]], prompt_grad=prompt_grad, replay_batch=replay_batch
+    )
     rollout = trainer.rollout(0)
     expected = {"questions": [(0, 1, 2)], "strict_prefix": [(0, 1, 2)], "two_documents": [(0,), (1, 2)]}[rows]
     assert [c.rows for c in rollout.contexts] == expected
@@ -104,13 +130,22 @@ def test_a_shared_prefix_step_equals_separate_captures(tmp_path, rows, prompt_gr
     shared = _step_grads(trainer, rollout)
     assert_grads_close(shared, _reference_grads(trainer, rollout, prompt_grad == "exact"), tol=FP32_GRAD_TOL)
     assert_grads_close(shared, _step_grads(trainer, separate), tol=FP32_GRAD_TOL)
+    shared_batches = {
+        "questions": [[3, 1], [2, 2], [1]],
+        "strict_prefix": [[3, 1], [2, 2], [1]],
+        "two_documents": [[3, 1], [2]],
+    }[rows]
+    assert together == (shared_batches if replay_batch > 1 and prompt_grad == "detached" else [])
 
 
 def test_context_column_groups_rows_wherever_they_are(tmp_path):
     """Rows naming the same `context` share it even with another document's row between them; the step's metrics
     report the contexts and the shared fraction."""
-    rows = [{"prompt": DOC + " ? k9", "context": "doc"}, {"prompt": OTHER + " ? k3"},
-            {"prompt": DOC + " ? k18", "context": "doc"}]
+    rows = [
+        {"prompt": DOC + " ? k9", "context": "doc"},
+        {"prompt": OTHER + " ? k3"},
+        {"prompt": DOC + " ? k18", "context": "doc"},
+    ]
     trainer = _trainer(tmp_path, rows)
     rollout = trainer.rollout(0)
     assert [c.rows for c in rollout.contexts] == [(0, 2), (1,)]
@@ -126,12 +161,16 @@ def test_shared_contexts_rules():
     assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=5) == [Context(10, (0, 1))]
     assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=11) == [Context(11, (0,)), Context(12, (1,))]
     assert shared_contexts([t(doc + [1]), t(doc + [2, 3])], min_shared=5, max_suffix=1) == [
-        Context(11, (0,)), Context(12, (1,))]
+        Context(11, (0,)),
+        Context(12, (1,)),
+    ]
     # a row that is a strict prefix of the next: the context is that row
     assert shared_contexts([t(doc), t(doc + [4])], min_shared=5) == [Context(10, (0, 1))]
     # keys group across other rows, whatever the shared length; a key sharing no token is an error
     assert shared_contexts([t([1, 2, 3]), t([9]), t([1, 2, 4])], keys=["a", None, "a"], min_shared=99) == [
-        Context(2, (0, 2)), Context(1, (1,))]
+        Context(2, (0, 2)),
+        Context(1, (1,)),
+    ]
     with pytest.raises(ValueError, match="share no token"):
         shared_contexts([t([1, 2]), t([3, 2])], keys=["a", "a"])
 
@@ -140,9 +179,22 @@ def test_shared_contexts_rules():
 def test_rows_per_context_asks_one_document_several_questions(tmp_path, task):
     """`rows_per_context: 4`: a step's 4 rows are one document's (identical text but the question, each question about
     other pairs), captured once; the next step is the next document."""
-    cfg = dict(model="llama", output_dir=str(tmp_path / "run"), task=task, prompt_length=60, prompts_per_step=4,
-               rows_per_context=4, num_steps=1, num_generations=2, max_completion_length=3, lora=False,
-               progress=False, threads=1, min_shared_prefix=16, task_options={"num_pairs": 6})
+    cfg = dict(
+        model="llama",
+        output_dir=str(tmp_path / "run"),
+        task=task,
+        prompt_length=60,
+        prompts_per_step=4,
+        rows_per_context=4,
+        num_steps=1,
+        num_generations=2,
+        max_completion_length=3,
+        lora=False,
+        progress=False,
+        threads=1,
+        min_shared_prefix=16,
+        task_options={"num_pairs": 6},
+    )
     trainer = Trainer(TrainConfig(**cfg))
     for step in (0, 1):
         rows = trainer.examples(step)
@@ -159,8 +211,10 @@ def test_rows_by_context_orders_a_dataset_document_by_document():
     from longstraw.tasks import Example
     from longstraw.train.data import rows_by_context
 
-    rows = [Example(f"p{i}", None, columns={} if c is None else {"context": c}, source=str(i))
-            for i, c in enumerate(["a", "b", "a", None, "b", "a"])]
+    rows = [
+        Example(f"p{i}", None, columns={} if c is None else {"context": c}, source=str(i))
+        for i, c in enumerate(["a", "b", "a", None, "b", "a"])
+    ]
     got = [r.source for r in rows_by_context(rows, 2)]
     assert got == ["0", "2", "5", "0", "1", "4", "3"]  # a's last block filled up with its first row
 
