@@ -15,8 +15,9 @@ threads, one process. The stages, as `longstraw train` runs them with `rows_per_
 - `sample`: G responses of exactly R tokens per row (no stop token), all Q · G in one ragged batch
   (`longstraw.ragged.sample_branches`), each row's G from a generator of its own seed;
 - `replay`: every response's GRPO-shaped loss (Σ advantage · log-probs / tokens, advantages fixed per response)
-  back-propagated into the LoRA weights: `serial` one response at a time (`Branch.replay`), `batched` a row's G at
-  once (`longstraw.replay.batched.replay_batch`);
+  back-propagated into the LoRA weights: `serial` one response at a time (`Branch.replay`), `batched` as `longstraw
+  train` replays with `replay_batch: auto` (`longstraw.replay.order`: k responses at a time, the rows of the document
+  sharing the batches, `replay_rows_backward`; k in the results);
 - `optimizer`: one AdamW step over the LoRA weights.
 
 `step, capture every 4` = capture / 4 + sample + replay + optimizer: the cost of a step when a state is kept over 4
@@ -32,6 +33,7 @@ the rate this machine copies memory (`Tensor.copy_` of 256 MiB). Reported as eac
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -124,15 +126,19 @@ class Arithmetic:
             if w is None:
                 total += for_full
             else:
-                total += sum(min(p + 1, w) for p in range(first, last)) if last - first < 4096 else min(
-                    for_full, (last - first) * w
+                total += (
+                    sum(min(p + 1, w) for p in range(first, last))
+                    if last - first < 4096
+                    else min(for_full, (last - first) * w)
                 )
         return total
 
     def forward(self, first: int, last: int, head_tokens: int) -> float:
         """FLOPs of a forward of positions first..last − 1 (per sequence), `head_tokens` of them through the LM head."""
-        return 2 * self.linear * (last - first) + 4 * self.q_width * self.keys(first, last) + 2 * self.h * self.vocab * (
-            head_tokens
+        return (
+            2 * self.linear * (last - first)
+            + 4 * self.q_width * self.keys(first, last)
+            + 2 * self.h * self.vocab * (head_tokens)
         )
 
 
@@ -187,19 +193,27 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         n = 0
-        for k, (b, s) in enumerate(zip(branches, samples)):
-            if mode == "serial":
-                for j, t in enumerate(s.tokens):
-                    one = b.replay(t)
-                    (adv[n] * one.logprobs.sum() / (q * g * r)).backward()
-                    n += 1
-            else:
-                from longstraw.replay.batched import replay_batch
+        for b, s in zip(branches, samples) if mode == "serial" else ():
+            for t in s.tokens:
+                one = b.replay(t)
+                (adv[n] * one.logprobs.sum() / (q * g * r)).backward()
+                n += 1
+        if mode != "serial":
+            from longstraw.model.chunking import AUTO_REPLAY_BUDGET
+            from longstraw.replay.order import choose_order, replay_backward, replay_rows_backward, rows_together
 
-                outs = replay_batch(b, list(s.tokens))
-                loss = sum(adv[n + j] * o.logprobs.sum() for j, o in enumerate(outs)) / (q * g * r)
-                loss.backward()
-                n += len(outs)
+            order = choose_order(model, q * g, "auto", AUTO_REPLAY_BUDGET, completion_length=r)
+            listed = [[(t, None) for t in s.tokens] for s in samples]
+
+            def loss_of(k, j, sl, out, adv=adv):
+                return adv[k * g + j] * out.logprobs.sum() / (q * g * r)
+
+            losses = [functools.partial(loss_of, k) for k in range(q)]
+            if rows_together(order, branches, listed):
+                replay_rows_backward(branches, listed, losses, order)
+            else:
+                for b, rows_k, lo in zip(branches, listed, losses):
+                    replay_backward(b, rows_k, lo, order)
         times["replay"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         opt.step()
@@ -210,7 +224,10 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
         state.release()
         if step < args.steps - 1:
             continue
-        # the floors (see the module doc)
+        # the floors (see the module doc): the replay's products as tall as its batches (serial: a row's G, as before)
+        batch = g if mode == "serial" else min(order.batch, q * g)
+        if batch * r not in rates["mm_replay"]:
+            rates["mm_replay"][batch * r] = mm_rate(batch * r, rates["hidden"], rates["inter"])
         suffix = sum(int(i.numel()) - common for i in ids)
         p = common
         cap_flops = ar.forward(0, p - 1, 0) + sum(ar.forward(p - 1, int(i.numel()) - 1, 0) for i in ids)
@@ -222,7 +239,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
         floors = dict(
             capture=cap_flops / rates["mm_capture"] + read / rates["copy"],
             sample=dec_flops / rates["mm_decode"][q * g] + read / rates["copy"],
-            replay=rep_flops / rates["mm_replay"][(g * r)] + read / rates["copy"],
+            replay=rep_flops / rates["mm_replay"][batch * r] + read / rates["copy"],
             optimizer=7 * lora_bytes / rates["copy"],
         )
         capture = times["capture_prefix"] + times["capture_suffixes"]
@@ -238,6 +255,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
                 Q=q,
                 G=g,
                 R=r,
+                replay_batch=batch,
                 threads=args.threads,
                 state_mib=state_bytes / 2**20,
                 weight_mib=ar.weight_bytes / 2**20,
@@ -251,7 +269,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
                     copy_gbs=rates["copy"] / 1e9,
                     mm_capture_gflops=rates["mm_capture"] / 1e9,
                     mm_decode_gflops=rates["mm_decode"][q * g] / 1e9,
-                    mm_replay_gflops=rates["mm_replay"][g * r] / 1e9,
+                    mm_replay_gflops=rates["mm_replay"][batch * r] / 1e9,
                 ),
                 own_tokens=own,
             ),
@@ -296,7 +314,9 @@ def plot(rows: list[dict], path: Path) -> None:
         vals = [x[f"{stage}_s"] / (4 if stage == "capture" else 1) for x in rows]
         ax.bar(range(len(rows)), vals, bottom=bottom, color=color, label=stage + (" / 4" if stage == "capture" else ""))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    floor = [x["floor_capture_s"] / 4 + x["floor_sample_s"] + x["floor_replay_s"] + x["floor_optimizer_s"] for x in rows]
+    floor = [
+        x["floor_capture_s"] / 4 + x["floor_sample_s"] + x["floor_replay_s"] + x["floor_optimizer_s"] for x in rows
+    ]
     ax.scatter(range(len(rows)), floor, marker="_", s=400, color="k", label="floor", zorder=3)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("seconds per step (capture every 4 steps)")
@@ -334,7 +354,9 @@ def main() -> int:
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
     cfg = model.config
     h, inter, vocab = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), cfg.vocab_size
-    rates = dict(copy=copy_rate(), mm_capture=mm_rate(2048, h, inter), mm_decode={}, mm_replay={})
+    rates = dict(
+        copy=copy_rate(), mm_capture=mm_rate(2048, h, inter), mm_decode={}, mm_replay={}, hidden=h, inter=inter
+    )
     for q in args.Q:
         rates["mm_decode"][q * args.G] = mm_rate(q * args.G, h, vocab)  # the LM head: the decode's largest product
         for r in args.R:

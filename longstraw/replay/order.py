@@ -71,6 +71,18 @@ class ReplayOrder:
         return "whole, segments where tools answered" if self.segments else "whole"
 
 
+def spans(n: int, k: int) -> list[tuple[int, int]]:
+    """[start, stop) of ⌈n / k⌉ batches of at most k over n responses, as even as they go (64 at k = 31: 22, 21, 21,
+    not 31, 31, 2: the same passes over the weights and the prompt state, none of them nearly empty)."""
+    count = -(-n // max(k, 1))
+    out, start = [], 0
+    for i in range(count):
+        stop = start + n // count + (1 if i < n % count else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 def choose_order(
     model,
     responses: int,
@@ -119,9 +131,8 @@ def replay_backward(
     pieces = [order.in_pieces(mask) for _, mask in responses]
     entropies: list[torch.Tensor] = []
     if order.batch > 1 and not any(pieces):
-        k = order.batch
-        for start in range(0, n, k):
-            part = list(range(start, min(start + k, n)))
+        for start, stop in spans(n, order.batch):
+            part = list(range(start, stop))
             outs = replay_batch(
                 state,
                 [responses[j][0] for j in part],
@@ -185,9 +196,8 @@ def replay_rows_backward(
     each response's entropies, detached. `before_last_backward`: called once, just before the last backward."""
     flat = [(i, j) for i, row in enumerate(rows) for j in range(len(row))]
     entropies: list[list[torch.Tensor]] = [[] for _ in rows]
-    k = order.batch
-    for start in range(0, len(flat), k):
-        part = flat[start : start + k]
+    for start, stop in spans(len(flat), order.batch):
+        part = flat[start:stop]
         held = sorted({i for i, _ in part})
         outs = replay_branches(
             [states[i] for i in held],
@@ -201,7 +211,7 @@ def replay_rows_backward(
             for j, out in zip(js, row_outs):
                 losses.append(loss_of[i](j, slice(0, int(out.logprobs.numel())), out))
                 entropies[i].append(out.entropy.detach())
-        if before_last_backward is not None and start + k >= len(flat):
+        if before_last_backward is not None and stop == len(flat):
             before_last_backward()
         torch.stack(losses).sum().backward()
     return entropies

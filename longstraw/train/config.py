@@ -247,11 +247,12 @@ class TrainConfig:
     )
     replay_batch: str | int = _f(
         "auto",
-        "responses of a row replayed together, in one forward and one backward (longstraw.replay.batched: the prompt "
+        "responses replayed together, in one forward and one backward (longstraw.replay.batched: the prompt "
         "state and the weights read once for them; the same gradient): an integer >= 1 (1: one at a time), or "
-        "'auto': as many of the row's G as `replay_memory_mb` holds of one replay's graph "
-        "(longstraw.model.chunking.replay_graph_bytes). Responses replayed in segments or layer by layer, and "
-        "context-parallel replays, go one at a time",
+        "'auto': as many as `replay_memory_mb` holds of one replay's graph "
+        "(longstraw.model.chunking.replay_graph_bytes). A row's G go together; the rows of one document share "
+        "the batches where every layer is plain attention and the replay is detached (replay_branches). Responses "
+        "replayed in segments or layer by layer, and context-parallel replays, go one at a time",
     )
     replay_memory_mb: float = _f(
         1024.0,

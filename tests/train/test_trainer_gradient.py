@@ -115,7 +115,7 @@ def test_trainer_step_gradient_equals_batched_grpo_and_trl(tmp_path, monkeypatch
         p.grad = None
     metrics = trainer.update(rollout)
     got = [p.grad.clone() for p in params]
-    assert batches == ([] if replay_batch == 1 else [3, 1, 3, 1])  # G = 4 responses a row: 3, then 1
+    assert batches == ([] if replay_batch == 1 else [2, 2, 2, 2])  # G = 4 responses a row, k = 3: two of 2
 
     # independent inputs: advantages from the raw rewards, reference log-probs from the model, adapters off (the
     # advantages by TRL's formula: the group's std + 1e-4, a constant of the formula, not a tolerance)
