@@ -47,15 +47,28 @@ def replay_batch(
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
     prefix_ids: TokenIds | None = None,
+    prefixes: Sequence[TokenIds] | None = None,
 ) -> list[Replay]:
     """`state.replay(r, temperature, checkpoint_layers, prefix_ids)` for every `r` of `responses`, as one batch (see
     the module doc): a `Replay` per response, `[R_i]` log-probs and entropies with grad.
 
     `state`: a `PromptState` or a `Branch` of one (a row after its own question); `prefix_ids` `[L]`: tokens between
     the state and every response (a row's question), read once without autograd (detached) or in the batch's forward
-    (exact), as `PromptState.replay` reads them."""
+    (exact), as `PromptState.replay` reads them. `prefixes`: instead, one prefix per response (the rows of a document,
+    each after its own question, in one batch): exact mode only, each in the batch's forward with its response (the
+    detached rows of a document go together through `replay_branches`)."""
     if not responses:
         return []
+    if prefixes is not None:
+        if prefix_ids is not None:
+            raise ValueError("replay_batch: give prefix_ids (one for all) or prefixes (one per response), not both")
+        if len(prefixes) != len(responses):
+            raise ValueError(f"replay_batch: one prefix per response ({len(responses)}); got {len(prefixes)}")
+        if state.prompt_grad != "exact" or isinstance(state, Branch):
+            raise ValueError(
+                "replay_batch: prefixes (one per response) are read in the batch's forward, the exact replay of a "
+                "PromptState; detached rows after their own questions go through replay_branches"
+            )
     group = getattr(getattr(state, "state", state), "group", None)
     if group is not None:
         raise ValueError(
@@ -71,6 +84,12 @@ def replay_batch(
         else as_ids(prefix_ids, "prefix_ids", vocab, device, allow_empty=True)
     )
     skip = prefix.numel()
+    own = (
+        [prefix] * len(responses)
+        if prefixes is None
+        else [as_ids(x, "prefixes", vocab, device, allow_empty=True) for x in prefixes]
+    )
+    skips = [x.numel() for x in own]
     if skip and state.prompt_grad == "detached":  # the prefix read once, into a branch all k replay after
         fork = state.fork()
         try:
@@ -87,9 +106,9 @@ def replay_batch(
     prompt = state.state if isinstance(state, Branch) else state  # the captured prompt, which checks a response
     length = state.length if isinstance(state, Branch) else state.prompt_length
     rows = []
-    for r in responses:
+    for x, r in zip(own, responses):
         ids = as_ids(r, "response_ids", vocab, device)
-        rows.append(prompt.checked_response(torch.cat([prefix, ids]) if skip else ids, checkpoint_layers, length))
+        rows.append(prompt.checked_response(torch.cat([x, ids]) if x.numel() else ids, checkpoint_layers, length))
     k = len(rows)
     width = max(r.numel() for r in rows)
     inputs = torch.zeros(k, width, dtype=torch.long, device=device)  # padding after each row's end: read by no token
@@ -99,9 +118,9 @@ def replay_batch(
     positions = torch.arange(length - 1, length - 1 + width, device=device)
     cache = state.branch_cache(k)  # the state's layers, batch k: the prompt part shared, the own parts per row
     hidden = run_decoder(parts, inputs, positions, cache, checkpoint_layers=checkpoint_layers)  # [k, width, h]
-    # every row's positions that predict a response token, in one LM head pass: [Σ (R_i − skip), h]
-    picked = torch.cat([hidden[i, skip : r.numel()] for i, r in enumerate(rows)])
-    targets = torch.cat([r[skip:] for r in rows])
+    # every row's positions that predict a response token, in one LM head pass: [Σ (R_i − skip_i), h]
+    picked = torch.cat([hidden[i, n : r.numel()] for i, (n, r) in enumerate(zip(skips, rows))])
+    targets = torch.cat([r[n:] for n, r in zip(skips, rows)])
     logprobs, entropy = chunked_logprobs(
         picked,
         parts.lm_head,
@@ -110,7 +129,7 @@ def replay_batch(
         softcap=parts.final_logit_softcapping,
         scale=parts.logit_scale,
     )
-    sizes = [r.numel() - skip for r in rows]
+    sizes = [r.numel() - n for n, r in zip(skips, rows)]
     return [Replay(lp, h) for lp, h in zip(logprobs.split(sizes), entropy.split(sizes))]
 
 

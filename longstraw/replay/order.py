@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..branch import Branch
 from ..model.capability import layer_plan, model_parts
 from ..model.chunking import replay_graph_bytes
 from ..prompt_state import Replay
@@ -171,15 +172,28 @@ def replay_backward(
     return entropies
 
 
+def _exact(states: Sequence) -> bool:
+    """Whether `states` are one exact prompt state on one process (the rows of a document, their questions read in
+    the replay's forward)."""
+    first = states[0]
+    return (
+        all(s is first for s in states)
+        and getattr(first, "prompt_grad", None) == "exact"
+        and not isinstance(first, Branch)
+        and getattr(first, "group", None) is None
+    )
+
+
 def rows_together(
     order: ReplayOrder, states: Sequence, rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]]
 ) -> bool:
-    """Whether `replay_rows_backward` replays these rows (`states[i]`: row i's branch after its question, or the
-    prompt state; `rows[i]`: its responses as `replay_backward` takes them) in shared batches: batched, every response
-    whole, and the states stacked in one replay (`batched.stacks_for_replay`)."""
+    """Whether `replay_rows_backward` replays these rows (`states[i]`: row i's branch after its question, the prompt
+    state, or in exact mode the prompt state for every row; `rows[i]`: its responses as `replay_backward` takes them)
+    in shared batches: batched, every response whole, and either one exact state (any layer kind: each row's question
+    in the batch's forward) or detached states stacked in one replay (`batched.stacks_for_replay`)."""
     if order.batch <= 1 or len(states) < 2 or any(order.in_pieces(mask) for row in rows for _, mask in row):
         return False
-    return stacks_for_replay(states)
+    return _exact(states) or stacks_for_replay(states)
 
 
 def replay_rows_backward(
@@ -190,27 +204,46 @@ def replay_rows_backward(
     temperature: float = 1.0,
     checkpoint_layers: bool = False,
     before_last_backward: Callable[[], None] | None = None,
+    prefixes: Sequence[torch.Tensor | None] | None = None,
 ) -> list[list[torch.Tensor]]:
-    """`replay_backward(states[i], rows[i], loss_of[i], order)` for every row, the responses of all rows taken in
-    order `order.batch` at a time across the rows (`batched.replay_branches`; `rows_together` must hold): per row,
-    each response's entropies, detached. `before_last_backward`: called once, just before the last backward."""
+    """`replay_backward(states[i], rows[i], loss_of[i], order, prefix_ids=prefixes[i])` for every row, the responses
+    of all rows taken in order `order.batch` at a time across the rows (`rows_together` must hold): detached branches
+    through `batched.replay_branches`, one exact state through `batched.replay_batch` with each response's own prefix
+    (`prefixes[i]`: row i's question; detached rows have read theirs into their branch). Per row, each response's
+    entropies, detached. `before_last_backward`: called once, just before the last backward."""
+    exact = _exact(states)
+    empty = torch.zeros(0, dtype=torch.long)
     flat = [(i, j) for i, row in enumerate(rows) for j in range(len(row))]
     entropies: list[list[torch.Tensor]] = [[] for _ in rows]
     for start, stop in spans(len(flat), order.batch):
         part = flat[start:stop]
-        held = sorted({i for i, _ in part})
-        outs = replay_branches(
-            [states[i] for i in held],
-            [[rows[i][j][0] for i2, j in part if i2 == i] for i in held],
-            temperature=temperature,
-            checkpoint_layers=checkpoint_layers,
-        )
+        if exact:
+            pre = [empty if prefixes is None or prefixes[i] is None else prefixes[i] for i, _ in part]
+            outs = replay_batch(
+                states[0],
+                [rows[i][j][0] for i, j in part],
+                temperature=temperature,
+                checkpoint_layers=checkpoint_layers,
+                prefixes=pre,  # type: ignore[arg-type]  # tensors
+            )
+            done = list(zip(part, outs))
+        else:
+            held = sorted({i for i, _ in part})
+            grouped = replay_branches(
+                [states[i] for i in held],
+                [[rows[i][j][0] for i2, j in part if i2 == i] for i in held],
+                temperature=temperature,
+                checkpoint_layers=checkpoint_layers,
+            )
+            done = [
+                ((i, j), out)
+                for i, row_outs in zip(held, grouped)
+                for j, out in zip([j for i2, j in part if i2 == i], row_outs)
+            ]
         losses = []
-        for i, row_outs in zip(held, outs):
-            js = [j for i2, j in part if i2 == i]
-            for j, out in zip(js, row_outs):
-                losses.append(loss_of[i](j, slice(0, int(out.logprobs.numel())), out))
-                entropies[i].append(out.entropy.detach())
+        for (i, j), out in done:
+            losses.append(loss_of[i](j, slice(0, int(out.logprobs.numel())), out))
+            entropies[i].append(out.entropy.detach())
         if before_last_backward is not None and stop == len(flat):
             before_last_backward()
         torch.stack(losses).sum().backward()

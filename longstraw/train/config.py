@@ -251,7 +251,7 @@ class TrainConfig:
         "state and the weights read once for them; the same gradient): an integer >= 1 (1: one at a time), or "
         "'auto': as many as `replay_memory_mb` holds of one replay's graph "
         "(longstraw.model.chunking.replay_graph_bytes). A row's G go together; the rows of one document share "
-        "the batches where every layer is plain attention and the replay is detached (replay_branches). Responses "
+        "the batches (detached: where every layer is plain attention, replay_branches; exact: any layer). Responses "
         "replayed in segments or layer by layer, and context-parallel replays, go one at a time",
     )
     replay_memory_mb: float = _f(

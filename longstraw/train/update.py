@@ -232,17 +232,18 @@ def policy_update(
             last = share.before_last_backward if c == last_context and not exact else None
             branches = [row_state if branch is None else branch for row_state, _, branch, _ in rows]
             listed = [row.listed for *_, row in rows]
-            if not exact and rows_together(order, branches, listed):  # type: ignore[arg-type]  # detached: branches
+            if rows_together(order, branches, listed):  # the document's rows share the batches
                 for (*_, row), entropies in zip(
                     rows,
                     replay_rows_backward(
-                        branches,  # type: ignore[arg-type]  # rows_together: each a Branch
+                        branches,
                         listed,
                         [row.loss_of for *_, row in rows],
                         order,
                         temperature=settings.temperature,
                         checkpoint_layers=settings.checkpoint_layers,
                         before_last_backward=last,
+                        prefixes=[suffix for _, suffix, _, _ in rows],
                     ),
                 ):
                     row.finish(entropies)

@@ -192,6 +192,33 @@ def test_rows_replayed_together_equal_transformers_cache_per_row(arch):
             assert (o.logprobs - cache_reference_logprobs(model, torch.cat([doc, q]), r)).abs().max() <= LOGPROB_TOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "deepseek_v3"])
+def test_exact_rows_replayed_together_sum_their_full_sequence_gradients(arch):
+    """Exact: the responses of rows after questions of 0, 2, 5 and 9 tokens in one batch (`replay_batch(prefixes=)`,
+    each question in the batch's forward with its response) and `state.backward()` give the gradient of the rows'
+    full-sequence terms (one transformers forward of document + question + response each), `FP32_GRAD_TOL`
+    relative; every layer kind (recurrent and latent too: the rows start at one position, padded at their end)."""
+    model = make_model(arch, True)
+    doc = tokens(17, 1)
+    questions = [tokens(n, 30 + n) for n in QUESTIONS]
+    pairs = [(q, tokens(n, 50 + 7 * i + j)) for i, (q, c) in enumerate(zip(questions, COUNTS)) for j, n in
+             enumerate((4, 1, 6)[:c])]  # fmt: skip
+    weights = [0.3 * (i + 1) - 0.5 * (i % 3) for i in range(len(pairs))]
+
+    def naive():
+        for w, (q, r) in zip(weights, pairs):
+            (w * full_sequence_logprobs(model, torch.cat([doc, q]), r)).sum().backward()
+
+    def together():
+        with longstraw.capture(model, doc, chunk_size=4, prompt_grad="exact", block_size=4) as state:
+            outs = replay_batch(state, [r for _, r in pairs], prefixes=[q for q, _ in pairs])
+            assert [o.logprobs.shape for o in outs] == [r.shape for _, r in pairs]
+            sum((w * o.logprobs).sum() for w, o in zip(weights, outs)).backward()
+            state.backward()
+
+    assert_grads_close(_grads(model, together), _grads(model, naive), tol=FP32_GRAD_TOL)
+
+
 def test_rows_of_recurrent_or_exact_states_are_not_replayed_together():
     """Recurrent layers (Qwen3-Next) and an exact state go one row at a time: `stacks_for_replay` says so and
     `replay_branches` refuses by name."""

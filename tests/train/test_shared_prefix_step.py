@@ -105,15 +105,22 @@ def _row_by_row(rollout):
 @pytest.mark.parametrize("prompt_grad", ["detached", "exact"])
 @pytest.mark.parametrize("rows", list(ROW_SETS))
 def test_a_shared_prefix_step_equals_separate_captures(tmp_path, monkeypatch, rows, prompt_grad, replay_batch):
-    """With `replay_batch: 5` the detached rows of a document share their batches (`replay_branches`); exact rows and
-    a document's only row batch within the row."""
+    """With `replay_batch: 5` the rows of a document share their batches (detached: `replay_branches`; exact: each
+    row's question in the batch's forward); a document's only row batches within the row."""
     import longstraw.replay.order as order
 
-    together = []
-    inner = order.replay_branches
+    together, exact_rows = [], []
+    inner, inner_batch = order.replay_branches, order.replay_batch
     monkeypatch.setattr(
         order, "replay_branches", lambda b, rs, **kw: together.append([len(r) for r in rs]) or inner(b, rs, **kw)
     )
+
+    def batch_spy(state, rs, **kw):
+        if kw.get("prefixes") is not None:
+            exact_rows.append(len(rs))
+        return inner_batch(state, rs, **kw)
+
+    monkeypatch.setattr(order, "replay_batch", batch_spy)
     trainer = _trainer(
         tmp_path, [{"prompt": p} for p in ROW_SETS[rows]], prompt_grad=prompt_grad, replay_batch=replay_batch
     )
@@ -130,11 +137,12 @@ def test_a_shared_prefix_step_equals_separate_captures(tmp_path, monkeypatch, ro
     shared = _step_grads(trainer, rollout)
     assert_grads_close(shared, _reference_grads(trainer, rollout, prompt_grad == "exact"), tol=FP32_GRAD_TOL)
     assert_grads_close(shared, _step_grads(trainer, separate), tol=FP32_GRAD_TOL)
-    shared_batches = {
-        "questions": [[3, 1], [2, 2], [1]],
-        "strict_prefix": [[3, 1], [2, 2], [1]],
-        "two_documents": [[3, 1], [2]],
-    }[rows]
+    # detached: 9 responses of 3 rows at k = 5 as 5 (3 + 2), then 4 (1 + 3); the second document's 6 as 3 and 3
+    shared_batches = {"questions": [[3, 2], [1, 3]], "strict_prefix": [[3, 2], [1, 3]], "two_documents": [[3], [3]]}
+    assert together == (shared_batches[rows] if replay_batch > 1 and prompt_grad == "detached" else [])
+    # exact: each row's question in the batch's forward, the rows' responses as 5 and 4 (the second document: 3, 3)
+    shared_exact = {"questions": [5, 4], "strict_prefix": [5, 4], "two_documents": [3, 3]}
+    assert exact_rows == (shared_exact[rows] if replay_batch > 1 and prompt_grad == "exact" else [])
 
 
 def test_context_column_groups_rows_wherever_they_are(tmp_path):
