@@ -106,6 +106,14 @@ def _parts(q, own_k, own_v, prompt_k, prompt_v, at: _Layout):
     return out_o, lse_o, out_p, lse_p
 
 
+def _merged(out_o, lse_o, out_p, lse_p):
+    """(out, lse) of the own part merged with the prompt part by log-sum-exp (the own part alone when out_p is None)."""
+    if out_p is None:
+        return out_o, lse_o
+    out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
+    return out, torch.logaddexp(lse_p, lse_o)
+
+
 class _RaggedSplit(torch.autograd.Function):
     """The ragged attention with autograd (a replay of several rows' responses together, `longstraw.replay.batched`):
     forward as without; backward recomputes the own part (and a masked prompt part: at most a window or a chunk) with
@@ -117,11 +125,7 @@ class _RaggedSplit(torch.autograd.Function):
     def forward(ctx, q, own_k, own_v, prompt_k, prompt_v, at: _Layout):
         ctx.set_materialize_grads(False)
         out_o, lse_o, out_p, lse_p = _parts(q, own_k, own_v, prompt_k, prompt_v, at)
-        if out_p is None:
-            out, lse = out_o, lse_o
-        else:
-            out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
-            lse = torch.logaddexp(lse_p, lse_o)
+        out, lse = _merged(out_o, lse_o, out_p, lse_p)
         ctx.save_for_backward(q, own_k, own_v, out, out_p, lse_p)
         ctx.prompt, ctx.at = (prompt_k, prompt_v), at
         return out, lse
@@ -138,15 +142,10 @@ class _RaggedSplit(torch.autograd.Function):
             qd, kd, vd = (x.detach().requires_grad_() for x in (q, own_k, own_v))
             if kernel:  # the prompt part a constant here: its own gradient comes from its kernel below
                 out_o, lse_o, _, _ = _parts(qd, kd, vd, None, None, at)
-                merged, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
-                lse = torch.logaddexp(lse_p, lse_o)
+                merged, lse = _merged(out_o, lse_o, out_p, lse_p)
             else:
                 out_o, lse_o, part_out, part_lse = _parts(qd, kd, vd, prompt_k, prompt_v, at)
-                if part_out is None:
-                    merged, lse = out_o, lse_o
-                else:
-                    merged, _ = merge_by_lse(part_out, part_lse, out_o, lse_o)
-                    lse = torch.logaddexp(part_lse, lse_o)
+                merged, lse = _merged(out_o, lse_o, part_out, part_lse)
             outs, grads = [merged], [dout]
             if dlse is not None:
                 outs.append(lse)
@@ -211,12 +210,7 @@ def ragged_attention(
         out, lse = _RaggedSplit.apply(q, own_k, own_v, prompt_k, prompt_v, at)
     else:
         with torch.no_grad():
-            out_o, lse_o, out_p, lse_p = _parts(q, own_k, own_v, prompt_k, prompt_v, at)
-            if out_p is None:
-                out, lse = out_o, lse_o
-            else:
-                out, _ = merge_by_lse(out_p, lse_p, out_o, lse_o)
-                lse = torch.logaddexp(lse_p, lse_o)
+            out, lse = _merged(*_parts(q, own_k, own_v, prompt_k, prompt_v, at))
     if sinks is not None:
         keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
         out = (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
