@@ -229,17 +229,14 @@ def replay_rows_backward(
             done = list(zip(part, outs))
         else:
             held = sorted({i for i, _ in part})
+            own = [[j for i2, j in part if i2 == i] for i in held]  # each held row's responses in this batch
             grouped = replay_branches(
                 [states[i] for i in held],
-                [[rows[i][j][0] for i2, j in part if i2 == i] for i in held],
+                [[rows[i][j][0] for j in js] for i, js in zip(held, own)],
                 temperature=temperature,
                 checkpoint_layers=checkpoint_layers,
             )
-            done = [
-                ((i, j), out)
-                for i, row_outs in zip(held, grouped)
-                for j, out in zip([j for i2, j in part if i2 == i], row_outs)
-            ]
+            done = [((i, j), out) for i, js, outs in zip(held, own, grouped) for j, out in zip(js, outs)]
         losses = []
         for (i, j), out in done:
             losses.append(loss_of[i](j, slice(0, int(out.logprobs.numel())), out))
