@@ -14,6 +14,11 @@ there), beside the durable state per rank.
 
     python bench/context_parallel.py --P 16384 --R 64 --ranks 2 --memory-G 2 4 8 16   # → ..._memory.{json,md}
 
+The step's replays one at a time against k at a time per rank (`--replay-batch k`: one collective per batch,
+`longstraw.replay.batched.replay_batch`), alternating in fresh processes:
+
+    python bench/context_parallel.py --P 16384 --G 16 --R 32 --ranks 2 --replay-batch 8   # → ..._batched.{json,md}
+
 Capture memory per rank against the planner, for other models and lengths (`--model`, `--P-list`):
 
     python bench/context_parallel.py --model hybrid --P-list 16384 32768 --R 64 --ranks 2 --memory-G 2 \
@@ -37,7 +42,7 @@ from pathlib import Path
 
 
 def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk: int, repeat: int,
-          model_name: str = "dense"):
+          model_name: str = "dense", batch: int = 1):
     import torch
     import torch.distributed as dist
 
@@ -82,9 +87,17 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
     for i in range(repeat + 1):
         barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        for resp in mine:
-            replay = state.replay(resp)
-            (-replay.logprobs.sum()).backward()
+        if batch == 1:
+            for resp in mine:
+                replay = state.replay(resp)
+                (-replay.logprobs.sum()).backward()
+        else:  # `batch` of this rank's responses in one collective replay (`longstraw.replay.batched`)
+            from longstraw.replay.batched import replay_batch
+            from longstraw.replay.order import spans
+
+            for a, b in spans(len(mine), batch):
+                outs = replay_batch(state, mine[a:b])
+                torch.stack([-out.logprobs.sum() for out in outs]).sum().backward()
         steps.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     row = dict(rank=rank, capture_s=t_capture, capture_cpu_s=c_capture, step_s=statistics.median(steps[1:]),
@@ -95,14 +108,14 @@ def _rank(rank: int, n: int, init: str, out: str, P: int, G: int, R: int, chunk:
         dist.destroy_process_group()
 
 
-def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int, model_name: str = "dense") -> dict:
+def run(n: int, P: int, G: int, R: int, chunk: int, repeat: int, model_name: str = "dense", batch: int = 1) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank, args=(n, os.path.join(d, "init"), d, P, G, R, chunk, repeat, model_name), nprocs=n,
-                           join=True, start_method="spawn")
+        mp.start_processes(_rank, args=(n, os.path.join(d, "init"), d, P, G, R, chunk, repeat, model_name, batch),
+                           nprocs=n, join=True, start_method="spawn")
         rows = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(n)]
-    return dict(model=model_name, ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1,
+    return dict(model=model_name, ranks=n, P=P, G=G, R=R, chunk=chunk, threads_per_rank=1, replay_batch=batch,
                 capture_s=max(r["capture_s"] for r in rows), step_s=max(r["step_s"] for r in rows),
                 capture_cpu_s=[round(r["capture_cpu_s"], 3) for r in rows],
                 step_cpu_s=[round(r["step_cpu_s"], 3) for r in rows],
@@ -155,6 +168,9 @@ def main():
     ap.add_argument("--memory-G", type=int, nargs="*", default=None, help="step memory per rank for these G")
     ap.add_argument("--P-list", type=int, nargs="*", default=None, help="--memory-G: these prompt lengths (else --P)")
     ap.add_argument("--model", default="dense", help="longstraw.tools.compare.bench_model's name (dense, hybrid, mla, ...)")
+    ap.add_argument("--replay-batch", type=int, default=1,
+                    help="k > 1: the N-rank step with replays one at a time against k at a time (→ OUT_batched)")
+    ap.add_argument("--rounds", type=int, default=2, help="--replay-batch: alternating runs of each configuration")
     ap.add_argument("--malloc-default", action="store_true",
                     help="keep glibc's adaptive mmap threshold (by default the ranks run with it fixed at 128 KiB, so "
                          "that freed temporaries leave RSS, as in bench/stress.py and bench/plan_accuracy.py)")
@@ -163,6 +179,8 @@ def main():
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by each spawned rank's allocator at its start
     if a.memory_G:
         return memory_grid(a)
+    if a.replay_batch > 1:
+        return batched(a)
     rows = []
     for n in (1, a.ranks):
         rows.append(run(n, a.P, a.G, a.R, a.chunk, a.repeat, a.model))
@@ -176,6 +194,33 @@ def main():
     text = table(rows, summary)
     out.with_suffix(".md").write_text(text)
     print(text)
+
+
+def batched(a) -> None:
+    """N ranks, the step's replays one at a time and `--replay-batch` at a time (one collective per batch), the two
+    configurations alternating in fresh processes (`--rounds` each), then the step memory of each."""
+    rows = []
+    for i in range(a.rounds):
+        for k in (1, a.replay_batch):
+            rows.append(dict(run(a.ranks, a.P, a.G, a.R, a.chunk, a.repeat, a.model, k), round=i))
+            print(json.dumps(rows[-1]), flush=True)
+    best = {k: min(r["step_s"] for r in rows if r["replay_batch"] == k) for k in (1, a.replay_batch)}
+    out = Path(a.out + "_batched")
+    summary = dict(step_speedup=best[1] / best[a.replay_batch], load_average=os.getloadavg())
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, summary=summary), indent=1))
+    lines = [f"`python bench/context_parallel.py --model {a.model} --P {a.P} --G {a.G} --R {a.R} --ranks {a.ranks} "
+             f"--replay-batch {a.replay_batch} --rounds {a.rounds}`", "",
+             "| round | replay batch | ranks | P | G | R | replays per rank | step, wall (s) | step, CPU per rank (s) "
+             "| step memory per rank (MiB) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['round']} | {r['replay_batch']} | {r['ranks']} | {r['P']} | {r['G']} | {r['R']} | "
+                     f"{-(-r['G'] // r['ranks'])} | {r['step_s']:.3f} | {', '.join(f'{c:.2f}' for c in r['step_cpu_s'])} "
+                     f"| {', '.join(f'{m:.1f}' for m in r['step_mem_mib_per_rank'])} |")
+    lines.append(f"\nbest step: one at a time {best[1]:.3f} s, {a.replay_batch} at a time {best[a.replay_batch]:.3f} s: "
+                 f"{summary['step_speedup']:.2f}× (1 torch thread per rank; load average "
+                 f"{summary['load_average'][0]:.1f} at the end)")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def table(rows, summary) -> str:

@@ -197,10 +197,24 @@ class PromptState:
         check_length(parts.config, (self.prompt_length if length is None else length) + response.numel())
         return response
 
-    def replay_cache(self, branch: Branch | None = None) -> BranchCache:
-        """The cache a replay reads its prompt state through: each layer's branch, or a snapshot of `branch`'s layers
-        (a replay after a branch of this state) (`ContextParallelState` reads the sliced layers across the ranks)."""
-        return self.branch_cache() if branch is None else branch.branch_cache(1)
+    def checked_batch(
+        self, rows: list[torch.Tensor], checkpoint_layers: bool, length: int | None = None
+    ) -> list[torch.Tensor]:
+        """`checked_response` of each row of a batched replay (`longstraw.replay.batched.replay_batch`), as 1-D
+        LongTensors (`ContextParallelState` agrees the batch across the ranks once)."""
+        return [self.checked_response(r, checkpoint_layers, length) for r in rows]
+
+    @property
+    def batches_replays(self) -> bool:
+        """Whether several responses of this state replay in one batch (`replay_batch`); every layer kind does on one
+        process (`ContextParallelState`: not its DSA layers)."""
+        return True
+
+    def replay_cache(self, branch: Branch | None = None, batch: int = 1) -> BranchCache:
+        """The cache a replay of `batch` responses reads its prompt state through: each layer's branch, or a snapshot
+        of `branch`'s layers (a replay after a branch of this state), the prompt part shared by the rows
+        (`ContextParallelState` reads the sliced layers across the ranks)."""
+        return self.branch_cache(batch) if branch is None else branch.branch_cache(batch)
 
     def fork(self, chunk_size: int | None = None) -> Branch:
         """A `longstraw.branch.Branch` of this state: one trajectory that grows by `extend` (tool output) and

@@ -15,7 +15,9 @@ accumulate it.
 
 Memory: the prompt state (read, never copied) + k responses' graphs (each what one replay's is) + the LM head's
 chunk (`longstraw.ops.logprobs`): independent of P, k times one replay's; `batch_size` chooses k from a budget.
-A state that is context parallel replays as a collective, one response per rank: `replay_batch` refuses it.
+A context-parallel state replays a batch as a collective (`ContextParallelState.checked_batch`): every rank k
+responses of its own, each slice read once for every rank's batch (`ReplayAttention`); DSA layers there replay one
+response per rank (`batches_replays`), refused by name.
 
 `replay_branches` goes one step further: the responses of several branches of one prompt state (the rows of a
 context, each after its own question, detached) in one batch. The branches' own K/V are stacked right-aligned as a
@@ -69,12 +71,6 @@ def replay_batch(
                 "replay_batch: prefixes (one per response) are read in the batch's forward, the exact replay of a "
                 "PromptState; detached rows after their own questions go through replay_branches"
             )
-    group = getattr(getattr(state, "state", state), "group", None)
-    if group is not None:
-        raise ValueError(
-            "replay_batch: a context-parallel state replays as a collective, one response per rank; replay its "
-            "responses one at a time (state.replay)"
-        )
     parts = state.parts
     vocab = parts.config.vocab_size
     device = state.last_token.device
@@ -108,7 +104,8 @@ def replay_batch(
     rows = []
     for x, r in zip(own, responses):
         ids = as_ids(r, "response_ids", vocab, device)
-        rows.append(prompt.checked_response(torch.cat([x, ids]) if x.numel() else ids, checkpoint_layers, length))
+        rows.append(torch.cat([x, ids]) if x.numel() else ids)
+    rows = prompt.checked_batch(rows, checkpoint_layers, length)
     k = len(rows)
     width = max(r.numel() for r in rows)
     inputs = torch.zeros(k, width, dtype=torch.long, device=device)  # padding after each row's end: read by no token
@@ -116,7 +113,9 @@ def replay_batch(
     for i, r in enumerate(rows):
         inputs[i, 1 : r.numel()] = r[:-1]
     positions = torch.arange(length - 1, length - 1 + width, device=device)
-    cache = state.branch_cache(k)  # the state's layers, batch k: the prompt part shared, the own parts per row
+    # the state's layers, batch k: the prompt part shared, the own parts per row (context parallel: read across the
+    # ranks, each with a batch of k)
+    cache = prompt.replay_cache(state if isinstance(state, Branch) else None, k)
     hidden = run_decoder(parts, inputs, positions, cache, checkpoint_layers=checkpoint_layers)  # [k, width, h]
     # every row's positions that predict a response token, in one LM head pass: [Σ (R_i − skip_i), h]
     picked = torch.cat([hidden[i, n : r.numel()] for i, (n, r) in enumerate(zip(skips, rows))])

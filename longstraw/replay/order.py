@@ -4,7 +4,8 @@ A row's responses (a prompt state, or a `Branch` after the row's own question, a
 with autograd and each one's loss back-propagated, in one of four orders (`ReplayOrder`):
 
 - batched (`batch` = k > 1): k whole responses in one forward and one backward (`batched.replay_batch`), their losses
-  summed; used only when every response of the row is replayed whole; the rows of one context (each after its own
+  summed; used only when every response of the row is replayed whole (on context-parallel ranks: every rank k of its
+  own in one collective, except where DSA layers replay one per rank); the rows of one context (each after its own
   question, detached) share the batches (`replay_rows_backward`, `batched.replay_branches`) where every layer is
   plain attention (`rows_together`);
 - whole: one response at a time (`PromptState.replay` / `Branch.replay`), each its own forward and backward;
@@ -48,14 +49,12 @@ class ReplayOrder:
     segments: bool = False
     #: every response one decoder layer at a time (one process)
     layer_major: LayerMajor | None = None
-    #: every forward is a collective of several ranks: one response at a time, in lockstep
+    #: every forward is a collective of several context-parallel ranks, in lockstep (each rank's batch as large)
     collective: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.batch, int) and self.batch >= 1):
             raise ValueError(f"ReplayOrder.batch must be an int >= 1; got {self.batch!r}")
-        if self.collective and self.batch > 1:
-            raise ValueError("ReplayOrder: a collective replay goes one response at a time (batch 1)")
 
     def in_pieces(self, mask: torch.Tensor | None) -> bool:
         """Whether a response of loss mask `mask` is replayed in pieces (layer by layer, or by segments)."""
@@ -99,9 +98,11 @@ def choose_order(
     """The order for a run of `model` that replays at most `responses` responses together (a row's, or the rows of a
     document): `replay_batch` an int (≥ 1), or
     "auto": as many as `replay_memory` bytes hold of one replay's graph at `completion_length` tokens
-    (`replay_graph_bytes`); 1 when every forward is a collective (`collective`: context parallel; `lockstep`:
-    sharded layers, spread experts) or the responses go in pieces (`layer_major`)."""
-    if collective or lockstep or layer_major is not None:
+    (`replay_graph_bytes`); 1 when the responses go in pieces (`layer_major`) or every forward is a collective of
+    ranks that do not replay together (`lockstep` without `collective`: sharded layers or spread experts whose ranks
+    take contexts of their own). Context-parallel ranks (`collective`) replay batches as one collective, each rank as
+    many responses (`share.replays` pads them alike)."""
+    if (lockstep and not collective) or layer_major is not None:
         batch = 1
     elif replay_batch == "auto":
         cfg = model_parts(model).config
@@ -131,7 +132,9 @@ def replay_backward(
         return []
     pieces = [order.in_pieces(mask) for _, mask in responses]
     entropies: list[torch.Tensor] = []
-    if order.batch > 1 and not any(pieces):
+    owner = state.state if isinstance(state, Branch) else state
+    # a context-parallel state with DSA layers replays one response per rank (`batches_replays`): its ranks alike
+    if order.batch > 1 and not any(pieces) and owner.batches_replays:
         for start, stop in spans(n, order.batch):
             part = list(range(start, stop))
             outs = replay_batch(

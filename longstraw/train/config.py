@@ -252,7 +252,8 @@ class TrainConfig:
         "'auto': as many as `replay_memory_mb` holds of one replay's graph "
         "(longstraw.model.chunking.replay_graph_bytes). A row's G go together; the rows of one document share "
         "the batches (detached: where every layer is plain attention, replay_branches; exact: any layer). Responses "
-        "replayed in segments or layer by layer, and context-parallel replays, go one at a time",
+        "replayed in segments or layer by layer go one at a time; on N processes each rank replays its share of a row "
+        "k at a time, one collective per batch (DSA layers one at a time)",
     )
     replay_memory_mb: float = _f(
         1024.0,

@@ -106,8 +106,8 @@ class UpdateSettings:
         """The replay order of these settings for `model`, at most `responses` responses replayed together (a
         document's rows share their batches) and this rank's `share`
         (`longstraw.replay.order.choose_order`): whole responses of a row `replay_batch` at a time ("auto": as many
-        as `replay_memory` holds of one replay's graph at `max_completion_length`), one at a time where every forward
-        is a collective (context parallel, sharded layers, spread experts)."""
+        as `replay_memory` holds of one replay's graph at `max_completion_length`); on context-parallel ranks each
+        rank's share k at a time, one collective per batch."""
         return choose_order(
             model,
             responses,

@@ -45,18 +45,51 @@ def _response(rank: int, n: int, round_: int) -> torch.Tensor:
     return tokens(RESPONSE_LENGTHS[r] + round_, seed=100 + 10 * round_ + r)
 
 
-#: the replay rounds of each case: plain, with activation checkpointing, and after a row's own suffix (`prefix_ids`:
-#: the tokens between a shared captured prefix and the response, read into a branch of the state without autograd)
-ROUNDS = 3
+#: the replay rounds of each case: plain, with activation checkpointing, after a row's own suffix (`prefix_ids`:
+#: the tokens between a shared captured prefix and the response, read into a branch of the state without autograd),
+#: and two responses of each rank after the suffix replayed together (`BATCHED`: one collective for the batch)
+ROUNDS = 4
+BATCHED = 3
 SUFFIX = tokens(5, seed=77)
 
 
 def _prefix(round_: int) -> torch.Tensor | None:
-    return SUFFIX if round_ == 2 else None
+    return SUFFIX if round_ >= 2 else None
 
 
 def _advantage(rank: int, length: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0 + rank, length)
+
+
+def _responses(rank: int, n: int, round_: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank r's (response, per-token advantage) pairs in a round: one, or in the batched round two of different
+    lengths (the second shorter, its advantages of the other sign)."""
+    first = _response(rank, n, round_)
+    pairs = [(first, _advantage(rank, first.numel()))]
+    if round_ == BATCHED:
+        r = 0 if (n == 4 and rank == 3) else rank
+        second = tokens(RESPONSE_LENGTHS[r] - 1, seed=500 + r)
+        pairs.append((second, -0.5 * _advantage(rank, second.numel())))
+    return pairs
+
+
+def _replay_round(state, rank: int, n: int, round_: int, checkpoint_layers: bool = False):
+    """Replay rank r's responses of a round with their advantage-weighted backward, as the trainer does
+    (`replay_backward`: the batched round's two in one batch where the state batches replays); (log-probs
+    concatenated, collective replays run)."""
+    from longstraw.replay.order import ReplayOrder, replay_backward
+
+    pairs = _responses(rank, n, round_)
+    logprobs = []
+
+    def loss_of(j, sl, out):
+        logprobs.append(out.logprobs.detach())
+        return (pairs[j][1] * out.logprobs).sum()
+
+    before = getattr(state, "_replays", 0)
+    replay_backward(state, [(t, None) for t, _ in pairs], loss_of, ReplayOrder(batch=len(pairs)),
+                    checkpoint_layers=checkpoint_layers, prefix_ids=_prefix(round_))
+    return torch.cat(logprobs), getattr(state, "_replays", 0) - before
 
 
 @functools.cache
@@ -72,7 +105,8 @@ def _tie_free_seed(arch: str, p: int, n: int) -> int:
             for round_ in range(ROUNDS):
                 for r in range(n):
                     middle = [] if _prefix(round_) is None else [_prefix(round_)]
-                    assert_tie_free(model, torch.cat([prompt, *middle, _response(r, n, round_)]))
+                    for response, _ in _responses(r, n, round_):
+                        assert_tie_free(model, torch.cat([prompt, *middle, response]))
         except AssertionError:
             continue
         return seed
@@ -88,7 +122,7 @@ def _prompt(p: int, rank: int = 0, differ: bool = False, arch: str = ARCH, n: in
 
 
 def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, int, bool], ...], check_timeout: bool,
-            exact_cases: tuple[tuple[str, int, bool], ...] = ()):
+            exact_cases: tuple[tuple[str, int, bool, int], ...] = ()):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft, as pyproject
@@ -126,15 +160,14 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         rounds = []
         for round_ in range(ROUNDS):  # replays of the same state: replays never write it
             model.zero_grad(set_to_none=True)
-            response = _response(rank, n, round_)
             # the second with activation checkpointing: its backward recomputes each layer, collectives included;
-            # the third after a suffix (a collective branch of the state, replayed with its own K/V as constants)
-            out = state.replay(response, checkpoint_layers=round_ == 1, prefix_ids=_prefix(round_))
-            (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+            # the third after a suffix (a collective branch of the state, replayed with its own K/V as constants);
+            # the fourth two responses per rank after the suffix, together
+            logprobs, replays = _replay_round(state, rank, n, round_, checkpoint_layers=round_ == 1)
             grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
             for g in grads:  # the sum over the ranks' branches
                 dist.all_reduce(g)
-            rounds.append(dict(logprobs=out.logprobs.detach(), entropy=out.entropy.detach(), grads=grads))
+            rounds.append(dict(logprobs=logprobs, grads=grads, replays=replays))
         # sampling: every rank decodes all the sequences alike, the prompt attention split over the ranks
         samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
         # what the state's tensors keep alive, not just what their views show
@@ -149,19 +182,17 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
         state.release()
 
     # exact mode: each rank replays its branch, then the collective reverse pass over the slices
-    for arch, p, use_lora in exact_cases:
+    for arch, p, use_lora, round_ in exact_cases:  # round 0, or the batched round (each row's suffix in its forward)
         model = lora(tiny_model(arch)) if use_lora else tiny_model(arch)
         params = [q for q in model.parameters() if q.requires_grad]
         state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=4, block_size=4, prompt_grad="exact",
                                   group=dist.group.WORLD)
-        response = _response(rank, n, 0)
-        out = state.replay(response)
-        (_advantage(rank, response.numel()) * out.logprobs).sum().backward()
+        logprobs, replays = _replay_round(state, rank, n, round_)
         state.backward()
         grads = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
         for g in grads:
             dist.all_reduce(g)
-        result["exact", arch, p, use_lora] = dict(logprobs=out.logprobs.detach(), grads=grads)
+        result["exact", arch, p, use_lora, round_] = dict(logprobs=logprobs, grads=grads, replays=replays)
         state.release()
 
     model = tiny_model(ARCH)
@@ -240,24 +271,28 @@ def _reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block:
 
 
 def _replay_branches(state, n: int, round_: int = 0) -> list[torch.Tensor]:
-    """One process: replay every rank's branch of a round with its advantage-weighted backward; their log-probs."""
+    """One process: replay every rank's responses of a round one at a time, each with its advantage-weighted backward;
+    per rank, their log-probs concatenated."""
     logprobs = []
     for r in range(n):
-        response = _response(r, n, round_)
-        out = state.replay(response, prefix_ids=_prefix(round_))
-        (_advantage(r, response.numel()) * out.logprobs).sum().backward()
-        logprobs.append(out.logprobs.detach())
+        mine = []
+        for response, advantage in _responses(r, n, round_):
+            out = state.replay(response, prefix_ids=_prefix(round_))
+            (advantage * out.logprobs).sum().backward()
+            mine.append(out.logprobs.detach())
+        logprobs.append(torch.cat(mine))
     return logprobs
 
 
-def _exact_reference(arch: str, p: int, n: int, use_lora: bool, chunk: int = 4, block: int = 4):
-    """Single-process exact mode over the same branches: every rank's replay log-probs, the summed gradient."""
+def _exact_reference(arch: str, p: int, n: int, use_lora: bool, round_: int = 0, chunk: int = 4, block: int = 4):
+    """Single-process exact mode over the same branches, one at a time: every rank's replay log-probs, the summed
+    gradient."""
     model = longstraw.testing.models.tiny_model(arch)
     model = lora(model) if use_lora else model
     params = [q for q in model.parameters() if q.requires_grad]
     state = longstraw.capture(model, _prompt(p, arch=arch, n=n), chunk_size=chunk, block_size=block,
                               prompt_grad="exact")
-    logprobs = _replay_branches(state, n)
+    logprobs = _replay_branches(state, n, round_)
     state.backward()
     return dict(logprobs=logprobs, grads=[q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
 
@@ -280,8 +315,9 @@ def float32_floor(model, prompt: torch.Tensor, branches: list, exact: bool = Fal
         logprobs = []
         for suffix, response, advantage in branches:
             with torch.autograd.graph.allow_mutation_on_saved_tensors():
-                if exact:
-                    lp = full_sequence_logprobs(model, prompt, response)
+                if exact:  # the suffix differentiated with the response, as exact mode's replay reads it
+                    lp = full_sequence_logprobs(model, prompt if suffix is None else torch.cat([prompt, suffix]),
+                                                response)
                 else:
                     lp = cache_reference_logprobs(model, prompt if suffix is None else torch.cat([prompt, suffix]),
                                                   response)
@@ -306,8 +342,8 @@ def _floors(arch: str, p: int, n: int, use_lora: bool, round_: int = 0, exact: b
     """`float32_floor` of one round's n branches (the ranks' responses after the prompt and the round's suffix)."""
     model = longstraw.testing.models.tiny_model(arch)
     model = lora(model) if use_lora else model
-    branches = [(_prefix(round_), _response(r, n, round_), _advantage(r, _response(r, n, round_).numel()))
-                for r in range(n)]
+    branches = [(_prefix(round_), response, advantage) for r in range(n) for response, advantage in
+                _responses(r, n, round_)]
     return float32_floor(model, _prompt(p, arch=arch, n=n), branches, exact)
 
 
@@ -357,22 +393,30 @@ def _assert_grads_within_floor(got: list, want: list, floor: dict, what: str) ->
     return err
 
 
+def _replays_run(arch: str, round_: int) -> int:
+    """The collective replays a rank runs in a round: the batched round's two responses in one batch, except where
+    DSA layers replay one response per rank (`ContextParallelState.batches_replays`)."""
+    return 2 if round_ == BATCHED and arch in SPARSE else 1
+
+
 def _check_exact(results, n: int, cases, measured: dict):
     """Exact mode: the parameter gradients summed over the ranks equal one process's exact-mode gradient over the same
-    branches (which tests/test_exact.py holds equal to naive full-sequence GRPO), within the model's float32 floor."""
-    for arch, p, use_lora in cases:
-        want = _exact_reference(arch, p, n, use_lora)
-        floor = _floors(arch, p, n, use_lora, exact=True)
+    branches replayed one at a time (which tests/test_exact.py holds equal to naive full-sequence GRPO), within the
+    model's float32 floor; the batched round's responses replayed together on every rank."""
+    for arch, p, use_lora, round_ in cases:
+        want = _exact_reference(arch, p, n, use_lora, round_)
+        floor = _floors(arch, p, n, use_lora, round_, exact=True)
         worst = 0.0
         for r in range(n):
-            got = results[r]["exact", arch, p, use_lora]
+            got = results[r]["exact", arch, p, use_lora, round_]
+            assert got["replays"] == _replays_run(arch, round_), (arch, round_, got["replays"])
             err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
             assert err <= _logprob_tol(floor, want["logprobs"][r]), f"exact {arch} N={n} P={p} rank {r}: {err:.2e}"
             err = _assert_grads_within_floor(got["grads"], want["grads"], floor, f"exact {arch} N={n} P={p} rank {r}")
             worst = max(worst, err)
-        assert_plant_refused(results[0]["exact", arch, p, use_lora]["grads"], want["grads"], floor,
+        assert_plant_refused(results[0]["exact", arch, p, use_lora, round_]["grads"], want["grads"], floor,
                              planted_index(arch, use_lora, want["grads"]), f"exact {arch}")
-        measured[("exact", arch, n, p, use_lora)] = dict(grad_rel_err=worst, grad_floor=floor["whole"])
+        measured[("exact", arch, n, p, use_lora, round_)] = dict(grad_rel_err=worst, grad_floor=floor["whole"])
 
 
 def _check(results, n: int, cases, measured: dict):
@@ -384,6 +428,7 @@ def _check(results, n: int, cases, measured: dict):
         for round_, (want, floor) in enumerate(zip(ref, floors)):
             for r in range(n):
                 got = results[r][arch, p, use_lora]["rounds"][round_]
+                assert got["replays"] == _replays_run(arch, round_), (arch, round_, got["replays"])
                 assert got["logprobs"].shape == want["logprobs"][r].shape
                 err = (got["logprobs"] - want["logprobs"][r]).abs().max().item()
                 worst_lp = max(worst_lp, err)
@@ -447,9 +492,12 @@ def test_context_parallel_two_ranks(tmp_path):
     cases = (("llama", 31, False), ("llama", 30, True), ("gemma3_text", 30, False), ("qwen3_next", 30, False),
              ("deepseek_v3", 30, False), ("glm_moe_dsa", 30, False), ("gpt_oss", 30, False))
     t0 = time.perf_counter()
-    # glm_moe_dsa at P = 10: slices of 5 and 4 in steps of 4 rows, so rank 1 has no rows in the second step
-    exact = (("llama", 30, False), ("deepseek_v3", 30, True), ("qwen3_next", 30, False), ("gemma3_text", 30, False),
-             ("glm_moe_dsa", 30, False), ("glm_moe_dsa", 10, False))
+    # glm_moe_dsa at P = 10: slices of 5 and 4 in steps of 4 rows, so rank 1 has no rows in the second step; the
+    # batched round's two responses per rank with their suffix, together
+    exact = (("llama", 30, False, 0), ("deepseek_v3", 30, True, 0), ("qwen3_next", 30, False, 0),
+             ("gemma3_text", 30, False, 0), ("glm_moe_dsa", 30, False, 0), ("glm_moe_dsa", 10, False, 0),
+             ("llama", 30, False, BATCHED), ("gemma3_text", 30, True, BATCHED), ("qwen3_next", 30, False, BATCHED),
+             ("deepseek_v3", 30, False, BATCHED), ("glm_moe_dsa", 30, False, BATCHED))
     results = _run(2, tmp_path, cases, check_timeout=True, exact_cases=exact)
     measured = {}
     _check(results, 2, cases, measured)
@@ -467,8 +515,8 @@ def test_context_parallel_four_ranks(tmp_path):
     cases = (("llama", 30, False), ("llama", 12, False), ("gemma3_text", 12, False), ("qwen3_next", 12, True),
              ("deepseek_v3", 12, True), ("glm_moe_dsa", 12, True), ("gpt_oss", 12, False))
     t0 = time.perf_counter()
-    exact = (("llama", 30, True), ("deepseek_v3", 12, False), ("qwen3_next", 12, True), ("gemma3_text", 12, False),
-             ("glm_moe_dsa", 12, True))
+    exact = (("llama", 30, True, 0), ("deepseek_v3", 12, False, 0), ("qwen3_next", 12, True, 0),
+             ("gemma3_text", 12, False, 0), ("glm_moe_dsa", 12, True, 0), ("gemma3_text", 12, False, BATCHED))
     results = _run(4, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 4, cases, measured)
@@ -479,7 +527,7 @@ def test_context_parallel_four_ranks(tmp_path):
 def test_context_parallel_group_of_one(tmp_path):
     """A group of one process: the whole prompt on one rank, every exchange with itself."""
     cases = (("llama", 12, False), ("qwen3_next", 12, False))
-    exact = (("llama", 12, False),)
+    exact = (("llama", 12, False, 0), ("llama", 12, False, BATCHED))
     results = _run(1, tmp_path, cases, exact_cases=exact)
     measured = {}
     _check(results, 1, cases, measured)

@@ -70,15 +70,15 @@ def test_every_order_gives_the_models_gradient(arch, name):
 
 
 def test_the_order_is_chosen_from_the_settings():
-    """An integer batch as given (at most the row's responses), "auto" from the memory budget, one at a time where
-    every forward is a collective or responses go layer by layer."""
+    """An integer batch as given (at most the row's responses), "auto" from the memory budget; context-parallel
+    ranks batch too (one collective per batch), ranks in lockstep that take contexts of their own and responses that
+    go layer by layer one at a time."""
     model = make_model("llama")
     assert choose_order(model, 8, 3).batch == 3
     assert choose_order(model, 2, 3).batch == 2
     assert choose_order(model, 8, "auto", replay_memory=1).batch == 1
     assert choose_order(model, 8, "auto", replay_memory=1 << 40).batch == 8
-    assert choose_order(model, 8, 4, collective=True).batch == 1
+    assert choose_order(model, 8, 4, collective=True).batch == 4
+    assert choose_order(model, 8, 4, collective=True, lockstep=True).batch == 4
     assert choose_order(model, 8, 4, lockstep=True).batch == 1
     assert choose_order(model, 8, 4, layer_major=LayerMajor(1, 2)).batch == 1
-    with pytest.raises(ValueError, match="batch 1"):
-        ReplayOrder(batch=2, collective=True)

@@ -9,7 +9,7 @@ import torch
 from ...kinds import base
 from ...kinds.base import LayerState
 from ...kinds.full_attention import AttentionBranchLayer
-from ...ops.attention import Part, part_backward, part_forward
+from ...ops.attention import Part, part_backward, part_forward, prompt_backward, prompt_forward
 from ...ops.quant import QuantizedTokens
 from ..collectives import Group
 from ..merge import fold as _fold
@@ -290,7 +290,9 @@ class ReplayInfo:
 
 
 class ReplayAttention(torch.autograd.Function):
-    """Attention of this rank's branch queries over [every rank's prompt slice | its own K/V], a collective.
+    """Attention of this rank's branch queries over [every rank's prompt slice | its own K/V], a collective. The
+    queries `[B, H, R, D]`: B responses replayed together (the same B on every rank, `checked_batch`), folded into
+    one row block against a slice (`prompt_forward`), so each slice is read once for the batch.
 
     Forward: queries all-gathered (padded to the longest branch); each rank computes (out, lse) of every rank's
     queries against its own slice; an all-to-all returns them to their owners, which fold them in slice order
@@ -309,8 +311,8 @@ class ReplayAttention(torch.autograd.Function):
         qs = g.all_gather(f"{name}: queries", [_pad_rows(q, rmax)])
         prompt = prompt_part(own, layer.start)
         send = []
-        for j, (qj,) in enumerate(qs):
-            o, l = part_forward(qj[:, :, : lengths[j]], slice_k, slice_v, prompt)
+        for j, (qj,) in enumerate(qs):  # a rank's batch of rows folded against the slice: its K/V read once
+            o, l = prompt_forward(qj[:, :, : lengths[j]], slice_k, slice_v, prompt)
             send.append([_pad_rows(o.float(), rmax), _pad_rows(l.float(), rmax)])
         got = g.all_to_all(f"{name}: partial outputs", send)
         r = q.shape[2]
@@ -370,8 +372,8 @@ class ReplayAttention(torch.autograd.Function):
         send, dk_s, dv_s = [], None, None
         for j, (qj, gj, oj, lj) in enumerate(got):
             n = lengths[j]
-            dqj, dkj, dvj = part_backward(
-                gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n], prompt, need_kv=need_kv
+            dqj, dkj, dvj = prompt_backward(
+                gj[:, :, :n], qj[:, :, :n], slice_k, slice_v, oj[:, :, :n], lj[:, :, :n], prompt, need_kv, None
             )
             send.append([_pad_rows(dqj.float(), rmax)])
             if need_kv:  # every branch's gradient of this slice, summed in rank order
@@ -401,8 +403,6 @@ class ReplayBranchLayer(AttentionBranchLayer):
         return self
 
     def attend(self, module, q, k, v, *, q_start, own_start, scale, window, softcap, sinks, block):
-        if q.shape[0] != 1:
-            raise NotImplementedError("context-parallel replay runs one branch per rank (query batch 1)")
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         own = make_part(q_start, own_start, window, softcap, scale, block)
         layer = self.info.layer
@@ -448,8 +448,11 @@ class SlicedKind:
     chunked = False
     sliced = True
 
-    def __init__(self, slice_class: type[SliceKVState], capture: type, replay: type, sample: type):
+    def __init__(
+        self, slice_class: type[SliceKVState], capture: type, replay: type, sample: type, batched: bool = True
+    ):
         self.slice_class, self.capture, self.replay, self.sample = slice_class, capture, replay, sample
+        self.batches_replays = batched
 
     def slice_state(self, layer: LayerState, config, i: int, s: int, e: int, compressed) -> SliceKVState:
         state = self.slice_class(config, i, s, e)
@@ -466,7 +469,7 @@ class SlicedKind:
         s, e = bounds[g.rank]
         state.commit(branch, e - s)
 
-    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown, batch: int = 1):
         replay = self.replay(ReplayInfo(g, lengths, state), start)
         return replay if grown is None else replay.adopt(grown)
 

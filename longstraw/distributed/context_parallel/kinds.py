@@ -49,8 +49,12 @@ class CollectiveKind(Protocol):
     def finish_capture(self, state: LayerState, branch, g: Group, bounds, captured: int, i: int) -> None:
         """Fold the slice's forward into `state` (collective)."""
 
-    def replay_branch(self, state: LayerState, g: Group, lengths: list[int], start: int, grown):
-        """A replay's layer (`lengths`: every rank's response length), after a branch's layer `grown` (or None)."""
+    #: whether a replay's layer takes a batch of responses per rank (`replay_branch`'s `batch`)
+    batches_replays: bool
+
+    def replay_branch(self, state: LayerState, g: Group, lengths: list[int], start: int, grown, batch: int = 1):
+        """A replay's layer for `batch` responses per rank (`lengths`: every rank's widest), after a branch's layer
+        `grown` (already `batch` rows) or None."""
 
     def sample_branch(self, state: LayerState, g: Group, start: int, batch: int):
         """A decode's layer for `batch` rows."""
@@ -73,7 +77,7 @@ KINDS: dict[type[LayerState], CollectiveKind] = {
         SliceLatentState, LatentCaptureBranchLayer, LatentReplayBranchLayer, LatentSampleBranchLayer
     ),
     IndexedLatentState: SlicedKind(
-        SliceIndexedLatentState, DsaCaptureBranchLayer, DsaReplayBranchLayer, DsaSampleBranchLayer
+        SliceIndexedLatentState, DsaCaptureBranchLayer, DsaReplayBranchLayer, DsaSampleBranchLayer, batched=False
     ),
     SlidingKVState: WindowKind(),
     RecurrentState: RecurrentKind(),

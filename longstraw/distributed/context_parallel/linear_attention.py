@@ -156,6 +156,7 @@ class RecurrentKind:
 
     chunked = True
     sliced = False
+    batches_replays = True
 
     def slice_state(self, layer, config, i: int, s: int, e: int, compressed):
         return layer
@@ -174,8 +175,8 @@ class RecurrentKind:
         conv, rec = RecurrentRelay.unpack(final, state.number_of_states)
         state.commit(RecurrentBranchLayer(conv, rec, state.number_of_states, state.conv_trim), captured)
 
-    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
-        return state.branch() if grown is None else grown
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown, batch: int = 1):
+        return state.branch(batch) if grown is None else grown
 
     def sample_branch(self, state, g: Group, start: int, batch: int):
         return state.branch(batch)

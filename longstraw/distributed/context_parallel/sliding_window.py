@@ -136,6 +136,7 @@ class WindowKind:
 
     chunked = False
     sliced = False
+    batches_replays = True
 
     def slice_state(self, layer, config, i: int, s: int, e: int, compressed):
         return layer
@@ -152,8 +153,8 @@ class WindowKind:
         k, v, _ = window_before(branch.tails, bounds, captured, state.window - 1)
         state.keys, state.values, state.length = k.clone(), v.clone(), captured
 
-    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown):
-        return state.branch() if grown is None else grown
+    def replay_branch(self, state, g: Group, lengths: list[int], start: int, grown, batch: int = 1):
+        return state.branch(batch) if grown is None else grown
 
     def sample_branch(self, state, g: Group, start: int, batch: int):
         return state.branch(batch)

@@ -110,17 +110,67 @@ class ContextParallelState(PromptState):
             ) from error
         return response
 
-    def replay_cache(self, branch: Branch | None = None) -> BranchCache:
-        """The cache of a replay: sliced layers attend across the ranks' slices (`ReplayAttention`), the others read
-        their replicated state locally. After `branch` (a branch of this state, the same on every rank): the sliced
-        layers start from the branch's own K/V, the others from snapshots of the branch's layers."""
+    def checked_batch(
+        self, rows: list[torch.Tensor], checkpoint_layers: bool, length: int | None = None
+    ) -> list[torch.Tensor]:
+        """`checked_response` of a batch of rows, as one collective: every rank replays a batch of as many rows
+        (refused otherwise: the ranks' queries are gathered as one tensor), each rank's width (its longest row) is
+        agreed, and an invalid row on any rank is refused on every rank."""
+        parts = self.parts
+        self._live()
+        if len(rows) > 1 and not self.batches_replays:
+            raise ValueError(
+                "ContextParallelState: DSA layers (sparse attention over the slices) replay one response per rank at "
+                "a time; replay the responses one at a time"
+            )
+        try:
+            checked = [as_ids(r, "response_ids", parts.config.vocab_size, self.last_token.device) for r in rows]
+            width = max(r.numel() for r in checked)
+            check_length(parts.config, (self.prompt_length if length is None else length) + width)
+            error = None
+        except (ValueError, TypeError) as err:
+            checked, width, error = [], -1, err
+        self._replays += 1
+        self._lengths = [
+            row[0]
+            for row in self.group.agree(
+                "ContextParallelState.replay",
+                {
+                    "captured state": self._key,
+                    "replay number": self._replays,
+                    "responses replayed together": len(rows),
+                    "checkpoint_layers": bool(checkpoint_layers),
+                    "grad enabled": torch.is_grad_enabled(),
+                    "replayed after position": self.prompt_length if length is None else length,
+                },
+                free=(width,),
+            )
+        ]
+        bad = [r for r, n in enumerate(self._lengths) if n < 0]
+        if bad:
+            raise ValueError(
+                f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank replays"
+            ) from error
+        return checked
+
+    @property
+    def batches_replays(self) -> bool:
+        """Whether responses replay in batches here (`replay_batch`): every layer kind's replay takes a batch of
+        queries per rank, except DSA's (its selection runs one branch per rank)."""
+        return all(kind_of(layer).batches_replays for layer in self._live())
+
+    def replay_cache(self, branch: Branch | None = None, batch: int = 1) -> BranchCache:
+        """The cache of a replay of `batch` responses (the same count on every rank): sliced layers attend across
+        the ranks' slices (`ReplayAttention`), the others read their replicated state locally. After `branch` (a
+        branch of this state, the same on every rank): the sliced layers start from the branch's own K/V, the others
+        from snapshots of the branch's layers, repeated for the batch's rows."""
         start = self.prompt_length - 1
-        grown = None if branch is None else branch.branch_cache(1).layers
+        grown = None if branch is None else branch.branch_cache(batch).layers
         layers = []
         for i, layer in enumerate(self._live()):
             layers.append(
                 kind_of(layer).replay_branch(
-                    layer, self.group, self._lengths, start, None if grown is None else grown[i]
+                    layer, self.group, self._lengths, start, None if grown is None else grown[i], batch
                 )
             )
         return BranchCache(layers, block=self.block)
