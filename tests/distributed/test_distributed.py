@@ -168,12 +168,20 @@ def _worker(rank: int, n: int, init: str, out_dir: str, cases: tuple[tuple[str, 
             for g in grads:  # the sum over the ranks' branches
                 dist.all_reduce(g)
             rounds.append(dict(logprobs=logprobs, grads=grads, replays=replays))
+        refused = None
+        if arch in SPARSE:  # DSA layers replay one response per rank: a batch is refused by name, on every rank
+            from longstraw.replay.batched import replay_batch
+
+            try:
+                replay_batch(state, [t for t, _ in _responses(rank, n, BATCHED)])
+            except ValueError as err:
+                refused = str(err)
         # sampling: every rank decodes all the sequences alike, the prompt attention split over the ranks
         samples = state.sample(**SAMPLE, generator=torch.Generator().manual_seed(7))
         # what the state's tensors keep alive, not just what their views show
         storage = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in state.layers
                    for t in layer.tensors()}
-        result[arch, p, use_lora] = dict(rounds=rounds, nbytes=state.nbytes, storage=sum(storage.values()),
+        result[arch, p, use_lora] = dict(rounds=rounds, refused=refused, nbytes=state.nbytes, storage=sum(storage.values()),
                                slice=state.slice, sliced=state.sliced_nbytes, replicated=state.replicated_nbytes,
                                t_capture=t_capture, samples=(samples.tokens, samples.logprobs, samples.truncated),
                                mixed=mixed[0] if mixers else None,
@@ -441,6 +449,9 @@ def _check(results, n: int, cases, measured: dict):
                 worst_g = max(worst_g, err)
             assert_plant_refused(results[0][arch, p, use_lora]["rounds"][round_]["grads"], want["grads"], floor,
                                  planted_index(arch, use_lora, want["grads"]), f"{arch} round {round_}")
+        for r in range(n):
+            refused = results[r][arch, p, use_lora]["refused"]
+            assert (refused is not None and "DSA layers" in refused) if arch in SPARSE else refused is None, refused
         # sampling with a fixed generator: the same tokens as one process, on every rank; their log-probs are the
         # model's log-probs from the same state, held to the replays' floor
         for r in range(n):
