@@ -51,6 +51,8 @@ class ReplayOrder:
     layer_major: LayerMajor | None = None
     #: every forward is a collective of several context-parallel ranks, in lockstep (each rank's batch as large)
     collective: bool = False
+    #: why responses go one at a time where more were asked for (`choose_order`); "" otherwise
+    note: str = ""
 
     def __post_init__(self):
         if not (isinstance(self.batch, int) and self.batch >= 1):
@@ -64,11 +66,23 @@ class ReplayOrder:
 
     @property
     def name(self) -> str:
+        """What the order does, in words (the run record's `replay_order`)."""
         if self.layer_major is not None:
-            return "layer-major"
-        if self.batch > 1:
-            return f"batched ({self.batch})"
-        return "whole, segments where tools answered" if self.segments else "whole"
+            text = "layer-major, one response at a time"
+        elif self.segments and self.collective:  # on N ranks every response goes by segments (`in_pieces`)
+            text = "every response by segments, one at a time"
+            if self.batch > 1:
+                text += " (segmented replay does not batch)"
+        elif self.batch > 1:
+            text = f"whole responses, {self.batch} at a time"
+            if self.collective:
+                text += " per rank, one collective per batch"
+            if self.segments:
+                text += "; responses with tool output by segments, one at a time (segmented replay does not batch)"
+            return text
+        else:
+            text = "whole responses, one at a time" + (", by segments where tools answered" if self.segments else "")
+        return f"{text} ({self.note})" if self.note else text
 
 
 def spans(n: int, k: int) -> list[tuple[int, int]]:
@@ -102,8 +116,15 @@ def choose_order(
     ranks that do not replay together (`lockstep` without `collective`: sharded layers or spread experts whose ranks
     take contexts of their own). Context-parallel ranks (`collective`) replay batches as one collective, each rank as
     many responses (`share.replays` pads them alike)."""
+    note = ""
     if (lockstep and not collective) or layer_major is not None:
         batch = 1
+        if replay_batch != 1:
+            note = (
+                "layer-major replay does not batch"
+                if layer_major is not None
+                else "ranks in lockstep that take contexts of their own replay one at a time"
+            )
     elif replay_batch == "auto":
         cfg = model_parts(model).config
         elem = next(model.parameters()).element_size()
@@ -111,7 +132,7 @@ def choose_order(
         batch = batch_size("auto", graph, replay_memory, responses)
     else:
         batch = batch_size(replay_batch, 1, None, responses)
-    return ReplayOrder(batch, segments, layer_major, collective)
+    return ReplayOrder(batch, segments, layer_major, collective, note)
 
 
 def replay_backward(

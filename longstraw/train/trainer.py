@@ -261,6 +261,7 @@ class Trainer:
         most = cfg.num_generations * cfg.prompts_per_step
         order = settings.choose(self.model, most, self.parallel.step_share(self.model))
         self.update_settings = dataclasses.replace(settings, order=order)
+        self.record["replay_order"] = order.name
         self.meter = MemoryMeter(next(self.model.parameters()).device)
         #: seconds of this step's adapter sync to vLLM (None: no sync this step)
         self.sync_seconds: float | None = None

@@ -82,3 +82,15 @@ def test_the_order_is_chosen_from_the_settings():
     assert choose_order(model, 8, 4, collective=True, lockstep=True).batch == 4
     assert choose_order(model, 8, 4, lockstep=True).batch == 1
     assert choose_order(model, 8, 4, layer_major=LayerMajor(1, 2)).batch == 1
+    # the run record's words for it (`replay_order`), saying why a batch asked for is not used
+    assert choose_order(model, 8, 4, layer_major=LayerMajor(1, 2)).name == (
+        "layer-major, one response at a time (layer-major replay does not batch)")
+    assert choose_order(model, 8, 4, lockstep=True).name == (
+        "whole responses, one at a time (ranks in lockstep that take contexts of their own replay one at a time)")
+    assert choose_order(model, 8, 4, segments=True).name == (
+        "whole responses, 4 at a time; responses with tool output by segments, one at a time (segmented replay does "
+        "not batch)")
+    assert choose_order(model, 8, 4, segments=True, collective=True).name == (
+        "every response by segments, one at a time (segmented replay does not batch)")
+    assert choose_order(model, 8, 4, collective=True).name == "whole responses, 4 at a time per rank, one collective per batch"
+    assert choose_order(model, 8, 1).name == "whole responses, one at a time"

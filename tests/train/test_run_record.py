@@ -67,6 +67,8 @@ def test_a_dataset_run_records_its_rows_rewards_lengths_and_trl_config(tmp_path)
                                     "per_device_train_batch_size": 4, "num_generations": 2,
                                     "max_completion_length": 4, "max_steps": 2, "seed": 7, "longstraw": OWN}
     assert record["model"]["source"] == "llama"
+    # the replay order the run chose once: a step's 4 responses (2 prompts × 2) in one batch (replay_batch: auto)
+    assert record["replay_order"] == "whole responses, 4 at a time"
 
 
 def test_eval_of_an_in_memory_run_refuses_until_told_its_data_and_rewards(tmp_path, capsys):
