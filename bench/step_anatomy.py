@@ -25,7 +25,9 @@ steps (`recapture_every: 4`). Each configuration runs 2 steps (the same seeds); 
 
 Beside each stage its floor, computed here and printed: the stage's matrix-product FLOPs (the decoder's linear layers
 and LM head, 2 per weight and token; attention 4 × query width × the keys each query sees, the windows of Gemma 3's
-sliding layers counted; a backward with frozen base weights 2 × its forward's products) at the rate `torch.mm`
+sliding layers counted; a replay's backward with frozen base weights and a detached prompt: the linear layers' and
+the head's input gradients, 2 per weight and token, and the attention's three products, 6 × query width × keys —
+the scores recomputed, dP and dQ, as every kernel here computes them, keeping no R × T tensor) at the rate `torch.mm`
 reaches in this process on the stage's largest product shape, plus one read of the prompt state and the weights at
 the rate this machine copies memory (`Tensor.copy_` of 256 MiB). Reported as each stage's time / its floor.
 """
@@ -133,6 +135,15 @@ class Arithmetic:
                 )
         return total
 
+    def backward(self, first: int, last: int, head_tokens: int) -> float:
+        """FLOPs of the backward of `forward(first, last, head_tokens)` with frozen weights and a detached prompt:
+        the input gradients of the linear layers and the head, and the attention's scores recomputed, dP and dQ."""
+        return (
+            2 * self.linear * (last - first)
+            + 6 * self.q_width * self.keys(first, last)
+            + 2 * self.h * self.vocab * head_tokens
+        )
+
     def forward(self, first: int, last: int, head_tokens: int) -> float:
         """FLOPs of a forward of positions first..last − 1 (per sequence), `head_tokens` of them through the LM head."""
         return (
@@ -233,7 +244,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
         cap_flops = ar.forward(0, p - 1, 0) + sum(ar.forward(p - 1, int(i.numel()) - 1, 0) for i in ids)
         own = q * g * r  # the decode's own K/V read, small beside the state
         dec_flops = q * g * sum(ar.forward(p + 40 + t, p + 41 + t, 1) for t in range(r))
-        rep_flops = 2 * q * g * ar.forward(p + 40, p + 40 + r, r)  # forward + a backward of frozen weights
+        rep_flops = q * g * (ar.forward(p + 40, p + 40 + r, r) + ar.backward(p + 40, p + 40 + r, r))
         read = state_bytes + ar.weight_bytes
         lora_bytes = sum(x.numel() * x.element_size() for x in ar.lora)
         floors = dict(
