@@ -20,6 +20,10 @@ threads, one process. The stages, as `longstraw train` runs them with `rows_per_
   sharing the batches, `replay_rows_backward`; k in the results);
 - `optimizer`: one AdamW step over the LoRA weights.
 
+`replay peak / planned`: the replay stage's peak resident memory above what the process held before it (its graphs and
+the adapters' gradients; the prompt state was there already), beside what the planner prices the largest batch's
+graphs at (`replay_graph_bytes` × its responses, what `replay_batch: auto` fits within `replay_memory_mb`).
+
 `step, capture every 4` = capture / 4 + sample + replay + optimizer: the cost of a step when a state is kept over 4
 steps (`recapture_every: 4`). Each configuration runs 2 steps (the same seeds); the second is reported.
 
@@ -161,6 +165,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
 
     import longstraw
     from longstraw.ragged import sample_branches
+    from longstraw.train.memory import peak_rss_mb, reset_peak, rss_mb, trim_heap
 
     sys.path.insert(0, str(HERE))
     from _bench import document_rows, record
@@ -201,8 +206,11 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
             samples = sample_branches(branches, g, r, generator=gens)
         times["sample"] = time.perf_counter() - t0
         adv = torch.linspace(-1, 1, q * g)
-        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
+        trim_heap()
+        rss0 = rss_mb()
+        reset_peak()
+        t0 = time.perf_counter()
         n = 0
         for b, s in zip(branches, samples) if mode == "serial" else ():
             for t in s.tokens:
@@ -226,6 +234,7 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
                 for b, rows_k, lo in zip(branches, listed, losses):
                     replay_backward(b, rows_k, lo, order)
         times["replay"] = time.perf_counter() - t0
+        replay_peak_mib = peak_rss_mb() - rss0  # the replay's graphs and the adapters' gradients, above the state
         t0 = time.perf_counter()
         opt.step()
         times["optimizer"] = time.perf_counter() - t0
@@ -237,6 +246,16 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
             continue
         # the floors (see the module doc): the replay's products as tall as its batches (serial: a row's G, as before)
         batch = g if mode == "serial" else min(order.batch, q * g)
+        # what the planner prices the largest batch's graphs at (`replay_graph_bytes` × the largest span)
+        planned_mib = None
+        if mode != "serial":
+            from longstraw.model.capability import layer_plan
+            from longstraw.model.chunking import replay_graph_bytes
+            from longstraw.replay.order import spans
+
+            widest = max(b - a for a, b in spans(q * g, batch))
+            graph = replay_graph_bytes(model.config, layer_plan(model.config), 4, r, r, False)
+            planned_mib = widest * graph / 2**20
         if batch * r not in rates["mm_replay"]:
             rates["mm_replay"][batch * r] = mm_rate(batch * r, rates["hidden"], rates["inter"])
         suffix = sum(int(i.numel()) - common for i in ids)
@@ -283,6 +302,8 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
                     mm_replay_gflops=rates["mm_replay"][batch * r] / 1e9,
                 ),
                 own_tokens=own,
+                replay_peak_mib=replay_peak_mib,
+                replay_planned_mib=planned_mib,
             ),
             out,
         )
@@ -291,11 +312,20 @@ def run(args, model, tok, length: int, q: int, r: int, mode: str, rates: dict, r
 # ----------------------------------------------------------------------------------------------- results
 
 
+def _peak(x: dict) -> str:
+    """The replay's measured peak above the state and, with the batched replay, what the planner prices its largest
+    batch's graphs at."""
+    if x.get("replay_peak_mib") is None:
+        return "–"
+    planned = x.get("replay_planned_mib")
+    return f"{x['replay_peak_mib']:.0f}" + ("" if planned is None else f" / {planned:.0f}")
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | P | Q | G | R | replay | capture (s) | sample (s) | replay (s) | optimizer (s) "
-        "| step, capture every 4 (s) | sample / floor | replay / floor | state (MiB) |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step, capture every 4 (s) | sample / floor | replay / floor | state (MiB) | replay peak / planned (MiB) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for x in rows:
         name = x["replay"] + (f" ({x['tag']})" if x.get("tag") else "")
@@ -303,7 +333,7 @@ def table(rows: list[dict]) -> str:
             f"| {x['model']} | {x['document_tokens']:,} | {x['Q']} | {x['G']} | {x['R']} | {name} "
             f"| {x['capture_s']:.1f} | {x['sample_s']:.2f} | {x['replay_s']:.2f} | {x['optimizer_s']:.3f} "
             f"| {x['step_capture_every_4_s']:.1f} | {x['sample_s'] / x['floor_sample_s']:.1f}× "
-            f"| {x['replay_s'] / x['floor_replay_s']:.1f}× | {x['state_mib']:.0f} |"
+            f"| {x['replay_s'] / x['floor_replay_s']:.1f}× | {x['state_mib']:.0f} | {_peak(x)} |"
         )
     return "\n".join(lines)
 
