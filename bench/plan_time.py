@@ -41,6 +41,21 @@ def quiet(row: dict) -> bool:
 sys.path.insert(0, str(HERE))
 
 
+def trainer_batch(model: str, responses: int, completion: int) -> int:
+    """The replay batch the trainer chose for `responses` responses of `completion` tokens (`replay_batch: auto`
+    within its default budget, `longstraw.replay.order.choose_order`)."""
+    from transformers import AutoConfig
+
+    from longstraw.model.capability import layer_plan
+    from longstraw.model.chunking import AUTO_REPLAY_BUDGET, replay_graph_bytes
+    from longstraw.replay.batched import batch_size
+    from longstraw.tools.real_models import model_path
+
+    cfg = AutoConfig.from_pretrained(model_path(model))
+    graph = replay_graph_bytes(cfg, layer_plan(cfg), 4, completion, completion, False)
+    return batch_size("auto", graph, AUTO_REPLAY_BUDGET, responses)
+
+
 def measured_points() -> list[dict]:
     """(model, P, row_suffix, Q, G, R, replay_batch, stage, seconds, source) of every measured stage."""
     out = []
@@ -52,7 +67,7 @@ def measured_points() -> list[dict]:
             if r.get("replay") != "batched":
                 continue
             base = dict(model=model, P=r["document_tokens"], row_suffix=r["suffix_tokens"] // r["Q"], Q=r["Q"],
-                        G=r["G"], R=r["R"], replay_batch=r["G"], source=path.name)
+                        G=r["G"], R=r["R"], replay_batch=r.get("replay_batch", r["G"]), source=path.name)
             out += [
                 dict(base, stage="capture", seconds=r["capture_prefix_s"]),
                 dict(base, stage="sample", seconds=r["sample_s"]),
@@ -70,7 +85,8 @@ def measured_points() -> list[dict]:
         for r in rows:
             if r.get("kind") == "anatomy":  # every response replayed (the GRPO steps skip those of advantage 0)
                 base = dict(model="gemma3", P=r["prompt_tokens"], row_suffix=0, Q=r["Q"], G=r["G"], R=r["R"],
-                            replay_batch=r["G"], source=f"{path.name} (anatomy step {r['step']})")
+                            replay_batch=trainer_batch("gemma3", r["Q"] * r["G"], r["R"]),
+                            source=f"{path.name} (anatomy step {r['step']})")
                 if r.get("captured"):
                     out.append(dict(base, stage="capture", seconds=r["time_capture"]))
                 out += [dict(base, stage=stage, seconds=r[f"time_{stage}"]) for stage in ("sample", "replay")]
