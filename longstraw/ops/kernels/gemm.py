@@ -8,7 +8,7 @@ probabilities × values) run in the pool at the rate of the machine's matrix pro
 prompt, 2 threads: a decode step of 8 rows 278 → 155 ms, of 64 rows 599 → 460 ms (bench/README.md, "The step at its
 floor").
 
-Forward, per key tile of at most `TILE_ELEMENTS` scores: S = q kᵀ · scale `[B·Hkv, g·R, n]`, its row maxima, P =
+Forward, per key tile of at most `TILE_ELEMENTS` scores: S = (q · scale) kᵀ `[B·Hkv, g·R, n]`, its row maxima, P =
 exp(S − max), the tile's output P v and log-sum-exp, merged across tiles by log-sum-exp (one tile for a prompt of
 up to 2^21 / (B·Hkv·g·R) keys). Backward, per tile: P = exp(q kᵀ · scale − lse), dP = dO vᵀ, dS = P ∘ (dP − rowsum(dO ∘
 O)), dq += dS k · scale; dk = dSᵀ q · scale and dv = Pᵀ dO only when the keys' gradients are wanted (exact mode).
@@ -77,11 +77,12 @@ class GemmCPU(FusedKernel):
     def forward(self, q, k, v, part: Part):
         b, h, r, _ = q.shape
         qf, kf, vf = self._flat(q, k, v)
+        qf = qf * part.scale  # the scale on the queries: one pass over g·R × D, not over every score
         t = kf.shape[1]
         n = self._tile(qf.shape[0], qf.shape[1], t, part.block)
         out = lse = None
         for s0 in range(0, t, n):
-            s = torch.bmm(qf, kf[:, s0 : s0 + n].transpose(1, 2)).mul_(part.scale)
+            s = torch.bmm(qf, kf[:, s0 : s0 + n].transpose(1, 2))
             m = s.amax(-1, keepdim=True)
             p = s.sub_(m).exp_()
             total = p.sum(-1, keepdim=True)
@@ -107,9 +108,10 @@ class GemmCPU(FusedKernel):
         dk = torch.empty_like(kf) if need_kv else None
         dv = torch.empty_like(vf) if need_kv else None
         n = self._tile(hkv, rows, t, part.block)
+        qs = qf * part.scale  # the scale on the queries, not on every score
         for s0 in range(0, t, n):
             kb, vb = kf[:, s0 : s0 + n], vf[:, s0 : s0 + n]
-            p = torch.bmm(qf, kb.transpose(1, 2)).mul_(part.scale).sub_(lf).exp_()
+            p = torch.bmm(qs, kb.transpose(1, 2)).sub_(lf).exp_()
             ds = torch.bmm(gf, vb.transpose(1, 2)).sub_(delta).mul_(p)
             dq.baddbmm_(ds, kb, alpha=part.scale)
             if dk is not None and dv is not None:
