@@ -7,8 +7,9 @@ the matrix-product FLOPs of each stage and divides them by the rate this machine
   weight and token (`linear_per_token`), and attention, 4 × query width per (query, key) pair, each query seeing every
   earlier key on a full-attention layer and `window` keys on a sliding one (`keys_seen`); no LM head;
 - `sample` (Q questions × G responses decoded together, R steps): per step the linear layers and the LM head of the
-  Q·G rows, their attention over P + t keys, and one read of the prompt state (its bytes at the copy rate: a decode
-  step reads the whole state once, whatever its arithmetic);
+  Q·G rows, their attention over P + t keys (at the rate of the kernel the decode uses: `gemm_cpu` up to 256 query
+  rows per key head, the SIMD kernel above, `sample_wide`), and one read of the prompt state (its bytes at the copy
+  rate: a decode step reads the whole state once, whatever its arithmetic);
 - `replay` (the Q·G responses with autograd): forward and backward of the linear layers with frozen base weights
   (2 × forward: the input gradient only), the LM head three times (forward, the chunked log-probs' recompute, the
   input gradient), attention forward (4 per pair) and its query-only backward (6 per pair: the scores again, dP, dQ);
@@ -44,6 +45,7 @@ from ..api import capture
 from ..model.capability import layer_plan
 from ..model.chunking import auto_chunk_size, config_value, dimensions
 from ..ops.attention import Part, prompt_backward, prompt_forward
+from ..ops.kernels.gemm import GEMM_MAX_ROWS
 from ..paths import cache_dir
 from ..ragged import sample_branches
 from ..replay.batched import replay_batch
@@ -71,7 +73,9 @@ class Rates:
     def __post_init__(self):
         for name in ("matmul", "attention"):
             got = getattr(self, name)
-            if set(got) != set(STAGES) or not all(v > 0 for v in got.values()):
+            # attention may add `sample_wide`: a decode of more than GEMM_MAX_ROWS query rows per key head
+            extra = set(got) - set(STAGES) - ({"sample_wide"} if name == "attention" else set())
+            if not set(STAGES) <= set(got) or extra or not all(v > 0 for v in got.values()):
                 raise ValueError(f"Rates.{name} needs a positive rate for each of {STAGES}; got {got}")
         if not (self.attention_backward > 0 and self.copy > 0):
             raise ValueError("Rates: attention_backward and copy must be > 0")
@@ -204,7 +208,12 @@ def predict_time(
     dec_att = 4 * d["q"] * (pairs + keys_seen(cfg, p, p + pc.row_suffix) * questions)
     planned = plan(pc)  # the durable state's and the optimizer's bytes
     state = planned.durable_state
-    sample = (dec_lin / rates.matmul["sample"] + dec_att / rates.attention["sample"] + r * state / rates.copy) / ranks
+    # the decode's prompt part: `gemm_cpu` up to GEMM_MAX_ROWS query rows per key head, the SIMD kernel above
+    # (`longstraw.ops.kernels`), each at its own rate where the calibration measured both
+    group = max(1, d["q"] // max(d["kv"], 1))
+    wide = rows * group > GEMM_MAX_ROWS and "sample_wide" in rates.attention
+    att_rate = rates.attention["sample_wide" if wide else "sample"]
+    sample = (dec_lin / rates.matmul["sample"] + dec_att / att_rate + r * state / rates.copy) / ranks
     # replay: forward and input-gradient backward of every response
     tokens = rows * r
     rep_lin = 2 * (2 * lin * tokens) + 3 * (2 * d["h"] * d["vocab"] * tokens)
@@ -278,7 +287,7 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192, 
     widths = "-".join(str(d[n]) for n in ("h", "q", "kv", "i", "vocab", "layers"))
     source = str(Path(model).resolve()) if isinstance(model, (str, Path)) and Path(model).exists() else str(model)
     # the overheads are the model's own: its folder (or its family's name) is in the key
-    key = f"{_cpu_name()}|{threads}|{torch.__version__}|{dtype}|{widths}|{keys}|{overheads and source}"
+    key = f"{_cpu_name()}|{threads}|{torch.__version__}|{dtype}|{widths}|{keys}|{overheads and source}|sample_wide"
     path = cache_dir("rates") / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json") if cache else None
     if path is not None and path.is_file():
         got = json.loads(path.read_text())
@@ -320,7 +329,14 @@ def calibrate(model, dtype: str = "fp32", cache: bool = True, keys: int = 8192, 
         return 1.5 * flops / _best(lambda: prompt_backward(grad, q, k, v, out, lse, part, False, None))
 
     with torch.no_grad():
-        attention = {"capture": att(1, 1024), "sample": att(64, 1), "replay": att(8, 16)}
+        # decode: 64 rows, and rows enough for more than GEMM_MAX_ROWS query rows per key head (another kernel)
+        wide_rows = GEMM_MAX_ROWS // max(1, heads // kv_heads) + 64
+        attention = {
+            "capture": att(1, 1024),
+            "sample": att(64, 1),
+            "sample_wide": att(wide_rows, 1),
+            "replay": att(8, 16),
+        }
         attention_backward = att(8, 16, backward=True)
     src = torch.ones(64 << 20)
     dst = torch.empty_like(src)

@@ -69,6 +69,16 @@ def test_stage_times_are_the_counted_products_at_the_given_rates():
     assert t.replay == pytest.approx(replay, rel=1e-12)
     assert t.step == pytest.approx(t.capture / 3 + t.sample + t.replay + t.optimizer)
     assert t.run == pytest.approx(5 * t.step)
+    # a decode of more than GEMM_MAX_ROWS query rows per key head runs another kernel: its attention at `sample_wide`
+    from longstraw.ops.kernels.gemm import GEMM_MAX_ROWS
+
+    wide = Rates(rates.matmul, {**rates.attention, "sample_wide": 2e9}, 1e9, 1e9, "test")
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert predict_time(pc, wide, questions=q).sample == pytest.approx(t.sample, rel=1e-12)  # 8 rows: gemm_cpu's
+    many = GEMM_MAX_ROWS // (group * g) + 1  # questions enough to pass GEMM_MAX_ROWS rows per key head
+    at_one, at_two = (predict_time(pc, x, questions=many).sample for x in (rates, wide))
+    pairs = many * g * _naive_keys(model, p, p + r)
+    assert at_one - at_two == pytest.approx(4 * q_width * pairs * (1 / 1e9 - 1 / 2e9), rel=1e-9)
 
 
 def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
