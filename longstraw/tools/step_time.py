@@ -66,8 +66,8 @@ class Rates:
     source: str
     measured: bool = True
     #: seconds outside the matrix products, measured on the model itself (`measure_overheads`): per prompt token
-    #: (`capture`), per replayed token (`replay`), per decode step (`decode_step`) and per decode step and row
-    #: (`decode_row`); None: not counted
+    #: (`capture`), per replayed token (`replay`), per decode step (`decode_step`), per decode step and row
+    #: (`decode_row`) and per question read into its row's branch (`question`); None: not counted
     overheads: dict | None = None
 
     def __post_init__(self):
@@ -228,6 +228,8 @@ def predict_time(
         o = rates.overheads
         capture += o["capture"] * p / pc.context_parallel
         sample += (r * (o["decode_step"] + o["decode_row"] * rows) + o["capture"] * suffix) / ranks
+        if pc.row_suffix:  # each question read by a forward of its own (fork + extend): the weights read once each
+            sample += questions * o.get("question", 0.0) / ranks
         replay += o["replay"] * tokens / ranks
     trainable = planned.optimizer  # bytes of the trainable weights, their gradients and moments
     optimizer = 2 * trainable / rates.copy
@@ -395,8 +397,9 @@ def measure_overheads(source, cfg, dtype: str, rates: Rates) -> dict | None:
     (`_overhead_model`) through longstraw's own code: it captures OVERHEAD_PROMPT tokens, decodes OVERHEAD_STEPS
     steps of 1 and of 8 questions × OVERHEAD_G rows (branches of the prompt, decoded together as the trainer does)
     and replays 8 responses of 16 tokens together with backward; each time less `predict_time`'s products for the
-    same work, per prompt token (`capture`), decode step (`decode_step`) and step and row (`decode_row`), and
-    replayed token (`replay`). None where the model cannot be run here."""
+    same work, per prompt token (`capture`), decode step (`decode_step`) and step and row (`decode_row`), question
+    read into its row's branch (`question`: a fork and an extend of 8 tokens, a forward that reads every weight for a
+    few tokens), and replayed token (`replay`). None where the model cannot be run here."""
     model = _overhead_model(source, cfg, dtype)
     if model is None:
         return None
@@ -420,6 +423,15 @@ def measure_overheads(source, cfg, dtype: str, rates: Rates) -> dict | None:
                 took = _best(lambda bs=branches: sample_branches(bs, OVERHEAD_G, OVERHEAD_STEPS, generator=g), reps=3)
             products = predict_time(base, bare, questions=q).sample
             per_step.append(max(0.0, took - products) / OVERHEAD_STEPS)
+        question = torch.randint(0, vocab, (8,), generator=g)
+
+        def read_question():
+            with state.fork() as branch, torch.no_grad():
+                branch.extend(question)
+
+        one = replace(base, row_suffix=8)
+        question_products = predict_time(one, bare).sample - predict_time(base, bare).sample
+        out["question"] = max(0.0, _best(read_question, reps=3) - question_products)
         (q1, q8), (r1, r8) = OVERHEAD_ROWS, per_step
         out["decode_row"] = max(0.0, (r8 - r1) / ((q8 - q1) * OVERHEAD_G))
         out["decode_step"] = max(0.0, r1 - out["decode_row"] * q1 * OVERHEAD_G)

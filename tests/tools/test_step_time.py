@@ -127,11 +127,11 @@ def test_overheads_add_per_token_step_and_row_and_are_measured_on_the_models_cod
     cfg = tiny_model("gemma3_text").config
     every = {s: 1e9 for s in ("capture", "sample", "replay")}
     bare = Rates(every, dict(every), 1e9, 1e9, "test")
-    o = {"capture": 1e-3, "decode_step": 2e-3, "decode_row": 3e-5, "replay": 5e-4}
+    o = {"capture": 1e-3, "decode_step": 2e-3, "decode_row": 3e-5, "replay": 5e-4, "question": 7e-2}
     pc = PlanConfig(cfg, 300, num_generations=4, completion_length=8, dtype="fp32", row_suffix=5)
     plain, more = predict_time(pc, bare, questions=2), predict_time(pc, replace(bare, overheads=o), questions=2)
     assert more.capture - plain.capture == pytest.approx(300 * 1e-3)
-    assert more.sample - plain.sample == pytest.approx(8 * (2e-3 + 8 * 3e-5) + 2 * 5 * 1e-3)
+    assert more.sample - plain.sample == pytest.approx(8 * (2e-3 + 8 * 3e-5) + 2 * 5 * 1e-3 + 2 * 7e-2)
     assert more.replay - plain.replay == pytest.approx(8 * 8 * 5e-4)
     got = measure_overheads("llama", tiny_config("llama"), "fp32", bare)
     assert set(got) == set(o) and all(0 <= v < 1 for v in got.values())
