@@ -4,7 +4,8 @@
 
 The measured times come from results already in bench/results (run on quiet cores, 2 threads, fp32, LoRA r 16):
 - `step_anatomy-smollm2.json`, `step_anatomy-gemma3.json` (`bench/step_anatomy.py`): capture of the document,
-  sampling of Q × G responses, their batched replay (a row's G together), at SmolLM2 6K and Gemma 3 16K;
+  sampling of Q × G responses (with each question read into its row's branch, `capture_suffixes_s`, as the trainer's
+  sampling stage holds it), their batched replay, at SmolLM2 6K and Gemma 3 16K and 32K;
 - `long_context_curve.json` (`bench/long_context_curve.py`): Gemma 3's held-out captures at 32K / 64K / 128K, the
   GRPO steps at 64K (the trainer's own stage timers: `time_capture`, `time_sample`; their replay leaves out the
   groups of advantage 0) and the anatomy steps at 32K / 64K / 128K (capture, sampling and the replay of every
@@ -73,7 +74,8 @@ def measured_points() -> list[dict]:
                         G=r["G"], R=r["R"], replay_batch=r.get("replay_batch", r["G"]), source=path.name)
             out += [
                 dict(base, stage="capture", seconds=r["capture_prefix_s"]),
-                dict(base, stage="sample", seconds=r["sample_s"]),
+                # the trainer's sampling stage: each question read into its row's branch, then the decode
+                dict(base, stage="sample", seconds=r["sample_s"] + r.get("capture_suffixes_s", 0.0)),
                 dict(base, stage="replay", seconds=r["replay_s"]),
             ]
     for path in [RESULTS / "long_context_curve.json"]:
