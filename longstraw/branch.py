@@ -76,7 +76,7 @@ class PromptView(Protocol):
     ) -> torch.Tensor: ...
 
     def checked_batch(
-        self, rows: list[torch.Tensor], checkpoint_layers: bool, length: int | None = None
+        self, rows: Sequence[TokenIds], checkpoint_layers: bool, length: int | None = None
     ) -> list[torch.Tensor]: ...
 
     @property

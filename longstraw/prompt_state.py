@@ -198,7 +198,7 @@ class PromptState:
         return response
 
     def checked_batch(
-        self, rows: list[torch.Tensor], checkpoint_layers: bool, length: int | None = None
+        self, rows: Sequence[TokenIds], checkpoint_layers: bool, length: int | None = None
     ) -> list[torch.Tensor]:
         """`checked_response` of each row of a batched replay (`longstraw.replay.batched.replay_batch`), as 1-D
         LongTensors (`ContextParallelState` agrees the batch across the ranks once)."""

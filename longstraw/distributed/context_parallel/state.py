@@ -77,41 +77,13 @@ class ContextParallelState(PromptState):
     def checked_response(
         self, response_ids: TokenIds, checkpoint_layers: bool, length: int | None = None
     ) -> torch.Tensor:
-        """`PromptState.replay`'s check of the response, as a collective: every rank's response length is agreed
-        (with the replay's number, `checkpoint_layers` and grad mode, which must match), and an invalid response on
-        any rank is refused on every rank."""
-        parts = self.parts
-        self._live()
-        try:
-            response = as_ids(response_ids, "response_ids", parts.config.vocab_size, self.last_token.device)
-            check_length(parts.config, (self.prompt_length if length is None else length) + response.numel())
-            mine, error = response.numel(), None
-        except (ValueError, TypeError) as err:
-            mine, error = -1, err
-        self._replays += 1
-        self._lengths = [
-            row[0]
-            for row in self.group.agree(
-                "ContextParallelState.replay",
-                {
-                    "captured state": self._key,
-                    "replay number": self._replays,
-                    "checkpoint_layers": bool(checkpoint_layers),
-                    "grad enabled": torch.is_grad_enabled(),
-                    "replayed after position": self.prompt_length if length is None else length,
-                },
-                free=(mine,),
-            )
-        ]
-        bad = [r for r, n in enumerate(self._lengths) if n < 0]
-        if bad:
-            raise ValueError(
-                f"ContextParallelState.replay: invalid response_ids on rank(s) {bad}; no rank replays"
-            ) from error
-        return response
+        """`PromptState.replay`'s check of the response, as a collective (`checked_batch` of one row): every rank's
+        response length is agreed (with the replay's number, `checkpoint_layers` and grad mode, which must match), and
+        an invalid response on any rank is refused on every rank."""
+        return self.checked_batch([response_ids], checkpoint_layers, length)[0]
 
     def checked_batch(
-        self, rows: list[torch.Tensor], checkpoint_layers: bool, length: int | None = None
+        self, rows: Sequence[TokenIds], checkpoint_layers: bool, length: int | None = None
     ) -> list[torch.Tensor]:
         """`checked_response` of a batch of rows, as one collective: every rank replays a batch of as many rows
         (refused otherwise: the ranks' queries are gathered as one tensor), each rank's width (its longest row) is
